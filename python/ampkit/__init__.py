@@ -1,0 +1,44 @@
+"""ampkit: automatic mixed precision for PyTorch that you can read, change and trace.
+
+The whole public API is listed here, one name per line.
+
+>>> import torch, ampkit
+>>> with ampkit.autocast("cpu", dtype=torch.bfloat16):
+...     y = torch.nn.functional.linear(torch.randn(2, 4), torch.randn(3, 4))
+>>> y.dtype
+torch.bfloat16
+"""
+
+from ampkit._policy import CATEGORIES
+from ampkit._policy import Policy
+from ampkit._policy import PolicyError
+from ampkit._policy import load_policy
+from ampkit._autocast import autocast
+from ampkit._autocast import custom_bwd
+from ampkit._autocast import custom_fwd
+from ampkit._autocast import get_autocast_dtype
+from ampkit._autocast import is_autocast_enabled
+from ampkit._autocast import op
+from ampkit._trace import CastTrace
+from ampkit._trace import trace
+from ampkit._scaler import GradScaler
+from ampkit._scaler import cuda_amp_grad_scaler
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CATEGORIES",
+    "CastTrace",
+    "GradScaler",
+    "Policy",
+    "PolicyError",
+    "autocast",
+    "cuda_amp_grad_scaler",
+    "custom_bwd",
+    "custom_fwd",
+    "get_autocast_dtype",
+    "is_autocast_enabled",
+    "load_policy",
+    "op",
+    "trace",
+]
