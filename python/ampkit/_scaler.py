@@ -1,10 +1,817 @@
-"""Dynamic loss scaling (work in progress; the full scaler lands shortly)."""
+"""Dynamic loss scaling: ``GradScaler`` with torch's numerics, hysteresis, clamps and stats.
+
+One class, one stage machine, one update rule. The update rule is torch's own ATen
+kernel (``torch._amp_update_scale_``), so with ``hysteresis=1`` and no clamps the
+scale, the growth tracker, the parameters and the optimizer state follow
+``torch.amp.GradScaler`` bit for bit. Everything added on top (hysteresis, clamps,
+statistics) is device-tensor arithmetic, so it adds no host-device sync.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import numbers
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["GradScaler", "OptState", "ScalerStats", "cuda_amp_grad_scaler", "HISTORY_SIZE"]
+
+#: Number of recent ``update()`` calls whose scale is kept on the device.
+HISTORY_SIZE = 1024
+
+_INT32_MAX = 2**31 - 1
+_F32_MAX = float(torch.finfo(torch.float32).max)
+_ORDER = "scale(loss).backward() -> [unscale_(opt)] -> step(opt) -> update()"
+_TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+_OUR_KEYS = (
+    "hysteresis",
+    "min_scale",
+    "max_scale",
+    "_hysteresis_left",
+    "_steps",
+    "_skipped",
+    "_last_skipped",
+    "_scale_history",
+)
 
 
-class GradScaler:  # placeholder so that `import ampkit` works
-    def __init__(self, *args, **kwargs):
-        raise NotImplementedError("ampkit.GradScaler is being written (issue 3)")
+class OptState(enum.Enum):
+    """Where one optimizer is in the current iteration."""
+
+    READY = "ready"  # nothing done since the last update()
+    UNSCALED = "unscaled"  # unscale_() ran: grads are unscaled and checked
+    STEPPED = "stepped"  # step() ran (or was skipped); wait for update()
 
 
-def cuda_amp_grad_scaler(**kwargs):
+@dataclasses.dataclass
+class _OptRecord:
+    stage: OptState
+    found_inf_per_device: dict[torch.device, torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalerStats:
+    """What ``GradScaler.stats()`` returns: host values read with a single sync.
+
+    ``steps`` counts the ``update()`` calls that checked gradients (``update(new_scale=...)``
+    is not counted); ``skipped`` those whose gradients held an inf/NaN (so the optimizer
+    step was skipped); ``last_skipped`` is the 0-based index of the latest skipped one.
+    ``history_steps[i]`` is the index of an ``update()`` and ``history_scales[i]`` the scale
+    it left; only the last ``HISTORY_SIZE`` updates are kept.
+    """
+
+    steps: int
+    skipped: int
+    last_skipped: int | None
+    scale: float
+    growth_tracker: int
+    hysteresis_left: int
+    history_steps: tuple[int, ...]
+    history_scales: tuple[float, ...]
+
+    @property
+    def taken(self) -> int:
+        """Updates whose optimizer steps ran (``steps - skipped``)."""
+        return self.steps - self.skipped
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _real(name: str, value: Any, lo: float, hi: float, lo_open: bool, hi_open: bool) -> float:
+    """A finite real number in the given interval, as a float; else TypeError/ValueError."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
+    v = float(value)
+    valid = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+    inside = (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+    if not (math.isfinite(v) and inside):
+        raise ValueError(f"{name}={value!r} is invalid; it must be finite and in {valid}")
+    return v
+
+
+def _int(name: str, value: Any, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if not lo <= int(value) <= hi:
+        raise ValueError(f"{name}={value!r} is invalid; it must be an int in [{lo}, {hi}]")
+    return int(value)
+
+
+def _opt_real(name: str, value: Any) -> float | None:
+    return None if value is None else _real(name, value, 0.0, _F32_MAX, True, False)
+
+
+def _check_clamps(min_scale: float | None, max_scale: float | None, prefix: str = "") -> None:
+    if min_scale is not None and max_scale is not None and min_scale > max_scale:
+        raise ValueError(
+            f"{prefix}min_scale={min_scale!r} is larger than {prefix}max_scale={max_scale!r}; "
+            "min_scale must be <= max_scale"
+        )
+
+
+def _device_type(device: Any) -> str:
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a str such as 'cuda' or 'cpu', got {device!r}")
+    try:
+        return torch.device(device).type
+    except RuntimeError as e:
+        raise ValueError(f"device={device!r} is not a torch device type; use 'cuda' or 'cpu'") from e
+
+
+def _check_outputs(value: Any, where: str = "outputs") -> torch.Tensor | None:
+    """Validate ``scale()``'s input before touching state; return its first tensor."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (list, tuple)):
+        first = None
+        for i, v in enumerate(value):
+            t = _check_outputs(v, f"{where}[{i}]")
+            first = first if first is not None else t
+        return first
+    raise TypeError(
+        f"scale() takes a tensor or (nested) lists/tuples of tensors, but {where} is "
+        f"{type(value).__name__} ({value!r:.60}); pass the loss tensor(s) themselves"
+    )
+
+
+# --------------------------------------------------------------------------- the scaler
+
+
+class GradScaler:
+    """Dynamic loss scaling with torch's numerics, plus hysteresis, clamps and stats.
+
+    The state machine (one ``update()`` per iteration; ``found`` is "some gradient of
+    some optimizer stepped this iteration held an inf or NaN")::
+
+        scale, tracker, left = init_scale, 0, hysteresis
+        every iteration:
+            loss * scale -> backward              # scale(loss).backward()
+            per optimizer: grads *= 1/scale; found |= any(!isfinite(grads))   # unscale_
+                           if not found: optimizer.step()                     # step
+            if found and left > 1:                # update(): hysteresis absorbs it
+                left -= 1; tracker = 0            #   (the optimizer step was still skipped)
+            elif found:                           # back off
+                scale *= backoff_factor; tracker = 0
+            else:
+                left = hysteresis                 # a clean step refills the hysteresis
+                tracker += 1
+                if tracker == growth_interval:
+                    tracker = 0
+                    if isfinite(scale * growth_factor): scale *= growth_factor
+            scale = clamp(scale, min_scale, max_scale)
+            steps += 1; skipped += found; last_skipped = step if found; history.append(scale)
+
+    With ``hysteresis=1`` and no clamps this is exactly ``torch.amp.GradScaler`` (the same
+    ATen kernels run). Hysteresis follows DeepSpeed's ``DynamicLossScaler`` with
+    ``delayed_shift=hysteresis`` and ``consecutive_hysteresis=True``: up to
+    ``hysteresis - 1`` *consecutive* overflows keep the scale (their steps are still
+    skipped); any clean step refills the budget. Once the budget is spent, every further
+    consecutive overflow backs off, as in DeepSpeed. (DeepSpeed's default,
+    ``consecutive_hysteresis=False``, refills only when the scale grows.)
+
+    Each optimizer goes through the stages ``OptState.READY -> UNSCALED -> STEPPED`` between
+    two ``update()`` calls; calls out of order raise ``RuntimeError`` naming the order.
+
+    Host-device syncs: none in ``scale``, ``unscale_``, ``update`` (hysteresis, clamps and
+    stats included) and in ``step`` for optimizers that take ``grad_scale``/``found_inf``
+    themselves (fused SGD/Adam/AdamW/Adagrad: ``_step_supports_amp_scaling``). ``step`` with
+    any other optimizer reads ``found_inf`` on the host (one ``.item()`` per device) to
+    decide whether to call ``optimizer.step()``. ``get_scale``, ``state_dict`` and
+    ``stats`` sync once each.
+
+    Args:
+        device: device type of the scaler state, ``"cuda"`` (default) or ``"cpu"``.
+            ``"cuda"`` without CUDA warns and disables the scaler, like torch.
+        init_scale: initial scale, finite and > 0 (and within the clamps).
+        growth_factor: finite, > 1. backoff_factor: in (0, 1).
+        growth_interval: clean steps before growing, int >= 1.
+        enabled: ``False`` makes every method a pass-through.
+        hysteresis: int >= 1, consecutive overflows tolerated + 1 (see above).
+        min_scale, max_scale: optional clamps of the scale, finite and > 0.
+
+    Example (runs on CPU; a fused optimizer on CUDA makes it sync-free)::
+
+        >>> import torch, ampkit
+        >>> _ = torch.manual_seed(0)
+        >>> model = torch.nn.Linear(4, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> scaler = ampkit.GradScaler("cpu", init_scale=2.0**16, growth_interval=2)
+        >>> for x in [torch.randn(8, 4), torch.full((8, 4), float("inf")), torch.randn(8, 4)]:
+        ...     opt.zero_grad()
+        ...     with ampkit.autocast("cpu", dtype=torch.bfloat16):
+        ...         loss = model(x).float().pow(2).mean()
+        ...     scaler.scale(loss).backward()
+        ...     scaler.step(opt)      # skipped when a gradient is inf/NaN
+        ...     scaler.update()
+        >>> scaler.get_scale()        # backed off once at the inf batch
+        32768.0
+        >>> s = scaler.stats(); (s.steps, s.skipped, s.last_skipped)
+        (3, 1, 1)
+    """
+
+    def __init__(
+        self,
+        device: str = "cuda",
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        *,
+        hysteresis: int = 1,
+        min_scale: float | None = None,
+        max_scale: float | None = None,
+    ) -> None:
+        device_type = _device_type(device)
+        if not isinstance(enabled, bool):
+            raise TypeError(f"enabled must be True or False, got {enabled!r}")
+        init_scale = _real("init_scale", init_scale, 0.0, _F32_MAX, True, False)
+        growth_factor = _real("growth_factor", growth_factor, 1.0, math.inf, True, True)
+        backoff_factor = _real("backoff_factor", backoff_factor, 0.0, 1.0, True, True)
+        growth_interval = _int("growth_interval", growth_interval, 1, _INT32_MAX)
+        hysteresis = _int("hysteresis", hysteresis, 1, _INT32_MAX)
+        min_scale = _opt_real("min_scale", min_scale)
+        max_scale = _opt_real("max_scale", max_scale)
+        _check_clamps(min_scale, max_scale)
+        if (min_scale is not None and init_scale < min_scale) or (
+            max_scale is not None and init_scale > max_scale
+        ):
+            raise ValueError(
+                f"init_scale={init_scale!r} lies outside [min_scale, max_scale] = "
+                f"[{min_scale}, {max_scale}]; choose an init_scale between the clamps"
+            )
+        if device_type == "cuda" and enabled and not torch.cuda.is_available():
+            warnings.warn(
+                "ampkit.GradScaler(device='cuda') is enabled but CUDA is not available; "
+                "disabling it. Use GradScaler('cpu') for CPU training.",
+                stacklevel=2,
+            )
+            enabled = False
+
+        self._device = device_type
+        self._enabled = enabled
+        self._growth_factor = growth_factor
+        self._backoff_factor = backoff_factor
+        self._growth_interval = growth_interval
+        self._hysteresis = hysteresis
+        self._min_scale = min_scale
+        self._max_scale = max_scale
+        # Host values the device state is built from on the first scale() (lazily, on the
+        # loss's device, like torch); load_state_dict() before that call edits them.
+        self._pending: dict[str, Any] = {
+            "scale": init_scale,
+            "growth_tracker": 0,
+            "hysteresis_left": hysteresis,
+            "counters": [0, 0, -1],
+            "history": [0.0] * HISTORY_SIZE,
+        }
+        self._scale: torch.Tensor | None = None  # float32, ()
+        self._growth_tracker: torch.Tensor | None = None  # int32, ()
+        self._hysteresis_left: torch.Tensor | None = None  # int32, ()
+        self._counters: torch.Tensor | None = None  # int64, (steps, skipped, last_skipped)
+        self._history: torch.Tensor | None = None  # float32 ring buffer, (HISTORY_SIZE,)
+        self._per_optimizer: dict[int, _OptRecord] = {}
+
+    # ------------------------------------------------------------------ small accessors
+
+    def __repr__(self) -> str:
+        return (
+            f"GradScaler(device={self._device!r}, scale={self._pending['scale'] if self._scale is None else '<device>'}, "
+            f"growth_factor={self._growth_factor}, backoff_factor={self._backoff_factor}, "
+            f"growth_interval={self._growth_interval}, enabled={self._enabled}, "
+            f"hysteresis={self._hysteresis}, min_scale={self._min_scale}, max_scale={self._max_scale})"
+        )
+
+    def is_enabled(self) -> bool:
+        """Whether scaling is on (``False`` also when ``"cuda"`` was asked without CUDA)."""
+        return self._enabled
+
+    def get_scale(self) -> float:
+        """The current scale as a float (1.0 when disabled). Syncs once."""
+        if not self._enabled:
+            return 1.0
+        if self._scale is None:
+            return float(self._pending["scale"])
+        return float(self._scale.item())
+
+    def get_growth_factor(self) -> float:
+        return self._growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        self._growth_factor = _real("growth_factor", new_factor, 1.0, math.inf, True, True)
+
+    def get_backoff_factor(self) -> float:
+        return self._backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        self._backoff_factor = _real("backoff_factor", new_factor, 0.0, 1.0, True, True)
+
+    def get_growth_interval(self) -> int:
+        return self._growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        self._growth_interval = _int("growth_interval", new_interval, 1, _INT32_MAX)
+
+    @property
+    def hysteresis(self) -> int:
+        return self._hysteresis
+
+    @property
+    def min_scale(self) -> float | None:
+        return self._min_scale
+
+    @property
+    def max_scale(self) -> float | None:
+        return self._max_scale
+
+    def stage(self, optimizer: torch.optim.Optimizer) -> OptState:
+        """The stage of ``optimizer`` in the current iteration."""
+        record = self._per_optimizer.get(id(optimizer))
+        return OptState.READY if record is None else record.stage
+
+    # ------------------------------------------------------------------ device state
+
+    def _lazy_init(self, device: torch.device) -> None:
+        p = self._pending
+        self._scale = torch.full((), p["scale"], dtype=torch.float32, device=device)
+        self._growth_tracker = torch.full((), p["growth_tracker"], dtype=torch.int32, device=device)
+        self._hysteresis_left = torch.full(
+            (), p["hysteresis_left"], dtype=torch.int32, device=device
+        )
+        self._counters = torch.tensor(p["counters"], dtype=torch.int64, device=device)
+        self._history = torch.tensor(p["history"], dtype=torch.float32, device=device)
+
+    def _require_scale(self, method: str) -> torch.Tensor:
+        if self._scale is None:
+            raise RuntimeError(
+                f"{method}() was called before any scale(); the order is {_ORDER}. "
+                "Call scaler.scale(loss).backward() first in each iteration."
+            )
+        return self._scale
+
+    # ------------------------------------------------------------------ scale
+
+    def scale(self, outputs):
+        """Multiply a tensor, or nested lists/tuples of tensors, by the scale.
+
+        Containers are rebuilt with the same types (named tuples included). Disabled:
+        returns ``outputs`` unchanged. No sync.
+        """
+        if not self._enabled:
+            return outputs
+        first = _check_outputs(outputs)
+        if first is None:
+            return outputs
+        if self._scale is None:
+            self._lazy_init(first.device)
+        scale = self._scale
+        if isinstance(outputs, torch.Tensor):
+            return outputs * scale.to(device=outputs.device, non_blocking=True)
+        per_device: dict[torch.device, torch.Tensor] = {}
+
+        def apply(v):
+            if isinstance(v, torch.Tensor):
+                s = per_device.get(v.device)
+                if s is None:
+                    s = per_device[v.device] = scale.to(device=v.device, non_blocking=True)
+                return v * s
+            items = [apply(x) for x in v]
+            return type(v)(*items) if hasattr(v, "_fields") else type(v)(items)
+
+        return apply(outputs)
+
+    # ------------------------------------------------------------------ unscale_
+
+    @staticmethod
+    def _collect_grads(optimizer, allow_fp16: bool) -> dict:
+        """Group the optimizer's gradients by device and dtype; validate before mutating."""
+        groups = getattr(optimizer, "param_groups", None)
+        if groups is None:
+            raise TypeError(
+                f"expected a torch.optim.Optimizer (something with param_groups), "
+                f"got {type(optimizer).__name__}"
+            )
+        grouped: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = {}
+        to_coalesce = []
+        for group in groups:
+            for param in group["params"]:
+                grad = param.grad
+                if grad is None:
+                    continue
+                if not allow_fp16 and grad.dtype == torch.float16:
+                    raise ValueError(
+                        f"unscale_() got a float16 gradient (parameter of shape "
+                        f"{tuple(param.shape)}); unscaling in float16 loses the small "
+                        "gradients that loss scaling exists to keep. Keep parameters in "
+                        "float32 and run the forward pass under ampkit.autocast, or use a "
+                        "fused optimizer that unscales internally."
+                    )
+                if grad.is_sparse and grad.dtype is torch.float16:
+                    to_coalesce.append(param)
+                    continue
+                values = grad._values() if grad.is_sparse else grad
+                grouped.setdefault(values.device, {}).setdefault(values.dtype, []).append(values)
+        with torch.no_grad():
+            for param in to_coalesce:  # fp16 sparse grads can hold duplicates that overflow
+                param.grad = param.grad.coalesce()
+                values = param.grad._values()
+                grouped.setdefault(values.device, {}).setdefault(values.dtype, []).append(values)
+        return grouped
+
+    @staticmethod
+    def _unscale_grouped(grouped, inv_scale: torch.Tensor) -> dict:
+        found_master = torch.full((), 0.0, dtype=torch.float32, device=inv_scale.device)
+        found_per_device: dict[torch.device, torch.Tensor] = {}
+        with torch.no_grad():
+            for device, per_dtype in grouped.items():
+                found = found_master.to(device=device, non_blocking=True, copy=True)
+                inv = inv_scale.to(device=device, non_blocking=True)
+                for grads in per_dtype.values():
+                    torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+                found_per_device[device] = found
+        return found_per_device
+
+    def _check_ready_for_unscale(self, optimizer) -> None:
+        stage = self.stage(optimizer)
+        if stage is OptState.UNSCALED:
+            raise RuntimeError(
+                "unscale_() was already called for this optimizer since the last update(); "
+                f"call it at most once per optimizer per iteration ({_ORDER}), after all "
+                "backward passes of the iteration."
+            )
+        if stage is OptState.STEPPED:
+            raise RuntimeError(
+                "unscale_() was called after step() for this optimizer; the order is "
+                f"{_ORDER}. Move unscale_() before step(), or call update() to start a new "
+                "iteration."
+            )
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the optimizer's gradients by the scale in place and check them for inf/NaN.
+
+        Optional: call it to clip or inspect gradients before ``step``. At most once per
+        optimizer per iteration. No sync.
+        """
+        if not self._enabled:
+            return
+        scale = self._require_scale("unscale_")
+        self._check_ready_for_unscale(optimizer)
+        grouped = self._collect_grads(optimizer, allow_fp16=False)
+        inv_scale = scale.double().reciprocal().float()
+        found = self._unscale_grouped(grouped, inv_scale)
+        self._per_optimizer[id(optimizer)] = _OptRecord(OptState.UNSCALED, found)
+
+    # ------------------------------------------------------------------ step
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any):
+        """Unscale (unless ``unscale_`` ran) and step, skipping the step on inf/NaN gradients.
+
+        ``args``/``kwargs`` go to ``optimizer.step``; its return value is returned (``None``
+        when skipped). Optimizers with ``_step_supports_amp_scaling`` (fused SGD/Adam/AdamW)
+        get ``grad_scale`` and ``found_inf`` tensors and skip on the device: no sync. Other
+        optimizers: one host read of the inf flag.
+        """
+        if not self._enabled:
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError(
+                "step(optimizer, closure=...) is not supported while scaling is enabled: the "
+                "closure would recompute gradients after they were checked. Run the forward "
+                "and scaler.scale(loss).backward() yourself, then call scaler.step(optimizer)."
+            )
+        scale = self._require_scale("step")
+        stage = self.stage(optimizer)
+        if stage is OptState.STEPPED:
+            raise RuntimeError(
+                "step() was already called for this optimizer since the last update(); the "
+                f"order is {_ORDER}. Call scaler.update() once per iteration after stepping "
+                "every optimizer, before the next step()."
+            )
+        no_grads = RuntimeError(
+            "step(): this optimizer has no gradients (every .grad is None), so there is "
+            "nothing to check or apply. Call scaler.scale(loss).backward() on a loss that "
+            "depends on its parameters first."
+        )
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            return self._fused_step(optimizer, stage, scale, no_grads, args, kwargs)
+        if stage is OptState.READY:
+            grouped = self._collect_grads(optimizer, allow_fp16=False)
+            if not grouped:
+                raise no_grads
+            found = self._unscale_grouped(grouped, scale.double().reciprocal().float())
+            record = self._per_optimizer[id(optimizer)] = _OptRecord(OptState.UNSCALED, found)
+        else:
+            record = self._per_optimizer[id(optimizer)]
+        if not record.found_inf_per_device:
+            raise no_grads
+        retval = None
+        # The one sync of the plain path: the host must know whether to call step().
+        if not sum(v.item() for v in record.found_inf_per_device.values()):
+            retval = optimizer.step(*args, **kwargs)
+        record.stage = OptState.STEPPED
+        return retval
+
+    def _fused_step(self, optimizer, stage, scale, no_grads, args, kwargs):
+        if stage is OptState.READY:
+            # Check only (inv scale 1.0 leaves the grads bitwise unchanged); the optimizer
+            # unscales inside its fused kernel with grad_scale.
+            grouped = self._collect_grads(optimizer, allow_fp16=True)
+            if not grouped:
+                raise no_grads
+            found = self._unscale_grouped(
+                grouped, torch.full((), 1.0, dtype=torch.float32, device=scale.device)
+            )
+        else:
+            found = self._per_optimizer[id(optimizer)].found_inf_per_device
+            if not found:
+                raise no_grads
+        found_inf = sum(t.to(scale.device, non_blocking=True) for t in found.values())
+        had_grad_scale = hasattr(optimizer, "grad_scale")
+        previous = getattr(optimizer, "grad_scale", None)
+        optimizer.grad_scale = (
+            previous if stage is OptState.UNSCALED else scale * getattr(optimizer, "grad_scale", 1)
+        )
+        optimizer.found_inf = found_inf
+        try:
+            retval = optimizer.step(*args, **kwargs)
+        finally:
+            del optimizer.found_inf
+            if had_grad_scale:
+                optimizer.grad_scale = previous
+            else:
+                del optimizer.grad_scale
+        self._per_optimizer[id(optimizer)] = _OptRecord(OptState.STEPPED, found)
+        return retval
+
+    # ------------------------------------------------------------------ update
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """End the iteration: back off on inf/NaN, grow after ``growth_interval`` clean steps.
+
+        ``new_scale`` (a float, or a one-element float tensor on the scaler's device) sets
+        the scale instead; it is not counted in ``stats()``. No sync.
+        """
+        if not self._enabled:
+            return
+        scale = self._require_scale("update")
+        if new_scale is not None:
+            self._set_scale(scale, new_scale)
+        else:
+            found_infs = [
+                t.to(device=scale.device, non_blocking=True)
+                for record in self._per_optimizer.values()
+                for t in record.found_inf_per_device.values()
+            ]
+            if not found_infs:
+                raise RuntimeError(
+                    "update() found no inf/NaN checks: no optimizer was stepped (or unscaled) "
+                    f"since the last update(); the order is {_ORDER}. Call "
+                    "scaler.step(optimizer) first, or update(new_scale=...) to set the scale."
+                )
+            found = found_infs[0]
+            for f in found_infs[1:]:
+                found = found + f
+            self._update_scale(found)
+        self._per_optimizer = {}
+
+    def _set_scale(self, scale: torch.Tensor, new_scale) -> None:
+        if isinstance(new_scale, torch.Tensor):
+            if (
+                new_scale.device.type != scale.device.type
+                or new_scale.numel() != 1
+                or new_scale.requires_grad
+                or not new_scale.is_floating_point()
+            ):
+                raise ValueError(
+                    f"update(new_scale=tensor) needs a one-element floating tensor on "
+                    f"{scale.device.type} without requires_grad; got shape "
+                    f"{tuple(new_scale.shape)}, dtype {new_scale.dtype}, device "
+                    f"{new_scale.device}, requires_grad={new_scale.requires_grad}"
+                )
+            scale.copy_(new_scale.reshape(()))
+            if self._min_scale is not None or self._max_scale is not None:
+                scale.clamp_(min=self._min_scale, max=self._max_scale)
+            return
+        lo = self._min_scale if self._min_scale is not None else 0.0
+        hi = self._max_scale if self._max_scale is not None else _F32_MAX
+        value = _real("new_scale", new_scale, lo, hi, self._min_scale is None, False)
+        scale.fill_(value)
+
+    def _update_scale(self, found: torch.Tensor) -> None:
+        scale, tracker = self._scale, self._growth_tracker
+        args = (self._growth_factor, self._backoff_factor, self._growth_interval)
+        found_b = found > 0
+        if self._hysteresis > 1:
+            left = self._hysteresis_left
+            absorb = found_b & (left > 1)
+            old = scale.clone()
+            torch._amp_update_scale_(scale, tracker, torch.where(absorb, 0.0, found), *args)
+            scale.copy_(torch.where(absorb, old, scale))
+            tracker.masked_fill_(absorb, 0)
+            left.copy_(torch.where(found_b, (left - 1).clamp_(min=1), self._hysteresis))
+        else:
+            torch._amp_update_scale_(scale, tracker, found, *args)
+        if self._min_scale is not None or self._max_scale is not None:
+            scale.clamp_(min=self._min_scale, max=self._max_scale)
+        # Stats, on the device: (steps, skipped, last_skipped) and the scale ring buffer.
+        counters = self._counters
+        n = counters[0]
+        slot = torch.remainder(n, HISTORY_SIZE).reshape(1)
+        new = torch.stack((n + 1, counters[1] + found_b, torch.where(found_b, n, counters[2])))
+        self._history.scatter_(0, slot, scale.reshape(1))
+        counters.copy_(new)
+
+    # ------------------------------------------------------------------ stats
+
+    def _host_state(self) -> dict[str, Any]:
+        """Every device field as host values, with a single device-to-host copy."""
+        if self._scale is None:
+            p = self._pending
+            return {
+                "scale": float(p["scale"]),
+                "growth_tracker": int(p["growth_tracker"]),
+                "hysteresis_left": int(p["hysteresis_left"]),
+                "counters": [int(c) for c in p["counters"]],
+                "history": [float(h) for h in p["history"]],
+            }
+        packed = torch.cat(
+            (
+                self._scale.double().reshape(1),
+                self._growth_tracker.double().reshape(1),
+                self._hysteresis_left.double().reshape(1),
+                self._counters.double(),
+                self._history.double(),
+            )
+        ).cpu()
+        values = packed.tolist()
+        return {
+            "scale": values[0],
+            "growth_tracker": int(values[1]),
+            "hysteresis_left": int(values[2]),
+            "counters": [int(v) for v in values[3:6]],
+            "history": values[6:],
+        }
+
+    def stats(self) -> ScalerStats:
+        """Steps, skipped steps, the last skip and the recent scale history. Syncs once.
+
+        >>> import ampkit
+        >>> ampkit.GradScaler("cpu").stats().steps
+        0
+        """
+        h = self._host_state() if self._enabled else None
+        if h is None:
+            return ScalerStats(0, 0, None, 1.0, 0, self._hysteresis, (), ())
+        steps, skipped, last = h["counters"]
+        kept = range(max(0, steps - HISTORY_SIZE), steps)
+        return ScalerStats(
+            steps=steps,
+            skipped=skipped,
+            last_skipped=None if last < 0 else last,
+            scale=h["scale"],
+            growth_tracker=h["growth_tracker"],
+            hysteresis_left=h["hysteresis_left"],
+            history_steps=tuple(kept),
+            history_scales=tuple(h["history"][i % HISTORY_SIZE] for i in kept),
+        )
+
+    # ------------------------------------------------------------------ state_dict
+
+    def state_dict(self) -> dict[str, Any]:
+        """Torch's five entries plus ours (hysteresis, clamps, stats). ``{}`` when disabled.
+
+        A ``torch.amp.GradScaler`` loads it (it reads its own five keys). Syncs once.
+        """
+        if not self._enabled:
+            return {}
+        h = self._host_state()
+        steps, skipped, last = h["counters"]
+        return {
+            "scale": h["scale"],
+            "growth_factor": self._growth_factor,
+            "backoff_factor": self._backoff_factor,
+            "growth_interval": self._growth_interval,
+            "_growth_tracker": h["growth_tracker"],
+            "hysteresis": self._hysteresis,
+            "min_scale": self._min_scale,
+            "max_scale": self._max_scale,
+            "_hysteresis_left": h["hysteresis_left"],
+            "_steps": steps,
+            "_skipped": skipped,
+            "_last_skipped": last,
+            "_scale_history": h["history"],
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load ours or a ``torch.amp.GradScaler`` state dict; on any error nothing changes.
+
+        A torch dict sets torch's five fields, refills the hysteresis budget and clamps the
+        scale into ``[min_scale, max_scale]``; stats are kept. No-op when disabled.
+        """
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"load_state_dict() takes a dict, got {type(state_dict).__name__}")
+        if not self._enabled:
+            return
+        if len(state_dict) == 0:
+            raise ValueError(
+                "load_state_dict() got an empty dict, probably saved from a disabled scaler "
+                "(enabled=False); load a state dict saved from an enabled scaler"
+            )
+        new = self._parse_state_dict(state_dict)
+        # Everything is valid: mutate.
+        for key in ("growth_factor", "backoff_factor", "growth_interval", "hysteresis"):
+            setattr(self, "_" + key, new[key])
+        self._min_scale, self._max_scale = new["min_scale"], new["max_scale"]
+        if self._scale is None:
+            self._pending.update(
+                {k: new[k] for k in ("scale", "growth_tracker", "hysteresis_left")},
+                counters=new["counters"],
+                history=new["history"],
+            )
+            return
+        self._scale.fill_(new["scale"])
+        self._growth_tracker.fill_(new["growth_tracker"])
+        self._hysteresis_left.fill_(new["hysteresis_left"])
+        device = self._scale.device
+        self._counters.copy_(torch.tensor(new["counters"], dtype=torch.int64).to(device))
+        self._history.copy_(torch.tensor(new["history"], dtype=torch.float32).to(device))
+
+    def _parse_state_dict(self, sd: Mapping[str, Any]) -> dict[str, Any]:
+        missing = [k for k in _TORCH_KEYS if k not in sd]
+        ours = [k for k in _OUR_KEYS if k in sd]
+        if ours:
+            missing += [k for k in _OUR_KEYS if k not in sd]
+        if missing:
+            raise ValueError(
+                f"load_state_dict(): missing key(s) {missing}; pass a dict from "
+                "ampkit.GradScaler.state_dict() or torch.amp.GradScaler.state_dict()"
+            )
+
+        def q(k):
+            return f"state_dict[{k!r}]"
+
+        new: dict[str, Any] = {
+            "scale": _real(q("scale"), sd["scale"], 0.0, _F32_MAX, True, False),
+            "growth_factor": _real(q("growth_factor"), sd["growth_factor"], 1, math.inf, True, True),
+            "backoff_factor": _real(q("backoff_factor"), sd["backoff_factor"], 0, 1, True, True),
+            "growth_interval": _int(q("growth_interval"), sd["growth_interval"], 1, _INT32_MAX),
+            "growth_tracker": _int(q("_growth_tracker"), sd["_growth_tracker"], 0, _INT32_MAX),
+        }
+        if not ours:  # a torch state dict: keep our config and stats
+            h = self._host_state()
+            new.update(
+                hysteresis=self._hysteresis,
+                min_scale=self._min_scale,
+                max_scale=self._max_scale,
+                hysteresis_left=self._hysteresis,
+                counters=h["counters"],
+                history=h["history"],
+            )
+            lo, hi = self._min_scale, self._max_scale
+            new["scale"] = min(max(new["scale"], lo or 0.0), hi or _F32_MAX)
+            return new
+        hyst = _int(q("hysteresis"), sd["hysteresis"], 1, _INT32_MAX)
+        lo, hi = _opt_real(q("min_scale"), sd["min_scale"]), _opt_real(q("max_scale"), sd["max_scale"])
+        _check_clamps(lo, hi, prefix="state_dict ")
+        if (lo is not None and new["scale"] < lo) or (hi is not None and new["scale"] > hi):
+            raise ValueError(
+                f"{q('scale')}={new['scale']!r} lies outside its own clamps [{lo}, {hi}]"
+            )
+        steps = _int(q("_steps"), sd["_steps"], 0, 2**62)
+        skipped = _int(q("_skipped"), sd["_skipped"], 0, steps)
+        last = _int(q("_last_skipped"), sd["_last_skipped"], -1, steps - 1)
+        history = sd["_scale_history"]
+        if not isinstance(history, (list, tuple)) or len(history) != HISTORY_SIZE:
+            raise ValueError(
+                f"{q('_scale_history')} must be a list of {HISTORY_SIZE} floats, got "
+                f"{type(history).__name__} of length {len(history) if hasattr(history, '__len__') else '?'}"
+            )
+        history = [
+            _real(f"{q('_scale_history')}[{i}]", v, 0.0, _F32_MAX, False, False)
+            for i, v in enumerate(history)
+        ]
+        new.update(
+            hysteresis=hyst,
+            min_scale=lo,
+            max_scale=hi,
+            hysteresis_left=_int(q("_hysteresis_left"), sd["_hysteresis_left"], 1, hyst),
+            counters=[steps, skipped, last],
+            history=history,
+        )
+        return new
+
+
+def cuda_amp_grad_scaler(**kwargs: Any) -> GradScaler:
+    """``GradScaler("cuda", **kwargs)``: the drop-in for ``torch.cuda.amp.GradScaler``."""
+    if "device" in kwargs:
+        raise TypeError(
+            f"cuda_amp_grad_scaler() always uses 'cuda'; got device={kwargs['device']!r}. "
+            "Use ampkit.GradScaler(device=...) for another device."
+        )
     return GradScaler("cuda", **kwargs)
