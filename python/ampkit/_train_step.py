@@ -1,0 +1,460 @@
+"""One mixed-precision training step, captured whole in a CUDA graph where it can be.
+
+``make_train_step(model, loss_fn, optimizer)`` returns a ``TrainStep``: a callable
+``step(inputs, targets) -> loss`` that does exactly what the hand-written AMP loop does,
+
+    optimizer.zero_grad()                      # set_to_none=True
+    with ampkit.autocast(**autocast):
+        loss = loss_fn(model(*inputs), *targets)
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)                     # skipped when a gradient is inf/NaN
+    scaler.update()                            # backs the scale off after a skip
+    return loss.detach()
+
+and, on CUDA, runs it as one CUDA graph replay instead of a few hundred kernel launches
+from Python. The state machine of one step object:
+
+    WARMUP --(warmup eager steps on a side stream)--> capture --> GRAPH
+    GRAPH: a batch of the captured shapes/dtypes        -> copy into static buffers, replay
+           a batch of other shapes/dtypes               -> this call runs eagerly (warn once)
+           optimizer hyperparameters / train-eval mode /
+           requires_grad changed since the capture      -> capture again (at most twice,
+                                                           then EAGER with a warning)
+    EAGER: every call runs the loop above; ``step.reason`` says why.
+
+Exact skips inside the graph: the graph contains no host decision. The scaler hands the
+loss scale and its inf flag to a fused optimizer (``fused=True``), whose kernel unscales
+the gradients and skips the update on the device when the flag is set; the scaler's
+update is device arithmetic. A step with inf/NaN gradients therefore leaves parameters
+and optimizer state unchanged and backs the scale off, whether replayed or eager.
+
+>>> import torch, ampkit
+>>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+<torch._C.Generator object at ...>
+>>> model = torch.nn.Linear(8, 2)
+>>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+>>> step = ampkit.make_train_step(model, torch.nn.functional.mse_loss, opt,
+...                               autocast=dict(device_type="cpu", dtype=torch.bfloat16),
+...                               capture=False)
+>>> loss = step(torch.randn(4, 8), torch.randn(4, 2))
+>>> loss.shape, step.captured, step.reason
+(torch.Size([]), False, 'capture=False was passed')
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["TrainStep", "make_train_step"]
+
+_CAPTURE_CHOICES = ("auto", True, False)
+_MAX_RECAPTURES = 2
+_AUTOCAST_KEYS = ("device_type", "dtype", "enabled", "cache_enabled", "policy")
+
+
+def make_train_step(
+    model: torch.nn.Module,
+    loss_fn: Callable[..., torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    *,
+    scaler: Any = None,
+    autocast: dict | None = None,
+    capture: str | bool = "auto",
+    warmup: int = 3,
+) -> "TrainStep":
+    """Build ``step(inputs, targets) -> loss``: one whole AMP training step.
+
+    Args:
+      model: the ``torch.nn.Module`` to train; called as ``model(*inputs)``.
+      loss_fn: called as ``loss_fn(outputs, *targets)`` inside the autocast region;
+        must return a scalar tensor.
+      optimizer: a ``torch.optim.Optimizer`` over the model's parameters. For capture
+        with loss scaling it must have a fused path (``SGD/Adam/AdamW(fused=True)``;
+        Adam and AdamW also ``capturable=True``).
+      scaler: an ``ampkit.GradScaler``. ``None`` makes one for the autocast device,
+        enabled for float16 and disabled for bfloat16 (which needs no scaling).
+      autocast: keyword arguments of ``ampkit.autocast`` (``device_type``, ``dtype``,
+        ``enabled``, ``cache_enabled``, ``policy``). ``None``: the device of the model's
+        parameters, float16 on CUDA and bfloat16 on CPU.
+      capture: ``"auto"`` captures the step in a CUDA graph where that is exact and runs
+        eagerly elsewhere with one warning; ``True`` raises where capture is impossible;
+        ``False`` always runs eagerly.
+      warmup: eager steps (real training steps, on a side stream) before the capture,
+        at least 1: they create the optimizer state and the scaler's scale outside the
+        graph.
+
+    Returns:
+      A ``TrainStep``. ``step.captured`` says whether the last call replayed a graph,
+      ``step.reason`` why it did not (``None`` when it did or still may).
+
+    Example:
+      >>> import torch, ampkit
+      >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+      >>> opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+      >>> step = ampkit.make_train_step(model, torch.nn.MSELoss(), opt, capture=False,
+      ...                               autocast=dict(device_type="cpu", dtype=torch.bfloat16))
+      >>> for _ in range(3):
+      ...     loss = step(torch.randn(16, 4), torch.randn(16, 1))
+      >>> bool(torch.isfinite(loss))
+      True
+    """
+    return TrainStep(model, loss_fn, optimizer, scaler=scaler, autocast=autocast,
+                     capture=capture, warmup=warmup)
+
+
+class TrainStep:
+    """The callable returned by ``make_train_step``; see its docstring."""
+
+    def __init__(self, model, loss_fn, optimizer, *, scaler=None, autocast=None,
+                 capture="auto", warmup=3):
+        import ampkit  # late: ampkit/__init__ imports this module
+
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(capture, str) and capture != "auto" or not (
+                isinstance(capture, (str, bool))):
+            raise ValueError(f"capture={capture!r} is not valid; use 'auto', True or False")
+        if isinstance(warmup, bool) or not isinstance(warmup, int):
+            raise TypeError(f"warmup must be an int >= 1, got {warmup!r}")
+        if warmup < 1:
+            raise ValueError(
+                f"warmup={warmup} is not valid; it must be >= 1 so that the optimizer "
+                "state and the loss scale are created before the capture, not inside it")
+
+        self.model = model
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self._autocast = _autocast_kwargs(autocast, model)
+        device_type = self._autocast["device_type"]
+        if scaler is None:
+            half = self._autocast.get("dtype", _default_dtype(device_type)) == torch.float16
+            scaler = ampkit.GradScaler(device_type, enabled=half and
+                                       self._autocast.get("enabled", True))
+        elif not isinstance(scaler, ampkit.GradScaler):
+            raise TypeError(
+                f"scaler must be an ampkit.GradScaler (or None for a default one), got "
+                f"{type(scaler).__module__}.{type(scaler).__name__}")
+        self.scaler = scaler
+        self.warmup = warmup
+        self._capture = capture
+        self.calls = 0
+        self.replays = 0
+        self.captures = 0
+        self._warned = False
+        self._graph = None
+        self._last_replayed = False
+        self._stream = None
+        self._reset_static()
+
+        reasons = _static_refusals(capture, device_type, model, optimizer, scaler)
+        self.reason = "; ".join(reasons) if reasons else None
+        if reasons and capture is True:
+            raise RuntimeError(
+                "make_train_step(capture=True) cannot capture this step in a CUDA graph: "
+                + self.reason + ". Fix the above or pass capture='auto' to run eagerly.")
+        if reasons and capture == "auto":
+            self._warn(self.reason)
+        self._eligible = not reasons
+        self._modules = list(model.modules())
+        self._params = [p for g in optimizer.param_groups for p in g["params"]]
+
+    # -- public -------------------------------------------------------------------------
+    @property
+    def captured(self) -> bool:
+        """True when the last call ran as a CUDA graph replay."""
+        return self._last_replayed
+
+    def __call__(self, inputs, targets) -> torch.Tensor:
+        flat_in = _as_tensors("inputs", inputs)
+        flat_tg = _as_tensors("targets", targets)
+        self.calls += 1
+        self._last_replayed = False
+        if not self._eligible:
+            return self._eager(flat_in, flat_tg, keep_grads=self._graph is not None)
+        if self._graph is not None:
+            sig = _signature(flat_in, flat_tg)
+            if sig != self._sig:
+                why = (f"this batch has {_describe(sig)} but the graph was captured for "
+                       f"{_describe(self._sig)} (dynamic shapes run eagerly)")
+                if self._capture is True:
+                    raise RuntimeError(f"make_train_step(capture=True): {why}")
+                self.reason = why
+                self._warn(why)
+                return self._eager(flat_in, flat_tg, keep_grads=True)
+            if self._state_key() != self._key:
+                self._drop_graph()
+                if self.captures > _MAX_RECAPTURES:
+                    return self._give_up(
+                        "optimizer hyperparameters, train/eval mode or requires_grad "
+                        f"changed after {self.captures} captures (a learning-rate schedule "
+                        "with a float lr, say: give the optimizer a tensor lr to keep the "
+                        "graph)", flat_in, flat_tg)
+                return self._capture_and_replay(flat_in, flat_tg)
+            return self._replay(flat_in, flat_tg)
+        if self.calls <= self.warmup:
+            return self._side_stream(lambda: self._eager(flat_in, flat_tg))
+        return self._capture_and_replay(flat_in, flat_tg)
+
+    def __repr__(self) -> str:
+        mode = "graph" if self._graph is not None else (
+            "warmup" if self._eligible else "eager")
+        return (f"TrainStep(mode={mode!r}, calls={self.calls}, replays={self.replays}, "
+                f"captures={self.captures}, reason={self.reason!r})")
+
+    # -- the step itself ------------------------------------------------------------------
+    def _body(self, flat_in, flat_tg, cache_enabled=None) -> torch.Tensor:
+        import ampkit
+
+        kw = dict(self._autocast)
+        if cache_enabled is not None:
+            kw["cache_enabled"] = cache_enabled
+        with ampkit.autocast(**kw):
+            loss = self.loss_fn(self.model(*flat_in), *flat_tg)
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"loss_fn must return a tensor, got {type(loss).__name__}")
+        if loss.dim() != 0:
+            raise ValueError(
+                f"loss_fn must return a scalar tensor, got shape {tuple(loss.shape)}; "
+                "reduce it (e.g. .mean())")
+        self.scaler.scale(loss).backward()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        return loss.detach()
+
+    def _eager(self, flat_in, flat_tg, keep_grads=False) -> torch.Tensor:
+        # keep_grads: a graph exists and owns the .grad tensors (it writes them by
+        # address); zero them in place instead of dropping them.
+        self.optimizer.zero_grad(set_to_none=not keep_grads)
+        return self._body(flat_in, flat_tg)
+
+    def _side_stream(self, fn):
+        cur = torch.cuda.current_stream()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        self._stream.wait_stream(cur)
+        with torch.cuda.stream(self._stream):
+            out = fn()
+        cur.wait_stream(self._stream)
+        return out
+
+    def _capture_and_replay(self, flat_in, flat_tg) -> torch.Tensor:
+        self._static_in = [t.detach().clone() for t in flat_in]
+        self._static_tg = [t.detach().clone() for t in flat_tg]
+        n_state = len(self.optimizer.state)
+        scale_before = _scale_tensor(self.scaler)
+        self.optimizer.zero_grad(set_to_none=True)
+        graph = torch.cuda.CUDAGraph()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        try:
+            self._stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.graph(graph, stream=self._stream):
+                static_loss = self._body(self._static_in, self._static_tg,
+                                         cache_enabled=False)
+            torch.cuda.current_stream().wait_stream(self._stream)
+        except Exception as e:  # noqa: BLE001 - reported, then eager or re-raised
+            self._after_failed_capture()
+            why = f"the capture failed: {type(e).__name__}: {e}"
+            if self._capture is True:
+                raise RuntimeError(f"make_train_step(capture=True): {why}") from e
+            return self._give_up(why, flat_in, flat_tg)
+        # Lazily created state inside the graph would be re-created on every replay.
+        why = None
+        if len(self.optimizer.state) != n_state:
+            why = ("the optimizer created state during the capture (raise warmup so "
+                   "that every parameter has taken a step first)")
+        elif _scale_tensor(self.scaler) is not scale_before:
+            why = "the scaler created its scale during the capture (raise warmup)"
+        if why is not None:
+            self._drop_graph()
+            torch.cuda.synchronize()
+            if self._capture is True:
+                raise RuntimeError(f"make_train_step(capture=True): {why}")
+            return self._give_up(why, flat_in, flat_tg)
+        self._graph = graph
+        self._static_loss = static_loss
+        self._sig = _signature(flat_in, flat_tg)
+        self._key = self._state_key()
+        self.captures += 1
+        self.reason = None
+        # The capture recorded the work without running it: run it for this batch.
+        return self._replay(flat_in, flat_tg)
+
+    def _replay(self, flat_in, flat_tg) -> torch.Tensor:
+        for buf, t in zip(self._static_in, flat_in):
+            buf.copy_(t, non_blocking=True)
+        for buf, t in zip(self._static_tg, flat_tg):
+            buf.copy_(t, non_blocking=True)
+        self._graph.replay()
+        self.replays += 1
+        self._last_replayed = True
+        # A fresh tensor: the static one is overwritten by the next replay.
+        return self._static_loss.clone()
+
+    # -- bookkeeping --------------------------------------------------------------------
+    def _give_up(self, why, flat_in, flat_tg):
+        self._eligible = False
+        self._drop_graph()
+        self.reason = why
+        self._warn(why)
+        return self._eager(flat_in, flat_tg)
+
+    def _after_failed_capture(self):
+        try:
+            torch.cuda.synchronize()
+        except Exception:  # noqa: BLE001 - the eager step will surface a broken context
+            pass
+        self.optimizer.zero_grad(set_to_none=True)  # grads from the aborted capture
+        reset = getattr(self.scaler, "_reset_stages", None)
+        if callable(reset):
+            reset()
+        elif hasattr(self.scaler, "_per_optimizer_states"):
+            self.scaler._per_optimizer_states.clear()
+
+    def _drop_graph(self):
+        self._graph = None
+        self._reset_static()
+        self.optimizer.zero_grad(set_to_none=True)  # grads lived in the graph's pool
+
+    def _reset_static(self):
+        self._static_in = self._static_tg = self._static_loss = None
+        self._sig = self._key = None
+
+    def _state_key(self):
+        groups = tuple(
+            tuple((k, v) for k, v in g.items()
+                  if k != "params" and isinstance(v, (int, float, bool, str, tuple,
+                                                      type(None))))
+            for g in self.optimizer.param_groups)
+        return (groups, tuple(m.training for m in self._modules),
+                tuple(p.requires_grad for p in self._params))
+
+    def _warn(self, why):
+        if self._warned:
+            return
+        self._warned = True
+        warnings.warn(f"ampkit.make_train_step: running eagerly, not as a CUDA graph: {why}",
+                      UserWarning, stacklevel=_user_stacklevel())
+
+
+# -- helpers ------------------------------------------------------------------------------
+def _user_stacklevel():
+    # Point the warning at the caller's line, outside this file.
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename == __file__:
+        level, frame = level + 1, frame.f_back
+    return level
+
+
+def _default_dtype(device_type):
+    return torch.float16 if device_type == "cuda" else torch.bfloat16
+
+
+def _autocast_kwargs(autocast, model):
+    if autocast is None:
+        autocast = {}
+    if not isinstance(autocast, dict):
+        raise TypeError(
+            f"autocast must be a dict of ampkit.autocast arguments (e.g. "
+            f"dict(device_type='cuda', dtype=torch.float16)) or None, got {autocast!r}")
+    unknown = sorted(set(autocast) - set(_AUTOCAST_KEYS))
+    if unknown:
+        raise ValueError(f"unknown autocast key(s) {unknown}; valid keys: {list(_AUTOCAST_KEYS)}")
+    kw = dict(autocast)
+    if "device_type" not in kw:
+        devices = {p.device.type for p in model.parameters()}
+        if len(devices) != 1:
+            raise ValueError(
+                f"cannot infer autocast device_type from parameters on {sorted(devices)}; "
+                "pass autocast=dict(device_type=..., dtype=...)")
+        kw["device_type"] = devices.pop()
+    if kw["device_type"] not in ("cuda", "cpu"):
+        raise ValueError(
+            f"autocast device_type={kw['device_type']!r} is not valid; use 'cuda' or 'cpu'")
+    kw.setdefault("dtype", _default_dtype(kw["device_type"]))
+    return kw
+
+
+def _static_refusals(capture, device_type, model, optimizer, scaler):
+    """Why this step cannot be a CUDA graph, as a list of readable reasons."""
+    if capture is False:
+        return ["capture=False was passed"]
+    if device_type != "cuda":
+        return [f"autocast device_type is {device_type!r}; CUDA graphs need 'cuda'"]
+    if not torch.cuda.is_available():
+        return ["CUDA is not available"]
+    reasons = []
+    devices = {p.device for p in model.parameters()} | {
+        p.device for g in optimizer.param_groups for p in g["params"]}
+    if any(d.type != "cuda" for d in devices) or len(devices) > 1:
+        reasons.append(f"parameters are on {sorted(map(str, devices))}; capture needs them "
+                       "all on one CUDA device")
+    elif devices and next(iter(devices)) != torch.device("cuda", torch.cuda.current_device()):
+        reasons.append(f"parameters are on {next(iter(devices))} but the current device is "
+                       f"cuda:{torch.cuda.current_device()} (use torch.cuda.set_device)")
+    reasons += _optimizer_refusals(optimizer, scaler.is_enabled())
+    why = _scaler_refusal(scaler, optimizer)
+    if why:
+        reasons.append(why)
+    return reasons
+
+
+def _optimizer_refusals(optimizer, scaling):
+    name = type(optimizer).__name__
+    groups = optimizer.param_groups
+    if scaling and not getattr(optimizer, "_step_supports_amp_scaling", False):
+        return [f"{name} has no fused path that takes the loss scale and the inf flag on "
+                f"the device, so skipping a step would need a host sync (construct it with "
+                f"fused=True: SGD, Adam and AdamW have one)"]
+    has_key = ["capturable" in g for g in groups]
+    if any(has_key):
+        if not all(g.get("capturable", False) for g in groups):
+            return [f"{name} was built with capturable=False (construct it with "
+                    f"capturable=True{', fused=True' if scaling else ''})"]
+        return []
+    if isinstance(optimizer, torch.optim.SGD):
+        return []
+    return [f"{name} has no capturable path (use SGD, or Adam/AdamW with capturable=True)"]
+
+
+def _scaler_refusal(scaler, optimizer):
+    """The scaler must make no host decision in step()/update() for this optimizer."""
+    ask = getattr(scaler, "is_sync_free", None)
+    if callable(ask):
+        if not ask(optimizer):
+            return (f"the scaler's step() syncs with the host for {type(optimizer).__name__} "
+                    "(it is sync-free only with fused optimizers)")
+    return None
+
+
+def _scale_tensor(scaler):
+    return getattr(scaler, "_scale", None)
+
+
+def _as_tensors(what, value):
+    items = list(value) if isinstance(value, (tuple, list)) else [value]
+    for i, t in enumerate(items):
+        if not isinstance(t, torch.Tensor):
+            where = what if len(items) == 1 and not isinstance(value, (tuple, list)) \
+                else f"{what}[{i}]"
+            raise TypeError(f"{where} must be a torch.Tensor (or {what} a tuple/list of "
+                            f"tensors), got {type(t).__name__}")
+    return items
+
+
+def _signature(flat_in, flat_tg):
+    return tuple((tuple(t.shape), t.dtype, t.device) for t in (*flat_in, *flat_tg))
+
+
+def _describe(sig):
+    return ", ".join(f"{list(s)} {str(d).replace('torch.', '')}" for s, d, _ in sig)
