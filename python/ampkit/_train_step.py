@@ -315,11 +315,9 @@ class TrainStep:
         except Exception:  # noqa: BLE001 - the eager step will surface a broken context
             pass
         self.optimizer.zero_grad(set_to_none=True)  # grads from the aborted capture
-        reset = getattr(self.scaler, "_reset_stages", None)
-        if callable(reset):
-            reset()
-        elif hasattr(self.scaler, "_per_optimizer_states"):
-            self.scaler._per_optimizer_states.clear()
+        # The aborted iteration's stage records (no public reset yet; see docs/train_step.md).
+        if isinstance(getattr(self.scaler, "_per_optimizer", None), dict):
+            self.scaler._per_optimizer = {}
 
     def _drop_graph(self):
         self._graph = None

@@ -1,0 +1,302 @@
+"""make_train_step on CPU: the eager fallback against a hand-written AMP loop, bit for bit.
+
+The control is the loop a user would write with ampkit.autocast + ampkit.GradScaler; the
+step object must give the same losses, parameters, optimizer state, scale trajectory and
+skipped steps, with infs and NaNs injected at known steps through the targets.
+"""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import ampkit
+from ampkit._train_step import _optimizer_refusals
+
+AC = dict(device_type="cpu", dtype=torch.bfloat16)
+INF_STEPS = {3, 7, 8}
+NAN_STEPS = {12}
+N_STEPS = 16
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+
+
+def make_batches(n=N_STEPS, poison=True, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        x, y = torch.randn(12, 16, generator=g), torch.randn(12, 8, generator=g)
+        if poison and i in INF_STEPS:
+            y[0, 0] = math.inf
+        if poison and i in NAN_STEPS:
+            y[1, 1] = math.nan
+        out.append((x, y))
+    return out
+
+
+OPTIMIZERS = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.05),
+    "sgd_momentum_wd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-3),
+    "sgd_fused": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, fused=True),
+    "adam": lambda p: torch.optim.Adam(p, lr=1e-3),
+    "adamw_fused": lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True),
+}
+
+
+def make_scaler():
+    # A small growth interval so that the trajectory grows as well as backs off.
+    return ampkit.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+
+
+def snapshot(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def run_hand_loop(model, opt, scaler, batches, loss_fn=torch.nn.functional.mse_loss):
+    losses, scales, skipped = [], [], []
+    for i, (x, y) in enumerate(batches):
+        before = snapshot(model)
+        opt.zero_grad()
+        with ampkit.autocast(**AC):
+            loss = loss_fn(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        losses.append(loss.detach())
+        scales.append(scaler.get_scale())
+        if all(torch.equal(a, b) for a, b in zip(before, model.parameters())):
+            skipped.append(i)
+    return losses, scales, skipped
+
+
+def run_step(step, model, batches):
+    losses, scales, skipped = [], [], []
+    for i, (x, y) in enumerate(batches):
+        before = snapshot(model)
+        losses.append(step(x, y))
+        scales.append(step.scaler.get_scale())
+        if all(torch.equal(a, b) for a, b in zip(before, model.parameters())):
+            skipped.append(i)
+    return losses, scales, skipped
+
+
+def assert_bitwise(a, b):
+    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+def optimizer_state_tensors(opt):
+    return [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+
+
+@pytest.mark.parametrize("poison", [False, True], ids=["clean", "inf_nan"])
+@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+def test_eager_step_equals_hand_loop_bitwise(opt_name, poison):
+    batches = make_batches(poison=poison)
+    ref_model = make_model()
+    ref_opt = OPTIMIZERS[opt_name](ref_model.parameters())
+    ref_scaler = make_scaler()
+    ref = run_hand_loop(ref_model, ref_opt, ref_scaler, batches)
+
+    model = make_model()
+    opt = OPTIMIZERS[opt_name](model.parameters())
+    step = ampkit.make_train_step(model, torch.nn.functional.mse_loss, opt,
+                                  scaler=make_scaler(), autocast=AC, capture=False)
+    got = run_step(step, model, batches)
+
+    for a, b in zip(got[0], ref[0]):
+        assert_bitwise(a, b)
+    assert got[1] == ref[1]  # scale trajectory, exactly
+    assert got[2] == ref[2]
+    expected_skips = sorted(INF_STEPS | NAN_STEPS) if poison else []
+    assert ref[2] == expected_skips
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert_bitwise(p, q)
+        assert_bitwise(p.grad, q.grad)
+    for s, t in zip(optimizer_state_tensors(opt), optimizer_state_tensors(ref_opt)):
+        assert_bitwise(s, t)
+    st, rt = step.scaler.stats(), ref_scaler.stats()
+    assert (st.steps, st.skipped, st.last_skipped) == (rt.steps, rt.skipped, rt.last_skipped)
+    assert st.skipped == len(expected_skips)
+    if poison:  # the scale did back off, so the comparison above had something to see
+        assert min(ref[1]) < 2.0**10
+
+
+def test_default_scaler_and_autocast_follow_the_device():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    step = ampkit.make_train_step(model, torch.nn.functional.mse_loss, opt, capture=False)
+    # CPU parameters: bfloat16 autocast, which needs no loss scaling.
+    assert step._autocast == dict(device_type="cpu", dtype=torch.bfloat16)
+    assert isinstance(step.scaler, ampkit.GradScaler) and not step.scaler.is_enabled()
+    batches = make_batches(n=4, poison=False)
+    got = [step(x, y) for x, y in batches]
+
+    ref_model = make_model()
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.05)
+    for (x, y), loss in zip(batches, got):
+        ref_opt.zero_grad()
+        with ampkit.autocast("cpu", dtype=torch.bfloat16):
+            ref = torch.nn.functional.mse_loss(ref_model(x), y)
+        ref.backward()
+        ref_opt.step()
+        assert_bitwise(loss, ref.detach())
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert_bitwise(p, q)
+
+
+def test_tuple_inputs_and_targets_are_unpacked():
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 3), torch.nn.Linear(5, 3)
+
+        def forward(self, x, z):
+            return self.a(x) + self.b(z)
+
+    def loss_fn(out, y, w):
+        return ((out.float() - y) ** 2 * w).mean()
+
+    torch.manual_seed(0)
+    model = Two()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = ampkit.make_train_step(model, loss_fn, opt, autocast=AC, capture=False)
+    x, z, y, w = torch.randn(6, 4), torch.randn(6, 5), torch.randn(6, 3), torch.rand(6, 3)
+    loss = step((x, z), [y, w])
+    torch.manual_seed(0)
+    ref_model = Two()
+    with ampkit.autocast(**AC):
+        ref = loss_fn(ref_model(x, z), y, w)
+    assert_bitwise(loss, ref.detach())
+
+
+def test_auto_on_cpu_warns_once_with_the_reason():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = ampkit.make_train_step(model, torch.nn.functional.mse_loss, opt, autocast=AC)
+        for x, y in make_batches(n=5, poison=False):
+            step(x, y)
+    ours = [w for w in caught if "make_train_step" in str(w.message)]
+    assert len(ours) == 1
+    assert "'cpu'" in str(ours[0].message) and "CUDA graphs need 'cuda'" in str(ours[0].message)
+    assert ours[0].filename == __file__  # points at the caller, not at ampkit
+    assert step.captured is False
+    assert step.reason == "autocast device_type is 'cpu'; CUDA graphs need 'cuda'"
+    assert step.calls == 5 and step.replays == 0 and step.captures == 0
+
+
+def test_auto_equals_capture_false_on_cpu():
+    batches = make_batches()
+    results = []
+    for capture in ("auto", False):
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            step = ampkit.make_train_step(model, torch.nn.functional.mse_loss, opt,
+                                          scaler=make_scaler(), autocast=AC, capture=capture)
+        results.append((run_step(step, model, batches), snapshot(model)))
+    (a, pa), (b, pb) = results
+    assert a[1] == b[1] and a[2] == b[2]
+    for x, y in zip(a[0] + pa, b[0] + pb):
+        assert_bitwise(x, y)
+
+
+def test_capture_false_does_not_warn():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step = ampkit.make_train_step(model, torch.nn.functional.mse_loss, opt,
+                                      autocast=AC, capture=False)
+        step(*make_batches(n=1, poison=False)[0])
+    assert step.reason == "capture=False was passed"
+
+
+def test_capture_true_on_cpu_raises_with_the_reason():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with pytest.raises(RuntimeError, match=r"capture=True.*CUDA graphs need 'cuda'"):
+        ampkit.make_train_step(model, torch.nn.functional.mse_loss, opt, autocast=AC,
+                               capture=True)
+
+
+def _params():
+    return [torch.nn.Parameter(torch.zeros(2))]
+
+
+@pytest.mark.parametrize("make, scaling, expected", [
+    (lambda: torch.optim.SGD(_params(), lr=0.1), True, "fused=True"),
+    (lambda: torch.optim.SGD(_params(), lr=0.1), False, None),
+    (lambda: torch.optim.SGD(_params(), lr=0.1, fused=True), True, None),
+    (lambda: torch.optim.Adam(_params(), fused=True), True, "capturable=True"),
+    (lambda: torch.optim.Adam(_params(), fused=True, capturable=True), True, None),
+    (lambda: torch.optim.AdamW(_params(), capturable=True), True, "fused=True"),
+    (lambda: torch.optim.AdamW(_params(), capturable=True), False, None),
+    (lambda: torch.optim.AdamW(_params()), False, "capturable=True"),
+    (lambda: torch.optim.Adagrad(_params()), False, "no capturable path"),
+], ids=["sgd", "sgd_unscaled", "sgd_fused", "adam_fused_noncapturable", "adam_fused_capturable",
+        "adamw_capturable_scaled", "adamw_capturable_unscaled", "adamw_plain_unscaled",
+        "adagrad"])
+def test_optimizer_refusal_reasons(make, scaling, expected):
+    reasons = _optimizer_refusals(make(), scaling)
+    if expected is None:
+        assert reasons == []
+    else:
+        assert len(reasons) == 1 and expected in reasons[0]
+
+
+# -- bad input -------------------------------------------------------------------------------
+def _parts():
+    model = make_model()
+    return model, torch.nn.functional.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(model=lambda x: x), TypeError, "model must be a torch.nn.Module"),
+    (dict(loss_fn="mse"), TypeError, "loss_fn must be callable"),
+    (dict(optimizer="sgd"), TypeError, "optimizer must be a torch.optim.Optimizer"),
+    (dict(capture="yes"), ValueError, "capture='yes' is not valid"),
+    (dict(capture=1), ValueError, "capture=1 is not valid"),
+    (dict(warmup=0), ValueError, "warmup=0 is not valid"),
+    (dict(warmup=2.0), TypeError, "warmup must be an int"),
+    (dict(autocast="cpu"), TypeError, "autocast must be a dict"),
+    (dict(autocast=dict(device_type="cpu", dtyp=torch.bfloat16)), ValueError,
+     r"unknown autocast key\(s\) \['dtyp'\]"),
+    (dict(autocast=dict(device_type="tpu")), ValueError, "device_type='tpu' is not valid"),
+    (dict(scaler=torch.amp.GradScaler("cpu")), TypeError, "scaler must be an ampkit.GradScaler"),
+])
+def test_bad_arguments_raise_clearly(change, error, match):
+    model, loss_fn, opt = _parts()
+    kw = dict(model=model, loss_fn=loss_fn, optimizer=opt, autocast=AC, capture=False)
+    kw.update(change)
+    with pytest.raises(error, match=match):
+        ampkit.make_train_step(kw.pop("model"), kw.pop("loss_fn"), kw.pop("optimizer"), **kw)
+
+
+def test_bad_batches_raise_clearly_and_change_nothing():
+    model, loss_fn, opt = _parts()
+    step = ampkit.make_train_step(model, loss_fn, opt, autocast=AC, capture=False)
+    before = snapshot(model)
+    with pytest.raises(TypeError, match=r"inputs must be a torch.Tensor.*got str"):
+        step("batch", torch.zeros(2, 8))
+    with pytest.raises(TypeError, match=r"inputs\[0\] must be a torch.Tensor.*got list"):
+        step([[1.0, 2.0]], torch.zeros(2, 8))
+    with pytest.raises(TypeError, match=r"targets\[1\] must be a torch.Tensor.*got int"):
+        step(torch.zeros(2, 16), (torch.zeros(2, 8), 3))
+    for a, b in zip(before, model.parameters()):
+        assert torch.equal(a, b)
+    assert step.calls == 0
+
+
+def test_non_scalar_loss_raises():
+    model, _, opt = _parts()
+    step = ampkit.make_train_step(model, lambda out, y: (out.float() - y) ** 2, opt,
+                                  autocast=AC, capture=False)
+    with pytest.raises(ValueError, match=r"scalar tensor, got shape \(12, 8\)"):
+        step(*make_batches(n=1, poison=False)[0])
