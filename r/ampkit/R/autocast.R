@@ -1,0 +1,120 @@
+#' Run code in an autocast region
+#'
+#' Inside an autocast region, the ops that the cast policy lists run in lower
+#' precision (`float16` on CUDA, `bfloat16` on the CPU by default) and the
+#' others in `float32`, as the policy says. `with_autocast()` runs `code` in a
+#' region and leaves it afterwards; `local_autocast()` enters a region that
+#' lasts until the calling function returns (the withr convention).
+#'
+#' The previous autocast state is restored when the region ends, also when
+#' `code` raises an error; a Python exception raised in the region becomes an
+#' R condition of class `ampkit_error`. Regions nest; `enabled = FALSE` runs a
+#' region with autocast off (inside an enabled one, too).
+#'
+#' @param code Code to run in the region. It is evaluated in the calling
+#'   frame, so assignments made in it persist after the call.
+#' @param ... Must be empty; the options after it are named.
+#' @param device_type `"cuda"` or `"cpu"`.
+#' @param dtype The lower-precision dtype of the region: `"float16"`,
+#'   `"bfloat16"` or a torch dtype (such as `torch_float16()` of R torch's
+#'   naming, or `torch$float16` from reticulate). `NULL` takes the policy's
+#'   default for the device.
+#' @param enabled `TRUE` or `FALSE`: whether autocast is on in the region.
+#' @param cache_enabled Whether casts of parameters are cached in the region
+#'   (`NULL`: the core's default).
+#' @param policy A cast policy: a name (`"torch_default"`), a path to a policy
+#'   YAML file, or an [amp_policy()] object. `NULL`: the default policy.
+#' @param .env The frame whose exit ends the region started by
+#'   `local_autocast()`.
+#' @return `with_autocast()` returns the value of `code`. `local_autocast()`
+#'   returns the Python context manager, invisibly.
+#' @seealso [amp_grad_scaler()], [amp_policy()], [amp_trace()]
+#' @export
+#' @examples
+#' if (ampkit_available()) {
+#'   x <- torch_randn(8, 4)
+#'   net <- nn_linear(4, 2)
+#'   with_autocast(device_type = "cpu", {
+#'     y <- net(x)
+#'   })
+#'   y$dtype # torch.bfloat16: `y` was assigned in this frame
+#'
+#'   f <- function() {
+#'     local_autocast("cpu", dtype = "bfloat16")
+#'     net(x)$dtype
+#'   }
+#'   f()
+#'   is_autocast_enabled("cpu") # FALSE again
+#' }
+with_autocast <- function(code, ..., device_type, dtype = NULL, enabled = TRUE,
+                          cache_enabled = NULL, policy = NULL) {
+  if (...length()) check_dots_empty_(...)
+  cm <- enter_autocast(device_type, dtype, enabled, cache_enabled, policy)
+  on.exit(.h$exit_autocast(cm), add = TRUE)
+  withCallingHandlers(code, error = py_region_error)
+}
+
+#' @rdname with_autocast
+#' @export
+local_autocast <- function(device_type, ..., dtype = NULL, enabled = TRUE,
+                           cache_enabled = NULL, policy = NULL,
+                           .env = parent.frame()) {
+  if (...length()) check_dots_empty_(...)
+  cm <- enter_autocast(device_type, dtype, enabled, cache_enabled, policy)
+  withr::defer(.h$exit_autocast(cm), envir = .env)
+  invisible(cm)
+}
+
+#' Is autocast on, and with which dtype?
+#'
+#' @param device_type `"cuda"` or `"cpu"`.
+#' @return `is_autocast_enabled()`: `TRUE` or `FALSE`.
+#'   `get_autocast_dtype()`: the dtype name, such as `"bfloat16"`.
+#' @export
+#' @examples
+#' if (ampkit_available()) {
+#'   is_autocast_enabled("cpu")
+#'   with_autocast(device_type = "cpu", is_autocast_enabled("cpu"))
+#'   get_autocast_dtype("cpu")
+#' }
+is_autocast_enabled <- function(device_type) {
+  device_type <- as_device_type(device_type)
+  py_ready()
+  py_try(py_ampkit$is_autocast_enabled(device_type), "is_autocast_enabled()")
+}
+
+#' @rdname is_autocast_enabled
+#' @export
+get_autocast_dtype <- function(device_type) {
+  device_type <- as_device_type(device_type)
+  py_ready()
+  dtype <- py_try(py_ampkit$get_autocast_dtype(device_type), "get_autocast_dtype()")
+  sub("^torch\\.", "", reticulate::py_str(dtype))
+}
+
+# Checks in R first, then one Python call that builds and enters the region.
+enter_autocast <- function(device_type, dtype, enabled, cache_enabled, policy) {
+  if (missing(device_type)) {
+    abort("`device_type` is missing: give \"cuda\" or \"cpu\" by name, e.g. with_autocast(device_type = \"cuda\", {...}).",
+          class = "ampkit_bad_device", call = sys.call(-1))
+  }
+  device_type <- as_device_type(device_type)
+  if (is.null(.h$ready)) py_ready()
+  if (!is.null(dtype)) dtype <- as_py_dtype(dtype)
+  if (!isTRUE(enabled)) enabled <- as_py_bool(enabled, "enabled")
+  if (!is.null(cache_enabled)) cache_enabled <- as_py_bool(cache_enabled, "cache_enabled")
+  if (!is.null(policy)) policy <- as_py_policy(policy)
+  py_try(.h$enter_autocast(device_type, dtype, enabled, cache_enabled, policy),
+         "with_autocast()")
+}
+
+py_region_error <- function(e) {
+  if (is_py_error(e)) stop(py_error_condition(e, "in an autocast region"))
+}
+
+check_dots_empty_ <- function(...) {
+  abort(sprintf("Arguments after `...` must be named; unnamed or unknown: %s. Did you write with_autocast(\"cuda\", ...) instead of with_autocast(device_type = \"cuda\", ...)?",
+                paste(vapply(as.list(substitute(list(...)))[-1], function(x) paste(deparse(x), collapse = ""), ""),
+                      collapse = ", ")),
+        class = "ampkit_bad_argument", call = sys.call(-1))
+}

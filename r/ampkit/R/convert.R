@@ -1,0 +1,154 @@
+# Every R -> Python coercion and argument check lives here (keras3's
+# capture_args idea): reticulate passes R doubles as Python floats, so the
+# arguments Python needs as integers are coerced here and nowhere else.
+# Each check runs in R, before any Python call, and names the value and what
+# is valid.
+
+DEVICE_TYPES <- c("cpu", "cuda")
+DTYPES <- c("float16", "bfloat16", "float32", "float64")
+
+fmt <- function(x) {
+  if (is.character(x)) paste0("\"", x, "\"", collapse = ", ")
+  else paste(format(x), collapse = ", ")
+}
+
+describe <- function(x) {
+  if (is.null(x)) "NULL"
+  else if (is.atomic(x) && length(x) == 1) fmt(x)
+  else paste0("an object of class <", class(x)[[1]], ">")
+}
+
+as_py_int <- function(x, arg = deparse(substitute(x))) {
+  if (!is.numeric(x) || length(x) != 1 || is.na(x) || !is.finite(x) || x != round(x)) {
+    abort(sprintf("`%s` must be a whole number, not %s.", arg, describe(x)),
+          class = "ampkit_bad_argument")
+  }
+  as.integer(x)
+}
+
+as_py_num <- function(x, arg = deparse(substitute(x)), null_ok = FALSE) {
+  if (null_ok && is.null(x)) return(NULL)
+  if (!is.numeric(x) || length(x) != 1 || is.na(x)) {
+    abort(sprintf("`%s` must be a number, not %s.", arg, describe(x)),
+          class = "ampkit_bad_argument")
+  }
+  as.numeric(x)
+}
+
+as_py_nums <- function(x, arg = deparse(substitute(x))) {
+  if (!is.numeric(x) || anyNA(x)) {
+    abort(sprintf("`%s` must be numbers, not %s.", arg, describe(x)),
+          class = "ampkit_bad_argument")
+  }
+  reticulate::tuple(as.list(as.numeric(x)))
+}
+
+as_py_bool <- function(x, arg = deparse(substitute(x)), null_ok = FALSE) {
+  if (null_ok && is.null(x)) return(NULL)
+  if (!is.logical(x) || length(x) != 1 || is.na(x)) {
+    abort(sprintf("`%s` must be TRUE or FALSE, not %s.", arg, describe(x)),
+          class = "ampkit_bad_argument")
+  }
+  x
+}
+
+# "cpu" or "cuda": the device *type* of an autocast region or a scaler.
+as_device_type <- function(x, arg = "device_type") {
+  if (!is.character(x) || length(x) != 1 || !(x %in% DEVICE_TYPES)) {
+    abort(sprintf("`%s` must be one of %s, not %s.", arg, fmt(DEVICE_TYPES), describe(x)),
+          class = "ampkit_bad_device")
+  }
+  x
+}
+
+# A tensor's device: NULL, "cpu", "cuda", "cuda:1" or a torch device.
+as_py_device <- function(x, arg = "device") {
+  if (is.null(x) || inherits(x, "torch.device")) return(x)
+  if (!is.character(x) || length(x) != 1 || !grepl("^(cpu|cuda)(:[0-9]+)?$", x)) {
+    abort(sprintf("`%s` must be \"cpu\", \"cuda\" or \"cuda:<index>\", not %s.", arg, describe(x)),
+          class = "ampkit_bad_device")
+  }
+  x
+}
+
+# A floating dtype: a name ("float16", "bfloat16", ...) or a torch dtype.
+as_py_dtype <- function(x, arg = "dtype", null_ok = TRUE) {
+  if (null_ok && is.null(x)) return(NULL)
+  if (inherits(x, "torch.dtype")) return(x)
+  if (!is.character(x) || length(x) != 1 || !(sub("^torch[._]", "", x) %in% DTYPES)) {
+    abort(sprintf("`%s` must be a torch dtype or one of %s, not %s.", arg, fmt(DTYPES), describe(x)),
+          class = "ampkit_bad_dtype")
+  }
+  py_ready()
+  py_torch[[sub("^torch[._]", "", x)]]
+}
+
+# Tensor sizes: R numbers -> a Python list of ints.
+as_py_size <- function(dims, arg = "size") {
+  dims <- unlist(dims, use.names = FALSE)
+  if (!length(dims)) return(list())
+  as.list(vapply(seq_along(dims), function(i) as_py_int(dims[[i]], arg), integer(1)))
+}
+
+# Parameters for an optimizer: `net$parameters` (an R list of tensors), a
+# Python iterator, or an unevaluated Python method.
+as_py_params <- function(params) {
+  if (is.function(params) && inherits(params, "python.builtin.method")) params <- params()
+  if (is.list(params) && !inherits(params, "python.builtin.object")) {
+    params <- unname(params)
+    if (!length(params)) {
+      abort("`params` is empty: the optimizer has nothing to update.",
+            class = "ampkit_bad_argument")
+    }
+  }
+  params
+}
+
+# A cast policy: NULL, a name or path, an amp_policy() object or a Python Policy.
+as_py_policy <- function(x, arg = "policy") {
+  if (is.null(x)) return(NULL)
+  if (inherits(x, "ampkit_policy")) return(x$py)
+  if (is.character(x) && length(x) == 1) return(amp_policy(x)$py)
+  if (inherits(x, "python.builtin.object")) return(x)
+  abort(sprintf("`%s` must be a policy name, a path to a policy YAML file or an amp_policy() object, not %s.",
+                arg, describe(x)), class = "ampkit_bad_argument")
+}
+
+# A character vector of op names per category, for Policy.with_ops().
+as_py_ops <- function(ops, arg) {
+  if (!is.character(ops) || anyNA(ops)) {
+    abort(sprintf("`%s` must be a character vector of op names, not %s.", arg, describe(ops)),
+          class = "ampkit_bad_argument")
+  }
+  as.list(ops)
+}
+
+# Python -> R: a list of records (dicts or dataclasses) as a data.frame.
+records_to_df <- function(records, columns) {
+  if (!length(records)) {
+    return(as.data.frame(setNames(replicate(length(columns), character(), simplify = FALSE), columns),
+                         stringsAsFactors = FALSE))
+  }
+  cols <- lapply(columns, function(col) {
+    vals <- lapply(records, function(r) { v <- r[[col]]; if (is.null(v)) NA else v })
+    if (all(vapply(vals, function(v) is.atomic(v) && length(v) == 1, logical(1)))) unlist(vals)
+    else I(vals)
+  })
+  as.data.frame(setNames(cols, columns), stringsAsFactors = FALSE)
+}
+
+is_tensor_list <- function(x) {
+  is.list(x) && length(x) > 0 &&
+    all(vapply(x, function(t) inherits(t, "torch.Tensor"), logical(1)))
+}
+
+# A scaler state from `$state_dict()` goes back as it came (Python ints came
+# as R integers). Counters written by hand as R doubles become ints.
+SCALER_INT_KEYS <- c("growth_tracker", "_growth_tracker", "growth_interval", "_growth_interval",
+                     "hysteresis", "_hysteresis", "hysteresis_tracker", "_hysteresis_tracker")
+as_py_state <- function(state) {
+  for (k in intersect(names(state), SCALER_INT_KEYS)) {
+    if (is.double(state[[k]])) state[[k]] <- as_py_int(state[[k]], k)
+  }
+  state
+}

@@ -1,0 +1,156 @@
+#' ampkit: automatic mixed precision for PyTorch from R
+#'
+#' The R face of the ampkit Python core: [with_autocast()] and
+#' [local_autocast()] for autocast regions, [amp_grad_scaler()] for loss
+#' scaling, [amp_policy()] and [amp_trace()] to read, change and trace cast
+#' policies, and a thin layer of torch constructors ([nn_linear()],
+#' [optim_sgd()], ...) so that AMP code written for the R torch package runs
+#' as written.
+#'
+#' Python is found by reticulate (set `RETICULATE_PYTHON` to the project's
+#' virtual environment, as `make setup` and `make test` do) and is started on
+#' first use, not when the package loads.
+#'
+#' @keywords internal
+"_PACKAGE"
+
+# Python modules, delay-loaded in .onLoad (keras3/tensorflow style): the
+# package loads without Python and Python starts on first use.
+py_ampkit <- NULL
+py_torch <- NULL
+
+# Cached Python handles (bound functions) for the hot paths; filled on first
+# use by h(), so that a training step does no `$` lookups of its own.
+.h <- new.env(parent = emptyenv())
+
+.onLoad <- function(libname, pkgname) {
+  on_error <- function(e) {
+    stop(ampkit_condition(missing_python_message(conditionMessage(e)),
+                          class = "ampkit_python_missing"))
+  }
+  py_ampkit <<- reticulate::import("ampkit", delay_load = list(on_error = on_error))
+  py_torch <<- reticulate::import("torch", delay_load = list(on_error = on_error))
+}
+
+# What is missing, and how to get it: named in every "no Python" error.
+missing_python_message <- function(detail = NULL) {
+  what <- tryCatch({
+    if (!reticulate::py_available(initialize = TRUE)) {
+      "no Python was found"
+    } else if (!reticulate::py_module_available("torch")) {
+      sprintf("the Python at %s has no `torch`", reticulate::py_exe())
+    } else if (!reticulate::py_module_available("ampkit")) {
+      sprintf("the Python at %s has no `ampkit` package", reticulate::py_exe())
+    } else {
+      "importing the Python packages failed"
+    }
+  }, error = function(e) paste("Python could not be started:", conditionMessage(e)))
+  paste0(
+    "ampkit needs Python with `torch` and the `ampkit` Python package, but ", what, ".\n",
+    "Run `make setup` in the ampkit repository, then point reticulate at its ",
+    "virtual environment: Sys.setenv(RETICULATE_PYTHON = \"<repo>/.venv/bin/python\") ",
+    "before the first use of ampkit.",
+    if (!is.null(detail) && nzchar(detail)) paste0("\nCause: ", detail)
+  )
+}
+
+#' Is the ampkit Python core usable?
+#'
+#' `ampkit_available()` tells whether Python, torch and the ampkit Python
+#' package can be loaded, without raising an error. Use it to guard examples
+#' and scripts that need Python. `ampkit_config()` describes the Python in use.
+#'
+#' @return `ampkit_available()`: `TRUE` or `FALSE`. `ampkit_config()`: a list
+#'   with the Python executable and the versions of torch and ampkit.
+#' @export
+#' @examples
+#' if (ampkit_available()) {
+#'   ampkit_config()
+#' }
+ampkit_available <- function() {
+  isTRUE(tryCatch({
+    py_ready()
+    TRUE
+  }, error = function(e) FALSE))
+}
+
+#' @rdname ampkit_available
+#' @export
+ampkit_config <- function() {
+  py_ready()
+  list(
+    python = reticulate::py_exe(),
+    torch = py_torch$`__version__`,
+    ampkit = py_ampkit$`__version__`,
+    cuda = .h$cuda_is_available()
+  )
+}
+
+# Import the modules (once) and cache the handles the hot paths use.
+py_ready <- function() {
+  if (!is.null(.h$ready)) return(invisible(TRUE))
+  if (!reticulate::py_available(initialize = FALSE) &&
+      nzchar(Sys.getenv("RETICULATE_PYTHON")) &&
+      !file.exists(Sys.getenv("RETICULATE_PYTHON"))) {
+    stop(ampkit_condition(missing_python_message(sprintf(
+      "RETICULATE_PYTHON=%s does not exist", Sys.getenv("RETICULATE_PYTHON"))),
+      class = "ampkit_python_missing"))
+  }
+  ok <- tryCatch({
+    reticulate::py_module_available("ampkit") && reticulate::py_module_available("torch")
+  }, error = function(e) FALSE)
+  if (!ok) {
+    stop(ampkit_condition(missing_python_message(), class = "ampkit_python_missing"))
+  }
+  helpers <- reticulate::import("types")$ModuleType("_ampkit_r")
+  reticulate::import_builtins()$exec(r_helpers_py, reticulate::py_get_attr(helpers, "__dict__"))
+  .h$enter_autocast <- helpers$enter_autocast
+  .h$exit_autocast <- helpers$exit_autocast
+  .h$trace_rows <- helpers$trace_rows
+  .h$named_parameters <- reticulate::py_eval("lambda m: dict(m.named_parameters())")
+  .h$cuda_is_available <- py_torch$cuda$is_available
+  .h$ready <- TRUE
+  invisible(TRUE)
+}
+
+# One Python call to enter a region and one to leave it (instead of
+# constructor + `__enter__` + `__exit__` looked up from R each time).
+r_helpers_py <- "
+import ampkit as _ampkit
+
+def enter_autocast(device_type, dtype=None, enabled=True, cache_enabled=None, policy=None):
+    cm = _ampkit.autocast(device_type, dtype, enabled, cache_enabled, policy=policy)
+    cm.__enter__()
+    return cm
+
+def exit_autocast(cm):
+    cm.__exit__(None, None, None)
+
+import dataclasses as _dc
+import torch as _torch
+
+def _plain(v):
+    if isinstance(v, _torch.dtype):
+        return str(v).replace('torch.', '')
+    if v is None or isinstance(v, (str, int, float, bool)):
+        return v
+    if isinstance(v, (tuple, list)):
+        return ', '.join(str(_plain(x)) for x in v)
+    return str(v)
+
+def trace_rows(tr):
+    recs = getattr(tr, 'records', tr)
+    recs = recs() if callable(recs) else recs
+    rows = []
+    for r in recs:
+        if _dc.is_dataclass(r):
+            d = {f.name: getattr(r, f.name) for f in _dc.fields(r)}
+        elif hasattr(r, '_asdict'):
+            d = r._asdict()
+        elif isinstance(r, dict):
+            d = r
+        else:
+            d = vars(r)
+        rows.append({k: _plain(v) for k, v in d.items()})
+    return rows
+"

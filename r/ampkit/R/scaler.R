@@ -1,0 +1,167 @@
+#' Gradient scaler (loss scaling) for mixed-precision training
+#'
+#' A gradient scaler multiplies the loss by a scale factor before
+#' `backward()`, so that small gradients survive in `float16`, and divides the
+#' gradients by it again before the optimizer steps. Steps whose gradients
+#' hold `Inf` or `NaN` are skipped and the scale backs off; after
+#' `growth_interval` clean steps it grows again. The state machine is the
+#' ampkit Python core's `GradScaler`.
+#'
+#' `cuda_amp_grad_scaler()` is `amp_grad_scaler(device = "cuda", ...)`, under
+#' the name R torch uses.
+#'
+#' The returned object has these methods:
+#' \describe{
+#'   \item{`$scale(x)`}{`x` times the scale: returns the Python tensor, so
+#'     `scaler$scale(loss)$backward()` chains.}
+#'   \item{`$step(optimizer)`}{Unscales the gradients (unless `$unscale_()`
+#'     did) and steps the optimizer unless they hold `Inf`/`NaN`.}
+#'   \item{`$update(new_scale = NULL)`}{Updates the scale after a step;
+#'     `new_scale` sets it instead.}
+#'   \item{`$unscale_(optimizer)`}{Divides the optimizer's gradients by the
+#'     scale now (for gradient clipping before `$step()`).}
+#'   \item{`$get_scale()`}{The current scale, an R number.}
+#'   \item{`$is_enabled()`}{`TRUE` or `FALSE`.}
+#'   \item{`$state_dict()`, `$load_state_dict(state)`}{Save and restore the
+#'     state, as an R list.}
+#'   \item{`$stats()`}{Counters kept by the core (steps, skipped steps, ...)
+#'     as an R list.}
+#'   \item{`$py`}{The Python `GradScaler`.}
+#' }
+#' Misuse (a non-tensor to `$scale()`, `$step()` twice without `$update()`)
+#' raises an R condition of class `ampkit_error`.
+#'
+#' @param device `"cuda"` or `"cpu"`: where the scaled tensors live.
+#' @param init_scale The initial scale.
+#' @param growth_factor The factor (> 1) by which the scale grows.
+#' @param backoff_factor The factor (in (0, 1)) by which the scale shrinks
+#'   after a step with `Inf`/`NaN` gradients.
+#' @param growth_interval How many clean steps in a row before the scale grows.
+#' @param enabled `FALSE` makes every method a pass-through (`$scale(x)`
+#'   returns `x`, `$step()` just steps), so one loop serves both cases.
+#' @param ... Further options of the Python `GradScaler`, by name:
+#'   `hysteresis` (how many overflowing steps before the scale backs off),
+#'   `min_scale`, `max_scale`.
+#' @return An object of class `ampkit_grad_scaler` (an R6 object).
+#' @seealso [with_autocast()]
+#' @export
+#' @examples
+#' if (ampkit_available()) {
+#'   net <- nn_linear(4, 1)
+#'   opt <- optim_sgd(net$parameters, lr = 0.01)
+#'   scaler <- amp_grad_scaler(device = "cpu", init_scale = 2^10)
+#'   loss <- nn_mse_loss()(net(torch_randn(8, 4)), torch_randn(8, 1))
+#'   scaler$scale(loss)$backward()
+#'   scaler$step(opt)
+#'   scaler$update()
+#'   scaler$get_scale()
+#'   scaler
+#' }
+amp_grad_scaler <- function(device = "cuda", init_scale = 2^16, growth_factor = 2,
+                            backoff_factor = 0.5, growth_interval = 2000,
+                            enabled = TRUE, ...) {
+  device <- as_device_type(device, "device")
+  init_scale <- as_py_num(init_scale)
+  growth_factor <- as_py_num(growth_factor)
+  backoff_factor <- as_py_num(backoff_factor)
+  growth_interval <- as_py_int(growth_interval)
+  enabled <- as_py_bool(enabled)
+  extra <- scaler_options(...)
+  py_ready()
+  py <- py_try(do.call(py_ampkit$GradScaler, c(list(
+    device = device, init_scale = init_scale, growth_factor = growth_factor,
+    backoff_factor = backoff_factor, growth_interval = growth_interval,
+    enabled = enabled), extra)), "amp_grad_scaler()")
+  GradScalerR6$new(py)
+}
+
+#' @rdname amp_grad_scaler
+#' @export
+cuda_amp_grad_scaler <- function(init_scale = 2^16, growth_factor = 2,
+                                 backoff_factor = 0.5, growth_interval = 2000,
+                                 enabled = TRUE, ...) {
+  amp_grad_scaler(device = "cuda", init_scale = init_scale,
+                  growth_factor = growth_factor, backoff_factor = backoff_factor,
+                  growth_interval = growth_interval, enabled = enabled, ...)
+}
+
+scaler_options <- function(..., hysteresis = NULL, min_scale = NULL, max_scale = NULL) {
+  if (...length()) {
+    abort(sprintf("Unknown argument(s) to amp_grad_scaler(): %s. Valid extra options are `hysteresis`, `min_scale` and `max_scale`.",
+                  paste(names(list(...)), collapse = ", ")),
+          class = "ampkit_bad_argument", call = sys.call(-1))
+  }
+  opts <- list()
+  if (!is.null(hysteresis)) opts$hysteresis <- as_py_int(hysteresis)
+  if (!is.null(min_scale)) opts$min_scale <- as_py_num(min_scale)
+  if (!is.null(max_scale)) opts$max_scale <- as_py_num(max_scale)
+  opts
+}
+
+# The bound Python methods are looked up once, in initialize(); each R method
+# is then one Python call (plus a cheap R check).
+GradScalerR6 <- R6::R6Class("ampkit_grad_scaler",
+  cloneable = FALSE,
+  public = list(
+    py = NULL,
+    initialize = function(py) {
+      self$py <- py
+      f <- private$f
+      for (name in c("scale", "step", "update", "unscale_", "get_scale",
+                     "is_enabled", "state_dict", "load_state_dict", "stats")) {
+        f[[name]] <- py[[name]]
+      }
+      private$f <- f
+    },
+    scale = function(x) {
+      if (!inherits(x, "torch.Tensor") && !is_tensor_list(x)) {
+        abort(sprintf("`$scale()` takes a torch tensor (the loss), not %s.", describe(x)),
+              class = "ampkit_bad_argument")
+      }
+      py_try(private$f$scale(x), "$scale()")
+    },
+    step = function(optimizer, ...) {
+      if (!inherits(optimizer, "torch.optim.optimizer.Optimizer")) {
+        abort(sprintf("`$step()` takes a torch optimizer (from optim_sgd(), optim_adam(), ...), not %s.",
+                      describe(optimizer)), class = "ampkit_bad_argument")
+      }
+      invisible(py_try(private$f$step(optimizer, ...), "$step()"))
+    },
+    update = function(new_scale = NULL) {
+      if (!is.null(new_scale) && !inherits(new_scale, "torch.Tensor")) {
+        new_scale <- as_py_num(new_scale, "new_scale")
+      }
+      invisible(py_try(private$f$update(new_scale), "$update()"))
+    },
+    unscale_ = function(optimizer) {
+      invisible(py_try(private$f$unscale_(optimizer), "$unscale_()"))
+    },
+    get_scale = function() py_try(private$f$get_scale(), "$get_scale()"),
+    is_enabled = function() py_try(private$f$is_enabled(), "$is_enabled()"),
+    state_dict = function() py_try(private$f$state_dict(), "$state_dict()"),
+    load_state_dict = function(state) {
+      if (!is.list(state)) {
+        abort(sprintf("`state` must be a list from `$state_dict()`, not %s.", describe(state)),
+              class = "ampkit_bad_argument")
+      }
+      invisible(py_try(private$f$load_state_dict(as_py_state(state)), "$load_state_dict()"))
+    },
+    stats = function() py_try(private$f$stats(), "$stats()"),
+    print = function(...) {
+      cat(format(self), sep = "\n")
+      invisible(self)
+    },
+    format = function(...) {
+      st <- tryCatch(self$state_dict(), error = function(e) list())
+      enabled <- tryCatch(self$is_enabled(), error = function(e) NA)
+      c("<ampkit_grad_scaler>",
+        sprintf("  enabled: %s", enabled),
+        sprintf("  scale: %s", format(tryCatch(self$get_scale(), error = function(e) NA))),
+        vapply(setdiff(names(st), "scale"), function(n) {
+          v <- st[[n]]
+          sprintf("  %s: %s", n, if (is.atomic(v) && length(v) <= 1) format(v) else describe(v))
+        }, ""))
+    }
+  ),
+  private = list(f = list())
+)

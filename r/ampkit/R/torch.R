@@ -1,0 +1,194 @@
+# The thin torch layer: just enough of R torch's constructors, over Python
+# torch, for AMP walkthroughs written for R torch to run with library(ampkit).
+# Modules are reticulate callables, so `net(x)` works as is; `loss$backward()`,
+# `opt$step()`, `opt$zero_grad()` are Python methods and `loss$item()`
+# returns an R number. Coercions are in convert.R.
+
+#' Torch constructors for AMP walkthroughs
+#'
+#' A thin layer over Python torch with the names of R torch, so that mixed
+#' precision code written for R torch runs with `library(ampkit)`. Modules
+#' are callable as R functions (`net(x)`), `net$parameters` is a named list of
+#' tensors, `$cuda()` moves a module to the GPU, and tensors keep their Python
+#' methods (`loss$backward()`, `loss$item()`, which returns an R number).
+#' Optimizers keep theirs (`opt$step()`, `opt$zero_grad()`).
+#'
+#' On a machine without CUDA, a module's `$cuda()` leaves the module on the
+#' CPU with a warning of class `ampkit_cuda_unavailable`, so that a
+#' walkthrough written for the GPU runs on the CPU with only its device strings
+#' changed.
+#'
+#' @param seed A whole number.
+#' @param ... For `torch_randn()`: the sizes of the dimensions. For
+#'   `nn_sequential()`: modules, or a list of modules spliced with `!!!`.
+#' @param dtype A dtype name (`"float32"`, `"float16"`, `"bfloat16"`) or a
+#'   torch dtype; `NULL` for the default.
+#' @param device `"cpu"`, `"cuda"`, `"cuda:<index>"` or `NULL`.
+#' @param requires_grad Whether the tensor records gradients.
+#' @param in_features,out_features Input and output sizes of a linear layer.
+#' @param bias Whether a linear layer has a bias.
+#' @param inplace Whether ReLU overwrites its input.
+#' @param reduction `"mean"`, `"sum"` or `"none"`.
+#' @param weight,ignore_index,label_smoothing As in torch's `CrossEntropyLoss`.
+#' @param params The parameters to optimize: `net$parameters`.
+#' @param lr Learning rate.
+#' @param momentum,dampening,weight_decay,nesterov As in torch's `SGD`.
+#' @param betas,eps,amsgrad As in torch's `Adam` and `AdamW`.
+#' @return Python torch objects (tensors, modules, optimizers, dtypes);
+#'   `cuda_is_available()` returns `TRUE` or `FALSE`, `torch_manual_seed()`
+#'   returns `NULL` invisibly.
+#' @name torch_layer
+#' @examples
+#' if (ampkit_available()) {
+#'   torch_manual_seed(1)
+#'   layers <- list(nn_linear(4, 8), nn_relu(), nn_linear(8, 2))
+#'   net <- nn_sequential(!!!layers)
+#'   x <- torch_randn(16, 4, device = "cpu")
+#'   y <- torch_randn(16, 2, device = "cpu")
+#'   loss_fn <- nn_mse_loss()
+#'   opt <- optim_sgd(net$parameters, lr = 0.1)
+#'   loss <- loss_fn(net(x), y)
+#'   loss$backward()
+#'   opt$step()
+#'   opt$zero_grad()
+#'   loss$item()
+#'   names(net$parameters)
+#' }
+NULL
+
+#' @rdname torch_layer
+#' @export
+torch_manual_seed <- function(seed) {
+  seed <- as_py_int(seed)
+  py_ready()
+  py_torch$manual_seed(seed)
+  invisible(NULL)
+}
+
+#' @rdname torch_layer
+#' @export
+torch_randn <- function(..., dtype = NULL, device = NULL, requires_grad = FALSE) {
+  size <- as_py_size(list(...))
+  dtype <- as_py_dtype(dtype)
+  device <- as_py_device(device)
+  py_ready()
+  py_try(py_torch$randn(size, dtype = dtype, device = device,
+                        requires_grad = as_py_bool(requires_grad)), "torch_randn()")
+}
+
+#' @rdname torch_layer
+#' @export
+torch_float16 <- function() torch_dtype("float16")
+
+#' @rdname torch_layer
+#' @export
+torch_bfloat16 <- function() torch_dtype("bfloat16")
+
+#' @rdname torch_layer
+#' @export
+torch_float32 <- function() torch_dtype("float32")
+
+torch_dtype <- function(name) as_py_dtype(name)
+
+#' @rdname torch_layer
+#' @export
+cuda_is_available <- function() {
+  py_ready()
+  .h$cuda_is_available()
+}
+
+#' @rdname torch_layer
+#' @export
+nn_linear <- function(in_features, out_features, bias = TRUE) {
+  py_ready()
+  py_torch$nn$Linear(as_py_int(in_features), as_py_int(out_features), bias = as_py_bool(bias))
+}
+
+#' @rdname torch_layer
+#' @export
+nn_relu <- function(inplace = FALSE) {
+  py_ready()
+  py_torch$nn$ReLU(inplace = as_py_bool(inplace))
+}
+
+#' @rdname torch_layer
+#' @export
+nn_sequential <- function(...) {
+  modules <- rlang::list2(...)
+  for (i in seq_along(modules)) {
+    if (!inherits(modules[[i]], "torch.nn.modules.module.Module")) {
+      abort(sprintf("nn_sequential() takes torch modules; argument %d is %s.", i, describe(modules[[i]])),
+            class = "ampkit_bad_argument")
+    }
+  }
+  py_ready()
+  if (is.null(names(modules))) return(do.call(py_torch$nn$Sequential, modules))
+  named <- Map(function(n, m) reticulate::tuple(if (nzchar(n)) n else "", m), names(modules), modules)
+  py_torch$nn$Sequential(reticulate::import("collections")$OrderedDict(unname(named)))
+}
+
+#' @rdname torch_layer
+#' @export
+nn_mse_loss <- function(reduction = "mean") {
+  py_ready()
+  py_torch$nn$MSELoss(reduction = reduction)
+}
+
+#' @rdname torch_layer
+#' @export
+nn_cross_entropy_loss <- function(weight = NULL, ignore_index = -100, reduction = "mean",
+                                  label_smoothing = 0) {
+  py_ready()
+  py_torch$nn$CrossEntropyLoss(weight = weight, ignore_index = as_py_int(ignore_index),
+                               reduction = reduction,
+                               label_smoothing = as_py_num(label_smoothing))
+}
+
+#' @rdname torch_layer
+#' @export
+optim_sgd <- function(params, lr, momentum = 0, dampening = 0, weight_decay = 0,
+                      nesterov = FALSE) {
+  if (missing(lr)) abort("optim_sgd() needs a learning rate: `lr`.", class = "ampkit_bad_argument")
+  py_ready()
+  py_try(py_torch$optim$SGD(as_py_params(params), lr = as_py_num(lr),
+                            momentum = as_py_num(momentum), dampening = as_py_num(dampening),
+                            weight_decay = as_py_num(weight_decay),
+                            nesterov = as_py_bool(nesterov)), "optim_sgd()")
+}
+
+#' @rdname torch_layer
+#' @export
+optim_adam <- function(params, lr = 0.001, betas = c(0.9, 0.999), eps = 1e-8,
+                       weight_decay = 0, amsgrad = FALSE) {
+  py_ready()
+  py_try(py_torch$optim$Adam(as_py_params(params), lr = as_py_num(lr), betas = as_py_nums(betas),
+                             eps = as_py_num(eps), weight_decay = as_py_num(weight_decay),
+                             amsgrad = as_py_bool(amsgrad)), "optim_adam()")
+}
+
+#' @rdname torch_layer
+#' @export
+optim_adamw <- function(params, lr = 0.001, betas = c(0.9, 0.999), eps = 1e-8,
+                        weight_decay = 0.01, amsgrad = FALSE) {
+  py_ready()
+  py_try(py_torch$optim$AdamW(as_py_params(params), lr = as_py_num(lr), betas = as_py_nums(betas),
+                              eps = as_py_num(eps), weight_decay = as_py_num(weight_decay),
+                              amsgrad = as_py_bool(amsgrad)), "optim_adamw()")
+}
+
+# R torch's module fields on Python modules: `net$parameters` is a named list
+# of tensors, `net$cuda()` stays on the CPU (with a warning) without CUDA.
+# Everything else is reticulate's `$`.
+#' @export
+`$.torch.nn.modules.module.Module` <- function(x, name) {
+  switch(name,
+    parameters = .h$named_parameters(x),
+    cuda = if (.h$cuda_is_available()) NextMethod() else function(...) {
+      warning(structure(class = c("ampkit_cuda_unavailable", "warning", "condition"),
+        list(message = "CUDA is not available: `$cuda()` leaves the module on the CPU.",
+             call = NULL)))
+      x
+    },
+    NextMethod()
+  )
+}

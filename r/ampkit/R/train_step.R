@@ -1,0 +1,71 @@
+#' One whole mixed-precision training step
+#'
+#' `amp_train_step()` wraps the core's `make_train_step()`: it returns a
+#' function `step(inputs, targets)` that does what the hand-written AMP loop
+#' does (zero the gradients, run `model` and `loss_fn` in an autocast region,
+#' scale the loss, `backward()`, step through the scaler, update the scale)
+#' and returns the loss tensor. On CUDA the core captures the step in a CUDA
+#' graph where that is exact; elsewhere it runs eagerly.
+#'
+#' @param model A torch module, called as `model(inputs)`.
+#' @param loss_fn A loss module or function, called as `loss_fn(output, targets)`.
+#' @param optimizer An optimizer over the model's parameters.
+#' @param ... Must be empty.
+#' @param scaler An [amp_grad_scaler()] or `NULL` (the core makes one:
+#'   enabled for `float16`, disabled for `bfloat16`).
+#' @param device_type,dtype,enabled,cache_enabled,policy The autocast region,
+#'   as in [with_autocast()]. `device_type = NULL` takes the device of the
+#'   model's parameters.
+#' @param capture `"auto"`, `TRUE` or `FALSE`: whether to capture the step in
+#'   a CUDA graph.
+#' @param warmup Eager steps before the capture.
+#' @return A function `step(inputs, targets)` of class `ampkit_train_step`;
+#'   `inputs` and `targets` are tensors or lists of tensors. The Python
+#'   `TrainStep` is in `attr(step, "py")`.
+#' @export
+#' @examples
+#' if (ampkit_available()) {
+#'   net <- nn_sequential(nn_linear(4, 8), nn_relu(), nn_linear(8, 1))
+#'   opt <- optim_sgd(net$parameters, lr = 0.01)
+#'   step <- amp_train_step(net, nn_mse_loss(), opt, device_type = "cpu",
+#'                          capture = FALSE)
+#'   for (i in 1:3) loss <- step(torch_randn(16, 4), torch_randn(16, 1))
+#'   loss$item()
+#' }
+amp_train_step <- function(model, loss_fn, optimizer, ..., scaler = NULL,
+                           device_type = NULL, dtype = NULL, enabled = TRUE,
+                           cache_enabled = NULL, policy = NULL,
+                           capture = "auto", warmup = 3) {
+  if (...length()) check_dots_empty_(...)
+  autocast <- NULL
+  if (!is.null(device_type)) {
+    autocast <- list(device_type = as_device_type(device_type),
+                     dtype = as_py_dtype(dtype), enabled = as_py_bool(enabled),
+                     cache_enabled = as_py_bool(cache_enabled, null_ok = TRUE),
+                     policy = as_py_policy(policy))
+    autocast <- autocast[!vapply(autocast, is.null, logical(1))]
+  }
+  if (inherits(scaler, "ampkit_grad_scaler")) scaler <- scaler$py
+  if (!(identical(capture, "auto") || isTRUE(capture) || isFALSE(capture))) {
+    abort(sprintf("`capture` must be \"auto\", TRUE or FALSE, not %s.", describe(capture)),
+          class = "ampkit_bad_argument")
+  }
+  warmup <- as_py_int(warmup)
+  py_ready()
+  if (!reticulate::py_has_attr(py_ampkit, "make_train_step")) {
+    abort("This version of the ampkit Python package has no make_train_step(); update it (`make setup`).",
+          class = "ampkit_python_missing")
+  }
+  py <- py_try(py_ampkit$make_train_step(model, loss_fn, optimizer, scaler = scaler,
+                                         autocast = autocast, capture = capture,
+                                         warmup = warmup), "amp_train_step()")
+  call <- py[["__call__"]]
+  step <- function(inputs, targets) py_try(call(inputs, targets), "amp_train_step")
+  structure(step, class = c("ampkit_train_step", "function"), py = py)
+}
+
+#' @export
+print.ampkit_train_step <- function(x, ...) {
+  cat("<ampkit_train_step> ", reticulate::py_repr(attr(x, "py")), "\n", sep = "")
+  invisible(x)
+}
