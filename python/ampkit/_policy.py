@@ -1,0 +1,373 @@
+"""Cast policies: immutable values loaded from the shared YAML specs.
+
+A policy says, per device type, which dtype an autocast region uses by default
+and which ops fall in each of five categories (the design of torch's own
+autocast, written as data):
+
+=====================  ===================================================
+``lower_precision_fp``  floating inputs are cast to the region's dtype
+``fp32``                floating inputs are cast to float32
+``fp32_output``         no input cast; the op is called with dtype=float32
+``promote``             inputs are cast to the widest floating input dtype
+``banned``              calling the op in a region raises (with a message)
+=====================  ===================================================
+
+Ops in no category run untouched. Policies are values: comparable, hashable,
+printable; ``with_*`` methods return changed copies.
+
+>>> import ampkit
+>>> p = ampkit.load_policy("torch_default")
+>>> p.category("cpu", "linear")
+'lower_precision_fp'
+>>> q = p.with_ops(fp32=["linear"])
+>>> q.category("cpu", "linear"), p.category("cpu", "linear")
+('fp32', 'lower_precision_fp')
+>>> q == p
+False
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import torch
+import yaml
+
+CATEGORIES = ("lower_precision_fp", "fp32", "fp32_output", "promote", "banned")
+DEVICES = ("cpu", "cuda")
+SCHEMA_VERSION = 1
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+_TOP_KEYS = ("schema_version", "name", "description", "devices")
+_DEVICE_KEYS = ("lower_precision_dtype",) + CATEGORIES
+DEFAULT_BAN_MESSAGE = "{op} is banned in ampkit autocast regions by the active policy."
+SPEC_DIR = Path(__file__).resolve().parents[2] / "shared_specs" / "policies"
+
+
+class PolicyError(ValueError):
+    """A cast policy (file, name, op, category, dtype or device) is invalid."""
+
+
+def _dtype_of(value, where: str) -> torch.dtype:
+    if isinstance(value, torch.dtype) and value in _DTYPE_NAMES:
+        return value
+    if isinstance(value, str) and value in _DTYPES:
+        return _DTYPES[value]
+    raise PolicyError(f"{where}: unknown lower-precision dtype {value!r}; valid: {', '.join(_DTYPES)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceRules:
+    """The rules of one device type: default dtype and the five op tables."""
+
+    lower_precision_dtype: torch.dtype
+    lower_precision_fp: tuple = ()
+    fp32: tuple = ()
+    fp32_output: tuple = ()
+    promote: tuple = ()
+    banned: tuple = ()  # ((op, message), ...)
+
+    def ops(self, category: str) -> tuple:
+        """Op names of ``category`` (sorted)."""
+        _check_category(category, "ops()")
+        got = getattr(self, category)
+        return tuple(n for n, _ in got) if category == "banned" else got
+
+    def category(self, op: str):
+        """The category of ``op`` or None when it is in no table."""
+        for cat in CATEGORIES:
+            if op in self.ops(cat):
+                return cat
+        return None
+
+    def ban_message(self, op: str) -> str:
+        return dict(self.banned)[op]
+
+    def to_dict(self) -> dict:
+        d = {"lower_precision_dtype": _DTYPE_NAMES[self.lower_precision_dtype]}
+        for cat in CATEGORIES[:-1]:
+            d[cat] = list(getattr(self, cat))
+        d["banned"] = dict(self.banned)
+        return d
+
+
+def _check_category(cat, where):
+    if cat not in CATEGORIES:
+        raise PolicyError(f"{where}: unknown category {cat!r}; valid: {', '.join(CATEGORIES)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """An immutable cast policy: ``name``, ``description`` and per-device rules.
+
+    Build one with :func:`load_policy` and change it with :meth:`with_ops`,
+    :meth:`without_ops`, :meth:`with_dtype` or :meth:`with_name`.
+    """
+
+    name: str
+    devices: tuple  # ((device_type, DeviceRules), ...) sorted by device type
+    description: str = ""
+    source: str = dataclasses.field(default="", compare=False)
+
+    # -- reading --------------------------------------------------------------
+    def device_types(self) -> tuple:
+        return tuple(d for d, _ in self.devices)
+
+    def rules(self, device_type: str) -> DeviceRules:
+        """The :class:`DeviceRules` of ``device_type`` (ValueError if absent)."""
+        for d, r in self.devices:
+            if d == device_type:
+                return r
+        raise PolicyError(
+            f"policy {self.name!r} has no rules for device type {device_type!r}; "
+            f"it has: {', '.join(self.device_types())}"
+        )
+
+    def category(self, device_type: str, op: str):
+        """The category of ``op`` on ``device_type`` or None when unlisted."""
+        return self.rules(device_type).category(op)
+
+    def to_dict(self) -> dict:
+        """A plain dict in the YAML schema (``yaml.safe_dump`` writes it back)."""
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "name": self.name,
+            "description": self.description,
+            "devices": {d: r.to_dict() for d, r in self.devices},
+        }
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None, width=100)
+
+    def __str__(self) -> str:
+        lines = [f"Policy {self.name!r}" + (f" ({self.source})" if self.source else "")]
+        for d, r in self.devices:
+            lines.append(f"  {d}: lower_precision_dtype={_DTYPE_NAMES[r.lower_precision_dtype]}")
+            for cat in CATEGORIES:
+                names = r.ops(cat)
+                shown = ", ".join(names[:8]) + (f", ... ({len(names)} ops)" if len(names) > 8 else "")
+                lines.append(f"    {cat:<18} {shown or '-'}")
+        return "\n".join(lines)
+
+    # -- changing -------------------------------------------------------------
+    def _targets(self, device):
+        if device is None:
+            return self.device_types()
+        if isinstance(device, str):
+            device = (device,)
+        for d in device:
+            self.rules(d)
+        return tuple(device)
+
+    def with_ops(self, device=None, **categories) -> "Policy":
+        """A copy with ops moved into categories (out of their old one).
+
+        ``device``: a device type, a sequence of them, or None for all.
+        Each keyword is a category; its value a list of op names (for
+        ``banned``: a list or a dict ``{op: message}``).
+
+        >>> import ampkit
+        >>> p = ampkit.load_policy("torch_default").with_ops("cpu", fp32=["matmul"])
+        >>> p.category("cpu", "matmul"), p.category("cuda", "matmul")
+        ('fp32', 'lower_precision_fp')
+        """
+        moves = {}
+        for cat, names in categories.items():
+            _check_category(cat, "with_ops")
+            if isinstance(names, str):
+                raise PolicyError(f"with_ops: {cat}= must be a list of op names, got the string {names!r}")
+            if cat == "banned" and isinstance(names, dict):
+                items = list(names.items())
+            else:
+                items = [(n, None) for n in names]
+            for n, msg in items:
+                _ops_mod().check_name(n, f"with_ops({cat}=...)")
+                if n in moves:
+                    raise PolicyError(f"with_ops: op {n!r} given for both {moves[n][0]!r} and {cat!r}")
+                if msg is not None and not isinstance(msg, str):
+                    raise PolicyError(f"with_ops: banned message for {n!r} must be a string, got {msg!r}")
+                moves[n] = (cat, msg)
+        return self._edit(device, moves)
+
+    def without_ops(self, *names, device=None) -> "Policy":
+        """A copy in which ``names`` are in no category (run untouched)."""
+        return self._edit(device, {n: (None, None) for n in names})
+
+    def _edit(self, device, moves) -> "Policy":
+        targets = self._targets(device)
+        out = []
+        for d, r in self.devices:
+            if d in targets:
+                tables = {c: dict.fromkeys(r.ops(c)) for c in CATEGORIES}
+                tables["banned"] = dict(r.banned)
+                for n, (cat, msg) in moves.items():
+                    for t in tables.values():
+                        t.pop(n, None)
+                    if cat is not None:
+                        tables[cat][n] = (msg or DEFAULT_BAN_MESSAGE.format(op=n)) if cat == "banned" else None
+                r = _make_rules(r.lower_precision_dtype, tables)
+            out.append((d, r))
+        return dataclasses.replace(self, devices=tuple(out), source="")
+
+    def with_dtype(self, device: str, dtype) -> "Policy":
+        """A copy whose ``device`` regions default to ``dtype``."""
+        dt = _dtype_of(dtype, f"with_dtype({device!r})")
+        out = tuple((d, dataclasses.replace(r, lower_precision_dtype=dt) if d == device else r) for d, r in self.devices)
+        self.rules(device)
+        return dataclasses.replace(self, devices=out, source="")
+
+    def with_name(self, name: str, description: str | None = None) -> "Policy":
+        if not isinstance(name, str) or not name:
+            raise PolicyError(f"with_name: name must be a non-empty string, got {name!r}")
+        return dataclasses.replace(self, name=name, description=self.description if description is None else description)
+
+
+def _ops_mod():
+    from ampkit import _ops
+
+    return _ops
+
+
+def _make_rules(dtype, tables) -> DeviceRules:
+    kw = {c: tuple(sorted(tables[c])) for c in CATEGORIES[:-1]}
+    kw["banned"] = tuple(sorted(tables["banned"].items()))
+    return DeviceRules(lower_precision_dtype=dtype, **kw)
+
+
+# -- loading -----------------------------------------------------------------
+def _lines(text):
+    """Map YAML key paths to 1-based line numbers (best effort)."""
+    out = {}
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return out
+
+    def walk(node, path):
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                p = path + (getattr(k, "value", None),)
+                out[p] = k.start_mark.line + 1
+                walk(v, p)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, v in enumerate(node.value):
+                out[path + (i,)] = v.start_mark.line + 1
+                if isinstance(v, yaml.ScalarNode):
+                    out[path + (v.value,)] = v.start_mark.line + 1
+
+    if root is not None:
+        walk(root, ())
+    return out
+
+
+def load_policy(path_or_name) -> Policy:
+    """Load a policy from a YAML file or a shipped spec name.
+
+    ``path_or_name``: ``"torch_default"`` (a file of ``shared_specs/policies``),
+    or a path to a YAML file in the schema of ``docs/TEAM.md``. Only safe YAML
+    is read. Any problem raises :class:`PolicyError` naming the file, the key,
+    the value and the line; nothing is half-loaded.
+
+    >>> import ampkit, torch
+    >>> ampkit.load_policy("torch_default").rules("cuda").lower_precision_dtype
+    torch.float16
+    """
+    if isinstance(path_or_name, Policy):
+        return path_or_name
+    if not isinstance(path_or_name, (str, os.PathLike)):
+        raise PolicyError(f"load_policy: expected a spec name or a path, got {path_or_name!r}")
+    s = os.fspath(path_or_name)
+    if os.sep not in s and "/" not in s and not s.endswith((".yaml", ".yml")):
+        path = SPEC_DIR / f"{s}.yaml"
+        if not path.is_file():
+            names = sorted(p.stem for p in SPEC_DIR.glob("*.yaml")) if SPEC_DIR.is_dir() else []
+            raise PolicyError(f"load_policy: no shipped policy named {s!r}; shipped: {', '.join(names) or 'none'} (in {SPEC_DIR})")
+    else:
+        path = Path(s)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise PolicyError(f"{path}: cannot read the policy file ({e.strerror or e})") from e
+    return parse_policy(text, str(path))
+
+
+def parse_policy(text: str, source: str = "<string>") -> Policy:
+    """Parse and validate YAML text in the policy schema."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        line = f", line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise PolicyError(f"{source}{line}: malformed YAML ({problem}); only plain YAML is accepted (no Python tags)") from e
+    lines = _lines(text)
+
+    def where(*path):
+        ln = lines.get(tuple(path))
+        key = ".".join(str(p) for p in path)
+        return f"{source}{f', line {ln}' if ln else ''}, key {key!r}" if path else source
+
+    if not isinstance(data, dict):
+        raise PolicyError(f"{source}: a policy must be a YAML mapping with keys {', '.join(_TOP_KEYS)}, got {type(data).__name__}")
+    for k in data:
+        if k not in _TOP_KEYS:
+            raise PolicyError(f"{where(k)}: unknown key {k!r}; valid: {', '.join(_TOP_KEYS)}")
+    if data.get("schema_version") != SCHEMA_VERSION:
+        raise PolicyError(f"{where('schema_version')}: schema_version must be {SCHEMA_VERSION}, got {data.get('schema_version')!r}")
+    name = data.get("name")
+    if not isinstance(name, str) or not name:
+        raise PolicyError(f"{where('name')}: name must be a non-empty string, got {name!r}")
+    desc = data.get("description", "") or ""
+    if not isinstance(desc, str):
+        raise PolicyError(f"{where('description')}: description must be a string, got {desc!r}")
+    devs = data.get("devices")
+    if not isinstance(devs, dict) or not devs:
+        raise PolicyError(f"{where('devices')}: devices must be a mapping of device type to rules, got {devs!r}")
+    out = []
+    for dev, body in devs.items():
+        if dev not in DEVICES:
+            raise PolicyError(f"{where('devices', dev)}: unknown device type {dev!r}; valid: {', '.join(DEVICES)}")
+        out.append((dev, _parse_device(dev, body, where)))
+    return Policy(name=name, devices=tuple(sorted(out, key=lambda x: x[0])), description=desc.strip(), source=source)
+
+
+def _parse_device(dev, body, where) -> DeviceRules:
+    if not isinstance(body, dict):
+        raise PolicyError(f"{where('devices', dev)}: rules must be a mapping with keys {', '.join(_DEVICE_KEYS)}, got {body!r}")
+    for k in body:
+        if k not in _DEVICE_KEYS:
+            kind = "category" if k not in ("dtype",) else "key"
+            raise PolicyError(f"{where('devices', dev, k)}: unknown {kind} {k!r}; valid: {', '.join(_DEVICE_KEYS)}")
+    for k in _DEVICE_KEYS:
+        if k not in body:
+            raise PolicyError(f"{where('devices', dev)}: missing key {k!r} (write every category out, [] or {{}} when empty)")
+    dtype = _dtype_of(body["lower_precision_dtype"], where("devices", dev, "lower_precision_dtype"))
+    tables, seen = {}, {}
+    for cat in CATEGORIES:
+        val = body[cat]
+        if cat == "banned":
+            if val is None:
+                val = {}
+            if not isinstance(val, dict):
+                raise PolicyError(f"{where('devices', dev, cat)}: banned must be a mapping op: message, got {val!r}")
+            items = list(val.items())
+        else:
+            if val is None:
+                val = []
+            if not isinstance(val, list):
+                raise PolicyError(f"{where('devices', dev, cat)}: {cat} must be a list of op names, got {val!r}")
+            items = [(n, None) for n in val]
+        table = {}
+        for n, msg in items:
+            w = where("devices", dev, cat, n) if isinstance(n, str) else where("devices", dev, cat)
+            _ops_mod().check_name(n, w)
+            if n in seen:
+                raise PolicyError(f"{w}: op {n!r} is listed in both {seen[n]!r} and {cat!r}; an op belongs to one category")
+            if cat == "banned" and not isinstance(msg, str):
+                raise PolicyError(f"{w}: the message of banned op {n!r} must be a string, got {msg!r}")
+            seen[n] = cat
+            table[n] = msg
+        tables[cat] = table
+    return _make_rules(dtype, tables)

@@ -1,0 +1,154 @@
+"""A cast trace: what each intercepted call in an ampkit region did.
+
+>>> import torch, ampkit
+>>> lin = torch.nn.Linear(4, 3)
+>>> with ampkit.trace() as tr, ampkit.autocast("cpu"):
+...     loss = torch.nn.functional.mse_loss(lin(torch.randn(2, 4)), torch.randn(2, 3))
+>>> [(r.op, r.rule, r.output_dtype) for r in tr.records if r.rule != "none"]
+[('linear', 'lower_precision_fp', 'bfloat16'), ('mse_loss', 'fp32', 'float32')]
+>>> print(tr)  # doctest: +SKIP
+op        rule                device  inputs                       output
+linear    lower_precision_fp  cpu     float32, float32, float32    bfloat16
+mse_loss  fp32                cpu     bfloat16, float32            float32
+
+Records are kept for calls whose result holds a tensor (property reads and
+metadata calls such as ``size()`` are skipped). ``rule`` is the category that
+was applied, ``"none"`` for an op in no table (or one whose tensors are on
+another device), ``"composite"`` for a torch Python function whose body was
+traced through. Tracing costs nothing when no trace is active.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import torch
+
+from ampkit import _ops
+
+_FIELDS = ("op", "rule", "device", "input_dtypes", "output_dtype")
+_SEQ = (list, tuple)
+
+
+def _dtype_name(d) -> str:
+    return str(d).replace("torch.", "")
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, _SEQ):
+        return [t for t in x if isinstance(t, torch.Tensor)]
+    return []
+
+
+@dataclasses.dataclass(frozen=True)
+class CastRecord:
+    """One intercepted call."""
+
+    op: str
+    rule: str
+    device: str
+    input_dtypes: tuple
+    output_dtype: str
+
+    def to_dict(self) -> dict:
+        """Plain values (strings and a list), e.g. for a data.frame in R."""
+        return {
+            "op": self.op,
+            "rule": self.rule,
+            "device": self.device,
+            "input_dtypes": list(self.input_dtypes),
+            "output_dtype": self.output_dtype,
+        }
+
+
+class CastTrace:
+    """The records of a :func:`trace` block, in call order."""
+
+    def __init__(self):
+        self.records: list = []
+
+    def __len__(self):
+        return len(self.records)
+
+    def __iter__(self):
+        return iter(self.records)
+
+    def as_rows(self) -> list:
+        """The records as a list of plain dicts (``input_dtypes`` joined by ', ')."""
+        rows = []
+        for r in self.records:
+            d = r.to_dict()
+            d["input_dtypes"] = ", ".join(r.input_dtypes)
+            rows.append(d)
+        return rows
+
+    def table(self, rules=None) -> str:
+        """An aligned text table; ``rules``: only records whose rule is in it."""
+        rows = [r for r in self.as_rows() if rules is None or r["rule"] in rules]
+        head = {"op": "op", "rule": "rule", "device": "device", "input_dtypes": "inputs", "output_dtype": "output"}
+        cols = ("op", "rule", "device", "input_dtypes", "output_dtype")
+        width = {c: max([len(head[c])] + [len(str(r[c])) for r in rows]) for c in cols}
+        lines = ["  ".join(head[c].ljust(width[c]) for c in cols).rstrip()]
+        lines += ["  ".join(str(r[c]).ljust(width[c]) for c in cols).rstrip() for r in rows]
+        return "\n".join(lines)
+
+    def __str__(self):
+        return self.table()
+
+    def __repr__(self):
+        return f"<CastTrace of {len(self.records)} records>"
+
+    # called by the engine's slow path while this trace is active
+    def _record(self, func, act, args, kwargs):
+        out = func(*args, **kwargs) if act is None else act(func, args, kwargs)
+        outs = _tensors(out)
+        if not outs:
+            return out
+        ins = [t for a in list(args) + list(kwargs.values()) for t in _tensors(a)]
+        rule = "none" if act is None else getattr(act, "rule", "none")
+        if act is not None and rule != "composite" and ins and hasattr(act, "on") and not act.on(ins[0]):
+            rule = "none"
+        op = getattr(act, "op", None) or _ops.op_name(func)
+        device = (ins[0] if ins else outs[0]).device.type
+        self.records.append(
+            CastRecord(
+                op=op,
+                rule=rule,
+                device=device,
+                input_dtypes=tuple(_dtype_name(t.dtype) for t in ins),
+                output_dtype=_dtype_name(outs[0].dtype),
+            )
+        )
+        return out
+
+
+_stack = threading.local()
+
+
+class trace:
+    """Context manager recording the ampkit regions of this thread into a CastTrace.
+
+    ``with ampkit.trace() as tr: ...`` then ``print(tr)`` or ``tr.records``.
+    Nested traces record into the innermost one.
+    """
+
+    def __init__(self):
+        self.result = CastTrace()
+        self._prev = None
+
+    def __enter__(self) -> CastTrace:
+        from ampkit._autocast import _engine
+
+        eng = _engine()
+        self._prev = eng.trace
+        eng.set_trace(self.result)
+        return self.result
+
+    def __exit__(self, exc_type, exc_val, exc_tb):
+        from ampkit._autocast import _engine
+
+        _engine().set_trace(self._prev)
+        return False
