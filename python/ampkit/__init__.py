@@ -23,6 +23,7 @@ from ampkit._trace import CastTrace
 from ampkit._trace import trace
 from ampkit._scaler import GradScaler
 from ampkit._scaler import cuda_amp_grad_scaler
+from ampkit._train_step import make_train_step
 
 __version__ = "0.1.0"
 
@@ -39,6 +40,7 @@ __all__ = [
     "get_autocast_dtype",
     "is_autocast_enabled",
     "load_policy",
+    "make_train_step",
     "op",
     "trace",
 ]

@@ -1,0 +1,229 @@
+"""make_train_step on CUDA: the captured step against the eager step (run on the device).
+
+    PYTHONPATH=$PWD/python python3 -m pytest -q -m cuda tests/python/test_train_step_cuda.py
+
+Infs and NaNs are injected through the data (the targets), so the graph, which replays
+kernels and no Python, sees them exactly where the eager step does.
+"""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import ampkit
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+AC = dict(device_type="cuda", dtype=torch.float16)
+N_STEPS = 50
+INF_STEPS = {1, 9, 10, 24, 37}  # 1 is inside the warm-up, 9-10 back to back
+NAN_STEPS = {30}
+
+
+def make_mlp(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU(),
+        torch.nn.Linear(256, 32)).cuda()
+
+
+def make_batches(n=N_STEPS, batch=64, seed=1, d_in=64, d_out=32):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    out = []
+    for i in range(n):
+        x = torch.randn(batch, d_in, device="cuda", generator=g)
+        y = torch.randn(batch, d_out, device="cuda", generator=g)
+        if i in INF_STEPS:
+            y[0, 0] = math.inf
+        if i in NAN_STEPS:
+            y[3, 2] = math.nan
+        out.append((x, y))
+    return out
+
+
+OPTIMIZERS = {
+    "sgd_fused": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, weight_decay=1e-4,
+                                           fused=True),
+    "adamw_fused": lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True, capturable=True),
+}
+
+
+def scaler():
+    return ampkit.GradScaler("cuda", init_scale=2.0**12, growth_interval=4)
+
+
+def run(step, model, batches):
+    losses, scales, skipped, modes = [], [], [], []
+    for i, (x, y) in enumerate(batches):
+        before = [p.detach().clone() for p in model.parameters()]
+        losses.append(step(x, y))
+        modes.append(step.captured)
+        scales.append(step.scaler.get_scale())
+        if all(torch.equal(a, b) for a, b in zip(before, model.parameters())):
+            skipped.append(i)
+    return losses, scales, skipped, modes
+
+
+def state_tensors(opt):
+    return [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+
+
+@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+def test_captured_equals_eager_over_50_steps_with_infs(opt_name):
+    batches = make_batches()
+    out = {}
+    for capture in (False, True):
+        model = make_mlp()
+        opt = OPTIMIZERS[opt_name](model.parameters())
+        step = ampkit.make_train_step(model, torch.nn.functional.mse_loss, opt, scaler=scaler(),
+                                      autocast=AC, capture=capture, warmup=3)
+        out[capture] = (run(step, model, batches), model, opt, step)
+    (e_loss, e_scale, e_skip, _), e_model, e_opt, _ = out[False]
+    (c_loss, c_scale, c_skip, c_modes), c_model, c_opt, c_step = out[True]
+
+    assert c_modes == [False] * 3 + [True] * (N_STEPS - 3)
+    assert c_step.replays == N_STEPS - 3 and c_step.captures == 1 and c_step.reason is None
+    assert e_skip == sorted(INF_STEPS | NAN_STEPS)
+    assert c_skip == e_skip
+    assert c_scale == e_scale  # exactly
+    assert min(e_scale) < 2.0**12 < max(e_scale)  # it backed off and grew
+    se, sc = out[False][3].scaler.stats(), c_step.scaler.stats()
+    assert (sc.steps, sc.skipped, sc.last_skipped) == (se.steps, se.skipped, se.last_skipped)
+    assert sc.history_scales == se.history_scales
+    for a, b in zip(c_loss, e_loss):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3, equal_nan=True)
+    # the returned losses are fresh tensors, not one static buffer
+    assert len({loss.data_ptr() for loss in c_loss}) == N_STEPS
+    for p, q in zip(c_model.parameters(), e_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-3)
+        assert torch.isfinite(p).all()
+    for s, t in zip(state_tensors(c_opt), state_tensors(e_opt)):
+        torch.testing.assert_close(s, t, rtol=1e-3, atol=1e-3)
+
+
+def test_replay_makes_no_host_sync():
+    model = make_mlp()
+    opt = OPTIMIZERS["sgd_fused"](model.parameters())
+    step = ampkit.make_train_step(model, torch.nn.functional.mse_loss, opt, scaler=scaler(),
+                                  autocast=AC, capture=True, warmup=2)
+    batches = make_batches(n=8)
+    for x, y in batches[:3]:
+        step(x, y)
+    assert step.captured
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        losses = [step(x, y) for x, y in batches[3:]]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert step.replays == 6 and len(losses) == 5
+
+
+def test_dynamic_shapes_run_eagerly_once_warned_then_replay_again():
+    sizes = [64] * 5 + [40] + [64] * 3 + [40] + [64] * 2
+    g = torch.Generator(device="cuda").manual_seed(3)
+    batches = [(torch.randn(b, 64, device="cuda", generator=g),
+                torch.randn(b, 32, device="cuda", generator=g)) for b in sizes]
+    res = {}
+    for capture in (False, "auto"):
+        model = make_mlp()
+        opt = OPTIMIZERS["sgd_fused"](model.parameters())
+        step = ampkit.make_train_step(model, torch.nn.functional.mse_loss, opt,
+                                      scaler=scaler(), autocast=AC, capture=capture)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            r = run(step, model, batches)
+        res[capture] = (r, model, caught, step)
+    (e, e_model, _, _), (c, c_model, caught, step) = res[False], res["auto"]
+    ours = [w for w in caught if "make_train_step" in str(w.message)]
+    assert len(ours) == 1
+    assert "[40, 64] float16" not in str(ours[0].message)
+    assert "[40, 64] float32" in str(ours[0].message) and "[64, 64] float32" in str(ours[0].message)
+    assert c[3] == [False] * 3 + [True] * 2 + [False] + [True] * 3 + [False] + [True] * 2
+    assert step.captures == 1
+    assert c[1] == e[1]
+    for p, q in zip(c_model.parameters(), e_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-3)
+
+
+def test_capture_true_rejects_a_new_shape():
+    model = make_mlp()
+    opt = OPTIMIZERS["sgd_fused"](model.parameters())
+    step = ampkit.make_train_step(model, torch.nn.functional.mse_loss, opt, autocast=AC,
+                                  capture=True, warmup=1)
+    x, y = torch.randn(8, 64, device="cuda"), torch.randn(8, 32, device="cuda")
+    step(x, y)
+    step(x, y)
+    assert step.captured
+    with pytest.raises(RuntimeError, match=r"capture=True.*\[4, 64\] float32.*captured for"):
+        step(x[:4], y[:4])
+
+
+def test_changed_lr_and_eval_mode_recapture():
+    batches = make_batches(n=12)
+    res = {}
+    for capture in (False, "auto"):
+        model = make_mlp()
+        opt = OPTIMIZERS["sgd_fused"](model.parameters())
+        step = ampkit.make_train_step(model, torch.nn.functional.mse_loss, opt,
+                                      scaler=scaler(), autocast=AC, capture=capture)
+        for i, (x, y) in enumerate(batches):
+            if i == 6:
+                opt.param_groups[0]["lr"] = 3e-3
+            step(x, y)
+        res[capture] = (model, step)
+    (e_model, _), (c_model, c_step) = res[False], res["auto"]
+    assert c_step.captures == 2 and c_step.captured
+    for p, q in zip(c_model.parameters(), e_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda p: torch.optim.SGD(p, lr=1e-2), "fused=True"),
+    (lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True), "capturable=True"),
+])
+def test_refusals_fall_back_with_one_warning_or_raise(make, match):
+    model = make_mlp()
+    opt = make(model.parameters())
+    with pytest.raises(RuntimeError, match=match):
+        ampkit.make_train_step(model, torch.nn.functional.mse_loss, opt, autocast=AC,
+                               capture=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = ampkit.make_train_step(model, torch.nn.functional.mse_loss, opt, autocast=AC)
+        for x, y in make_batches(n=6):
+            step(x, y)
+    assert [match in str(w.message) for w in caught if "make_train_step" in str(w.message)] \
+        == [True]
+    assert not step.captured and match in step.reason
+
+
+def test_transformer_block_captures_and_matches_eager():
+    def build():
+        torch.manual_seed(0)
+        layer = torch.nn.TransformerEncoderLayer(128, 4, 256, dropout=0.0, batch_first=True)
+        return torch.nn.Sequential(torch.nn.TransformerEncoder(layer, 2),
+                                   torch.nn.Linear(128, 50)).cuda()
+
+    def loss_fn(logits, tokens):
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens.flatten())
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    batches = [(torch.randn(4, 32, 128, device="cuda", generator=g),
+                torch.randint(0, 50, (4, 32), device="cuda", generator=g)) for _ in range(8)]
+    res = {}
+    for capture in (False, True):
+        model = build()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True, capturable=True)
+        step = ampkit.make_train_step(model, loss_fn, opt, autocast=AC, capture=capture)
+        res[capture] = ([step(x, y) for x, y in batches], model, step)
+    assert res[True][2].captured
+    for a, b in zip(res[True][0], res[False][0]):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+    for p, q in zip(res[True][1].parameters(), res[False][1].parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-3)
