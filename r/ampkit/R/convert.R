@@ -144,8 +144,8 @@ is_tensor_list <- function(x) {
 
 # A scaler state from `$state_dict()` goes back as it came (Python ints came
 # as R integers). Counters written by hand as R doubles become ints.
-SCALER_INT_KEYS <- c("growth_tracker", "_growth_tracker", "growth_interval", "_growth_interval",
-                     "hysteresis", "_hysteresis", "hysteresis_tracker", "_hysteresis_tracker")
+SCALER_INT_KEYS <- c("growth_interval", "_growth_tracker", "hysteresis", "_hysteresis_left",
+                     "_steps", "_skipped", "_last_skipped")
 as_py_state <- function(state) {
   for (k in intersect(names(state), SCALER_INT_KEYS)) {
     if (is.double(state[[k]])) state[[k]] <- as_py_int(state[[k]], k)

@@ -107,6 +107,7 @@ py_ready <- function() {
   .h$enter_autocast <- helpers$enter_autocast
   .h$exit_autocast <- helpers$exit_autocast
   .h$trace_rows <- helpers$trace_rows
+  .h$plain <- helpers$plain
   .h$named_parameters <- reticulate::py_eval("lambda m: dict(m.named_parameters())")
   .h$cuda_is_available <- py_torch$cuda$is_available
   .h$ready <- TRUE
@@ -137,6 +138,13 @@ def _plain(v):
     if isinstance(v, (tuple, list)):
         return ', '.join(str(_plain(x)) for x in v)
     return str(v)
+
+def plain(obj):
+    if _dc.is_dataclass(obj):
+        obj = {f.name: getattr(obj, f.name) for f in _dc.fields(obj)}
+    if isinstance(obj, dict):
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in obj.items()}
+    return obj
 
 def trace_rows(tr):
     recs = getattr(tr, 'records', tr)

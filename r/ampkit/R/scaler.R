@@ -146,7 +146,7 @@ GradScalerR6 <- R6::R6Class("ampkit_grad_scaler",
       }
       invisible(py_try(private$f$load_state_dict(as_py_state(state)), "$load_state_dict()"))
     },
-    stats = function() py_try(private$f$stats(), "$stats()"),
+    stats = function() .h$plain(py_try(private$f$stats(), "$stats()")),
     print = function(...) {
       cat(format(self), sep = "\n")
       invisible(self)

@@ -1,0 +1,30 @@
+# Skips that say what is missing, and small shared helpers.
+
+repo_dir <- function() {
+  repo <- Sys.getenv("AMPKIT_REPO")
+  if (nzchar(repo) && dir.exists(file.path(repo, "shared_specs"))) normalizePath(repo) else ""
+}
+
+skip_if_no_ampkit <- function() {
+  skip_if_not(ampkit::ampkit_available(),
+              "Python with torch and ampkit not found (set RETICULATE_PYTHON to <repo>/.venv/bin/python; run `make setup`)")
+}
+
+skip_if_no_repo <- function() {
+  skip_if_not(nzchar(repo_dir()), "AMPKIT_REPO (the repository, for shared_specs/) is not set")
+}
+
+skip_if_no_cuda <- function() {
+  skip_if_no_ampkit()
+  skip_if_not(ampkit::cuda_is_available(), "no CUDA device")
+}
+
+# Python torch, for building controls by hand in the tests.
+pt <- function() reticulate::import("torch")
+
+dtype_name <- function(t) sub("^torch\\.", "", reticulate::py_str(t$dtype))
+
+# Run Python code in a fresh namespace and return that namespace as an R list.
+py_golden <- function(code, ...) {
+  reticulate::py_run_string(code, local = TRUE, convert = TRUE)
+}
