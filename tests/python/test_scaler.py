@@ -1,0 +1,790 @@
+"""ampkit.GradScaler against torch.amp.GradScaler (the oracle), plus what torch lacks.
+
+Trajectory tests train two copies of one model on the same batches, one with each
+scaler, inject inf/NaN at chosen steps, and after every update compare the scale, the
+growth tracker, every parameter and every optimizer state tensor bit for bit.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+import ampkit
+from ampkit._scaler import HISTORY_SIZE, OptState
+
+INF, NAN = float("inf"), float("nan")
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN payloads included); dtype and shape must match."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(
+        a.detach().contiguous().reshape(-1).view(torch.uint8),
+        b.detach().contiguous().reshape(-1).view(torch.uint8),
+    )
+
+
+def opt_tensors(opt: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
+    out = []
+    for g, group in enumerate(opt.param_groups):
+        for i, p in enumerate(group["params"]):
+            for k, v in sorted(opt.state.get(p, {}).items()):
+                if isinstance(v, torch.Tensor):
+                    out.append((f"group{g}.param{i}.{k}", v.detach().clone()))
+                else:
+                    out.append((f"group{g}.param{i}.{k}", torch.tensor(float(v), dtype=torch.float64)))
+    return out
+
+
+def snapshot(models, opts, scaler) -> list[tuple[str, torch.Tensor]]:
+    snap = [("scale", scaler._scale.clone()), ("growth_tracker", scaler._growth_tracker.clone())]
+    for m, model in enumerate(models):
+        for name, p in model.named_parameters():
+            snap.append((f"model{m}.{name}", p.detach().clone()))
+    for o, opt in enumerate(opts):
+        snap += [(f"opt{o}.{k}", v) for k, v in opt_tensors(opt)]
+    return snap
+
+
+def assert_same(step: int, ours, theirs) -> None:
+    assert [k for k, _ in ours] == [k for k, _ in theirs], f"step {step}: different fields"
+    for (name, a), (_, b) in zip(ours, theirs):
+        assert bits_equal(a, b), f"step {step}: {name} differs:\nours   {a}\ntorch  {b}"
+
+
+def make_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3))
+
+
+def batches(n: int, seed: int = 1, bad: dict | None = None):
+    """n (x, y) batches; ``bad`` maps a step to a value written into that step's input."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        x, y = torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)
+        if bad and i in bad:
+            x[0, 0] = bad[i]
+        out.append((x, y))
+    return out
+
+
+def forward_loss(model, x, y):
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the oracle autocast: a bf16 forward
+        out = model(x)
+    return torch.nn.functional.mse_loss(out.float(), y)
+
+
+def poison_grad(model, value) -> None:
+    """Write a non-finite value into one (scaled) gradient, as an fp16 overflow would."""
+    next(iter(model.parameters())).grad.view(-1)[3] = value
+
+
+OPTIMIZERS = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.05),
+    "sgd_momentum_wd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-2),
+    "adam": lambda p: torch.optim.Adam(p, lr=1e-2),
+    "adamw_foreach": lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=True),
+    "rmsprop": lambda p: torch.optim.RMSprop(p, lr=1e-2),
+    # Fused CPU kernels take grad_scale/found_inf themselves: the scaler's sync-free path.
+    "sgd_fused": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, fused=True),
+    "adam_fused": lambda p: torch.optim.Adam(p, lr=1e-2, fused=True),
+    "adamw_fused": lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True),
+}
+
+
+def _fused_supported() -> bool:
+    try:
+        torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], fused=True)
+        return True
+    except (RuntimeError, TypeError):
+        return False
+
+
+def _opt_param(name):
+    marks = []
+    if name.endswith("_fused") and not _fused_supported():
+        marks.append(pytest.mark.skip(reason="this torch has no fused CPU optimizers"))
+    return pytest.param(name, marks=marks, id=name)
+
+
+SCALER_KW = dict(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2)
+
+
+def run_pair(recipe, n_steps, make_opt, *, n_models=1, scaler_kw=None, check=True):
+    """Run ``recipe`` with ours and torch's scaler; compare after every update."""
+    kw = dict(SCALER_KW, **(scaler_kw or {}))
+    runs = []
+    for cls in (ampkit.GradScaler, torch.amp.GradScaler):
+        models = [make_model(seed=m) for m in range(n_models)]
+        opts = [make_opt(m.parameters()) for m in models]
+        runs.append((models, opts, cls("cpu", **kw)))
+    history = []
+    for step in range(n_steps):
+        snaps = []
+        for models, opts, scaler in runs:
+            recipe(step, models, opts, scaler)
+            snaps.append(snapshot(models, opts, scaler))
+        if check:
+            assert_same(step, *snaps)
+        history.append(snaps)
+    return runs, history
+
+
+# --------------------------------------------------------------------------- recipes
+
+BAD_INPUT = {2: INF, 5: NAN, 6: NAN}  # non-finite batches (whole loss -> inf/NaN)
+BAD_GRAD = {3: INF, 8: NAN}  # one poisoned gradient element
+N_STEPS = 10
+DATA = batches(N_STEPS * 2, bad={2 * k: v for k, v in BAD_INPUT.items()})
+
+
+def recipe_basic(step, models, opts, scaler):
+    (model,), (opt,) = models, opts
+    x, y = DATA[2 * step]
+    opt.zero_grad()
+    scaler.scale(forward_loss(model, x, y)).backward()
+    if step in BAD_GRAD:
+        poison_grad(model, BAD_GRAD[step])
+    scaler.step(opt)
+    scaler.update()
+
+
+def recipe_clip(step, models, opts, scaler):
+    (model,), (opt,) = models, opts
+    x, y = DATA[2 * step]
+    opt.zero_grad()
+    scaler.scale(forward_loss(model, x, y)).backward()
+    if step in BAD_GRAD:
+        poison_grad(model, BAD_GRAD[step])
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.1)
+    scaler.step(opt)
+    scaler.update()
+
+
+def recipe_accumulate(step, models, opts, scaler):
+    (model,), (opt,) = models, opts
+    opt.zero_grad()
+    for micro in range(2):
+        x, y = DATA[2 * step + micro]
+        scaler.scale(forward_loss(model, x, y) / 2).backward()
+    if step in BAD_GRAD:
+        poison_grad(model, BAD_GRAD[step])
+    scaler.step(opt)
+    scaler.update()
+
+
+def recipe_two_optimizers(step, models, opts, scaler):
+    """torch's "multiple models, losses and optimizers" example, one scaler for all."""
+    (m0, m1), (o0, o1) = models, opts
+    x, y = DATA[2 * step]
+    o0.zero_grad()
+    o1.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out0, out1 = m0(x), m1(x)
+    loss0 = torch.nn.functional.mse_loss((2 * out0 + out1).float(), y)
+    loss1 = torch.nn.functional.mse_loss((3 * out0 - out1).float(), y)
+    scaler.scale(loss0).backward(retain_graph=True)
+    scaler.scale(loss1).backward()
+    if step in BAD_GRAD:
+        poison_grad(m1, BAD_GRAD[step])  # only optimizer 1 sees it; the scale still backs off
+    scaler.unscale_(o0)  # unscale one of them explicitly, as torch's example does
+    torch.nn.utils.clip_grad_norm_(m0.parameters(), 0.5)
+    scaler.step(o0)
+    scaler.step(o1)
+    scaler.update()
+
+
+def recipe_several_losses_list(step, models, opts, scaler):
+    (model,), (opt,) = models, opts
+    x, y = DATA[2 * step]
+    opt.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x).float()
+    losses = (torch.nn.functional.mse_loss(out, y), out.abs().mean())
+    scaled = scaler.scale(list(losses))  # a list in, a list out
+    torch.autograd.backward(scaled)
+    if step in BAD_GRAD:
+        poison_grad(model, BAD_GRAD[step])
+    scaler.step(opt)
+    scaler.update()
+
+
+def recipe_gradient_penalty(step, models, opts, scaler):
+    """torch's gradient-penalty recipe: autograd.grad on scaled outputs, unscale by hand."""
+    (model,), (opt,) = models, opts
+    x, y = DATA[2 * step]
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    params = list(model.parameters())
+    scaled_grads = torch.autograd.grad(scaler.scale(loss), params, create_graph=True)
+    inv_scale = 1.0 / scaler.get_scale()
+    penalty = sum((g * inv_scale).pow(2).sum() for g in scaled_grads).sqrt()
+    scaler.scale(loss + 0.1 * penalty).backward()
+    if step in BAD_GRAD:
+        poison_grad(model, BAD_GRAD[step])
+    scaler.step(opt)
+    scaler.update()
+
+
+# --------------------------------------------------------------------------- conformance
+
+
+@pytest.mark.parametrize("opt_name", [_opt_param(n) for n in OPTIMIZERS])
+def test_trajectory_matches_torch_bitwise(opt_name):
+    runs, _ = run_pair(recipe_basic, N_STEPS, OPTIMIZERS[opt_name])
+    ours, theirs = runs[0][2], runs[1][2]
+    assert ours.get_scale() == theirs.get_scale()
+    # The run did back off and grow, so the comparison covered both branches.
+    assert ours.stats().skipped == len(BAD_INPUT) + len(BAD_GRAD)
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [recipe_clip, recipe_accumulate, recipe_several_losses_list, recipe_gradient_penalty],
+    ids=lambda r: r.__name__.removeprefix("recipe_"),
+)
+@pytest.mark.parametrize("opt_name", ["sgd_momentum_wd", "adam"])
+def test_recipes_match_torch_bitwise(recipe, opt_name):
+    run_pair(recipe, N_STEPS, OPTIMIZERS[opt_name])
+
+
+@pytest.mark.parametrize("opt_name", ["sgd_momentum_wd", "adamw_foreach", _opt_param("adam_fused")])
+def test_two_optimizers_sharing_a_scaler_match_torch(opt_name):
+    run_pair(recipe_two_optimizers, N_STEPS, OPTIMIZERS[opt_name], n_models=2)
+
+
+def test_natural_overflow_backs_off_like_torch():
+    """No injection: a scale near float32's max makes the scaled loss overflow by itself."""
+    def recipe_big_loss(step, models, opts, scaler):
+        (model,), (opt,) = models, opts
+        x, y = DATA[2 * step]
+        opt.zero_grad()
+        scaler.scale(1e3 * forward_loss(model, x, y)).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    runs, _ = run_pair(
+        recipe_big_loss, N_STEPS, OPTIMIZERS["adam"], scaler_kw=dict(init_scale=2.0**127, growth_interval=1)
+    )
+    s = runs[0][2].stats()
+    scales = (2.0**127,) + s.history_scales
+    backed_off = {i for i in range(N_STEPS) if scales[i + 1] < scales[i]}
+    assert backed_off - set(BAD_INPUT) - set(BAD_GRAD)  # some overflow came by itself
+
+
+def _resume_recipe(step, models, opts, scaler):
+    recipe_clip(step, models, opts, scaler)
+
+
+@pytest.mark.parametrize("source", ["ours", "torch"])
+def test_resume_from_state_dict_matches_uninterrupted_torch(source):
+    """Save model, optimizer and scaler mid-run, rebuild, load, continue: same bits as torch."""
+    make_opt = OPTIMIZERS["adam"]
+    cut = 4
+    runs, history = run_pair(_resume_recipe, N_STEPS, make_opt)
+    # Replay the first `cut` steps with ours (or torch), then save.
+    model = make_model(0)
+    opt = make_opt(model.parameters())
+    first = ampkit.GradScaler("cpu", **SCALER_KW) if source == "ours" else torch.amp.GradScaler("cpu", **SCALER_KW)
+    for step in range(cut):
+        _resume_recipe(step, [model], [opt], first)
+    saved = copy.deepcopy((model.state_dict(), opt.state_dict(), first.state_dict()))
+    # A fresh process: new objects with other defaults, then load.
+    model2 = make_model(seed=123)
+    opt2 = make_opt(model2.parameters())
+    resumed = ampkit.GradScaler("cpu", init_scale=8.0, growth_interval=7)
+    model2.load_state_dict(saved[0])
+    opt2.load_state_dict(saved[1])
+    resumed.load_state_dict(saved[2])
+    assert resumed.get_growth_interval() == SCALER_KW["growth_interval"]
+    for step in range(cut, N_STEPS):
+        _resume_recipe(step, [model2], [opt2], resumed)
+        assert_same(step, snapshot([model2], [opt2], resumed), history[step][1])
+
+
+def test_torch_loads_our_state_dict():
+    ours = ampkit.GradScaler("cpu", **SCALER_KW)
+    model = make_model()
+    opt = OPTIMIZERS["sgd"](model.parameters())
+    for step in range(4):
+        recipe_basic(step, [model], [opt], ours)
+    theirs = torch.amp.GradScaler("cpu")
+    theirs.load_state_dict(ours.state_dict())
+    assert theirs.state_dict() == {k: ours.state_dict()[k] for k in theirs.state_dict()}
+
+
+# --------------------------------------------------------------------------- enabled=False
+
+
+def _plain_run(make_opt, scaler):
+    model = make_model()
+    opt = make_opt(model.parameters())
+    for x, y in batches(6):
+        opt.zero_grad()
+        loss = forward_loss(model, x, y)
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaled = scaler.scale(loss)
+            assert scaled is loss
+            scaled.backward()
+            scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+    return [p.detach().clone() for p in model.parameters()] + [v for _, v in opt_tensors(opt)]
+
+
+@pytest.mark.parametrize("opt_name", ["sgd_momentum_wd", "adam", _opt_param("adam_fused")])
+def test_disabled_is_a_pure_pass_through(opt_name):
+    scaler = ampkit.GradScaler("cpu", enabled=False)
+    with_scaler = _plain_run(OPTIMIZERS[opt_name], scaler)
+    without = _plain_run(OPTIMIZERS[opt_name], None)
+    assert all(bits_equal(a, b) for a, b in zip(with_scaler, without))
+    assert not scaler.is_enabled() and scaler.get_scale() == 1.0 and scaler.state_dict() == {}
+    assert scaler._scale is None  # nothing was ever allocated
+    scaler.load_state_dict({"anything": 1})  # a no-op, like torch
+
+
+def test_disabled_matches_torch_disabled():
+    assert ampkit.GradScaler("cpu", enabled=False).state_dict() == torch.amp.GradScaler(
+        "cpu", enabled=False
+    ).state_dict()
+
+
+# --------------------------------------------------------------------------- scale()
+
+
+def test_scale_rebuilds_nested_containers_with_their_types():
+    from collections import namedtuple
+
+    Pair = namedtuple("Pair", "a b")
+    scaler = ampkit.GradScaler("cpu", init_scale=4.0)
+    t = torch.tensor([1.0, 2.0])
+    out = scaler.scale([t, (t, Pair(t, [t]))])
+    assert isinstance(out, list) and isinstance(out[1], tuple) and isinstance(out[1][1], Pair)
+    assert isinstance(out[1][1].b, list)
+    assert torch.equal(out[1][1].b[0], t * 4)
+    theirs = torch.amp.GradScaler("cpu", init_scale=4.0).scale([t, (t, t)])
+    assert bits_equal(out[0], theirs[0])
+
+
+def test_scale_keeps_dtype_like_torch():
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        loss = torch.tensor(3.0, dtype=dtype)
+        ours = ampkit.GradScaler("cpu").scale(loss)
+        theirs = torch.amp.GradScaler("cpu").scale(loss)
+        assert bits_equal(ours, theirs)
+
+
+# --------------------------------------------------------------------------- state machine
+
+
+class Toy:
+    """One parameter, a zero learning rate: drives update() with a chosen inf flag."""
+
+    def __init__(self, scaler, opt_cls=torch.optim.SGD, **opt_kw):
+        self.p = torch.nn.Parameter(torch.ones(4))
+        self.opt = opt_cls([self.p], lr=0.0, **opt_kw)
+        self.scaler = scaler
+
+    def backward(self, found: bool = False):
+        self.opt.zero_grad()
+        self.scaler.scale(self.p.sum()).backward()
+        if found:
+            self.p.grad[1] = INF
+
+    def iterate(self, found: bool = False):
+        self.backward(found)
+        self.scaler.step(self.opt)
+        self.scaler.update()
+
+
+def reference(flags, *, init_scale, growth_factor, backoff_factor, growth_interval, hysteresis=1,
+              min_scale=None, max_scale=None):
+    """The docstring's state machine in plain Python floats (powers of two: exact)."""
+    scale, tracker, left, skipped, last = init_scale, 0, hysteresis, 0, None
+    rows = []
+    for i, found in enumerate(flags):
+        if found and left > 1:
+            left -= 1
+            tracker = 0
+        elif found:
+            scale *= backoff_factor
+            tracker = 0
+        else:
+            left = hysteresis
+            tracker += 1
+            if tracker == growth_interval:
+                tracker = 0
+                if math.isfinite(scale * growth_factor):
+                    scale *= growth_factor
+        if min_scale is not None:
+            scale = max(scale, min_scale)
+        if max_scale is not None:
+            scale = min(scale, max_scale)
+        skipped += found
+        last = i if found else last
+        rows.append(dict(scale=scale, growth_tracker=tracker, hysteresis_left=left,
+                         steps=i + 1, skipped=skipped, last_skipped=last))
+    return rows
+
+
+def observed(scaler):
+    s = scaler.stats()
+    return dict(scale=s.scale, growth_tracker=s.growth_tracker, hysteresis_left=s.hysteresis_left,
+                steps=s.steps, skipped=s.skipped, last_skipped=s.last_skipped)
+
+
+def test_hysteresis_walked_step_by_step():
+    """hysteresis=3: two consecutive overflows are absorbed, the third backs off; a clean
+    step refills the budget; every field checked after every step (hand-written table)."""
+    scaler = ampkit.GradScaler("cpu", init_scale=64.0, growth_interval=2, hysteresis=3)
+    toy = Toy(scaler)
+    #        found, scale, tracker, left, skipped, last
+    table = [
+        (False, 64.0, 1, 3, 0, None),
+        (True, 64.0, 0, 2, 1, 1),  # absorbed: scale kept, growth window restarts
+        (True, 64.0, 0, 1, 2, 2),  # absorbed
+        (True, 32.0, 0, 1, 3, 3),  # budget spent: back off
+        (True, 16.0, 0, 1, 4, 4),  # still spent: back off again (DeepSpeed)
+        (False, 16.0, 1, 3, 4, 4),  # clean: refilled (consecutive_hysteresis=True)
+        (False, 32.0, 0, 3, 4, 4),  # growth_interval clean steps: grow
+        (True, 32.0, 0, 2, 5, 7),  # absorbed again
+        (False, 32.0, 1, 3, 5, 7),
+        (False, 64.0, 0, 3, 5, 7),
+    ]
+    p0 = toy.p.detach().clone()
+    for i, (found, scale, tracker, left, skipped, last) in enumerate(table):
+        toy.iterate(found)
+        assert observed(scaler) == dict(scale=scale, growth_tracker=tracker, hysteresis_left=left,
+                                        steps=i + 1, skipped=skipped, last_skipped=last), f"step {i}"
+    assert torch.equal(toy.p.detach(), p0)
+
+
+def test_hysteresis_one_is_torch():
+    flags = [False, True, True, False, False, False, True, False, False]
+    ours, theirs = (cls("cpu", init_scale=32.0, growth_interval=2) for cls in (ampkit.GradScaler, torch.amp.GradScaler))
+    t_ours, t_theirs = Toy(ours), Toy(theirs)
+    for f in flags:
+        t_ours.iterate(f)
+        t_theirs.iterate(f)
+        assert bits_equal(ours._scale, theirs._scale)
+        assert bits_equal(ours._growth_tracker, theirs._growth_tracker)
+
+
+@pytest.mark.parametrize(
+    "kw, flags",
+    [
+        (dict(min_scale=4.0), [True] * 6 + [False] * 4),  # floors at min_scale
+        (dict(max_scale=128.0), [False] * 12 + [True, False, False]),  # caps growth
+        (dict(min_scale=8.0, max_scale=64.0, hysteresis=2), [True, True, True, True, False] * 2 + [False] * 8),
+        (dict(hysteresis=4), [True, False] * 3 + [True] * 5 + [False] * 3),
+    ],
+    ids=["min", "max", "both+hysteresis", "hysteresis4"],
+)
+def test_clamps_and_hysteresis_follow_the_reference(kw, flags):
+    base = dict(init_scale=32.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=2)
+    scaler = ampkit.GradScaler("cpu", **base, **kw)
+    toy = Toy(scaler)
+    expected = reference(flags, **base, **kw)
+    for i, f in enumerate(flags):
+        toy.iterate(f)
+        assert observed(scaler) == expected[i], f"step {i}"
+    lo, hi = kw.get("min_scale", 0), kw.get("max_scale", math.inf)
+    assert all(lo <= r["scale"] <= hi for r in expected)
+    if "min_scale" in kw or "max_scale" in kw:
+        assert any(r["scale"] in (lo, hi) for r in expected)  # the clamp was actually hit
+
+
+def test_stats_history_wraps_around():
+    scaler = ampkit.GradScaler("cpu", init_scale=2.0**10, growth_interval=1, max_scale=2.0**14)
+    toy = Toy(scaler)
+    n = HISTORY_SIZE + 5
+    flags = [i % 7 == 3 for i in range(n)]
+    expected = reference(flags, init_scale=2.0**10, growth_factor=2.0, backoff_factor=0.5,
+                         growth_interval=1, max_scale=2.0**14)
+    for f in flags:
+        toy.iterate(f)
+    s = scaler.stats()
+    assert s.history_steps == tuple(range(5, n))
+    assert s.history_scales == tuple(r["scale"] for r in expected[5:])
+    assert (s.steps, s.skipped, s.taken) == (n, sum(flags), n - sum(flags))
+    assert s.last_skipped == max(i for i, f in enumerate(flags) if f)
+
+
+def test_stats_before_any_step_and_update_new_scale_is_not_counted():
+    scaler = ampkit.GradScaler("cpu", init_scale=8.0)
+    s = scaler.stats()
+    assert (s.steps, s.skipped, s.last_skipped, s.scale, s.history_steps) == (0, 0, None, 8.0, ())
+    toy = Toy(scaler)
+    toy.iterate(False)
+    toy.backward()
+    scaler.update(new_scale=2.0)
+    assert scaler.get_scale() == 2.0 and scaler.stats().steps == 1
+    scaler.update(new_scale=torch.tensor(16.0))
+    assert scaler.get_scale() == 16.0
+
+
+def test_state_dict_round_trips_every_field_with_non_default_values():
+    kw = dict(init_scale=2.0**9, growth_factor=4.0, backoff_factor=0.25, growth_interval=3,
+              hysteresis=3, min_scale=2.0, max_scale=2.0**20)
+    scaler = ampkit.GradScaler("cpu", **kw)
+    toy = Toy(scaler)
+    for f in [False, True, False, False, False, True]:
+        toy.iterate(f)
+    sd = scaler.state_dict()
+    assert sd["_hysteresis_left"] == 2 and sd["_steps"] == 6 and sd["_skipped"] == 2
+    assert sd["_last_skipped"] == 5 and sd["hysteresis"] == 3 and sd["min_scale"] == 2.0
+    for target in (ampkit.GradScaler("cpu"), None):
+        if target is None:  # after lazy init too
+            target = ampkit.GradScaler("cpu")
+            Toy(target).iterate(True)
+        target.load_state_dict(copy.deepcopy(sd))
+        assert target.state_dict() == sd
+        assert (target.hysteresis, target.min_scale, target.max_scale) == (3, 2.0, 2.0**20)
+        # ... and both continue identically.
+        twin = Toy(target)
+        for f in [True, True, False, False, False, False]:
+            toy.iterate(f)
+            twin.iterate(f)
+            assert target.state_dict() == scaler.state_dict()
+        sd = scaler.state_dict()
+
+
+def test_loading_a_torch_state_dict_clamps_and_refills_hysteresis():
+    theirs = torch.amp.GradScaler("cpu", init_scale=2.0**30, growth_interval=5)
+    Toy(theirs).iterate(False)
+    ours = ampkit.GradScaler("cpu", hysteresis=2, max_scale=2.0**20)
+    toy = Toy(ours)
+    toy.iterate(True)  # uses one unit of hysteresis
+    ours.load_state_dict(theirs.state_dict())
+    sd = ours.state_dict()
+    assert sd["scale"] == 2.0**20 and sd["growth_interval"] == 5 and sd["_growth_tracker"] == 1
+    assert sd["_hysteresis_left"] == 2 and sd["_steps"] == 1  # stats kept
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def full_state(scaler, *opts):
+    return (scaler.state_dict(), scaler._scale is None, [scaler.stage(o) for o in opts],
+            {k: (r.stage, dict(r.found_inf_per_device)) for k, r in scaler._per_optimizer.items()})
+
+
+def assert_unchanged(before, scaler, *opts):
+    after = full_state(scaler, *opts)
+    assert after[:3] == before[:3]
+    assert after[3].keys() == before[3].keys()
+    for k in after[3]:
+        assert after[3][k][0] == before[3][k][0]
+        assert after[3][k][1].keys() == before[3][k][1].keys()
+
+
+@pytest.mark.parametrize(
+    "setup, call, exc, match",
+    [
+        ("stepped", lambda s, o: s.step(o), RuntimeError, r"step\(\) was already called.*update\(\)"),
+        ("unscaled", lambda s, o: s.unscale_(o), RuntimeError, r"already called.*at most once"),
+        ("stepped", lambda s, o: s.unscale_(o), RuntimeError, r"unscale_\(\) was called after step\(\)"),
+        ("fresh", lambda s, o: s.step(o), RuntimeError, r"before any scale\(\)"),
+        ("fresh", lambda s, o: s.unscale_(o), RuntimeError, r"before any scale\(\)"),
+        ("fresh", lambda s, o: s.update(), RuntimeError, r"before any scale\(\)"),
+        ("backward", lambda s, o: s.update(), RuntimeError, r"no inf/NaN checks.*step\(optimizer\)"),
+        ("backward", lambda s, o: s.step(o, closure=lambda: 0), RuntimeError, r"closure"),
+        ("backward", lambda s, o: s.step(object()), TypeError, r"torch.optim.Optimizer"),
+        ("no_grad", lambda s, o: s.step(o), RuntimeError, r"no gradients"),
+        ("backward", lambda s, o: s.update(new_scale=-1.0), ValueError, r"new_scale=-1.0"),
+        ("backward", lambda s, o: s.update(new_scale="big"), TypeError, r"new_scale"),
+        ("backward", lambda s, o: s.update(new_scale=torch.ones(2)), ValueError, r"one-element"),
+        ("backward", lambda s, o: s.scale(3.0), TypeError, r"got|is float"),
+        ("fresh", lambda s, o: s.scale([torch.ones(1), "x"]), TypeError, r"outputs\[1\] is str"),
+        ("fresh", lambda s, o: s.scale({"loss": torch.ones(1)}), TypeError, r"is dict"),
+    ],
+    ids=["step-twice", "unscale-twice", "unscale-after-step", "step-before-scale",
+         "unscale-before-scale", "update-before-scale", "update-without-step", "closure",
+         "not-an-optimizer", "no-grads", "negative-new-scale", "str-new-scale",
+         "tensor-new-scale", "scale-float", "scale-list-with-str", "scale-dict"],
+)
+def test_misuse_raises_a_clear_error_and_changes_nothing(setup, call, exc, match):
+    scaler = ampkit.GradScaler("cpu", init_scale=8.0, hysteresis=2)
+    toy = Toy(scaler)
+    if setup != "fresh":
+        toy.iterate(True)  # non-default state: scale, hysteresis, stats
+        if setup == "no_grad":
+            toy.opt.zero_grad(set_to_none=True)
+            scaler.scale(torch.ones(()))
+        else:
+            toy.backward()
+        if setup == "unscaled":
+            scaler.unscale_(toy.opt)
+        if setup == "stepped":
+            scaler.step(toy.opt)
+    grad = None if toy.p.grad is None else toy.p.grad.clone()
+    before = full_state(scaler, toy.opt)
+    with pytest.raises(exc, match=match):
+        call(scaler, toy.opt)
+    assert_unchanged(before, scaler, toy.opt)
+    assert (grad is None and toy.p.grad is None) or bits_equal(grad, toy.p.grad)
+
+
+def test_fp16_gradients_are_refused_before_anything_is_unscaled():
+    scaler = ampkit.GradScaler("cpu", init_scale=8.0)
+    p32 = torch.nn.Parameter(torch.ones(3))
+    p16 = torch.nn.Parameter(torch.ones(3, dtype=torch.float16))
+    opt = torch.optim.SGD([p32, p16], lr=0.1)
+    scaler.scale(p32.sum() + p16.float().sum()).backward()
+    grads = [p32.grad.clone(), p16.grad.clone()]
+    before = full_state(scaler, opt)
+    for call in (scaler.unscale_, scaler.step):
+        with pytest.raises(ValueError, match=r"float16 gradient.*float32.*autocast"):
+            call(opt)
+        assert_unchanged(before, scaler, opt)
+        assert bits_equal(p32.grad, grads[0]) and bits_equal(p16.grad, grads[1])
+        assert scaler.stage(opt) is OptState.READY
+
+
+def test_stage_machine_walks_ready_unscaled_stepped():
+    scaler = ampkit.GradScaler("cpu")
+    toy = Toy(scaler)
+    assert scaler.stage(toy.opt) is OptState.READY
+    toy.backward()
+    scaler.unscale_(toy.opt)
+    assert scaler.stage(toy.opt) is OptState.UNSCALED
+    scaler.step(toy.opt)
+    assert scaler.stage(toy.opt) is OptState.STEPPED
+    scaler.update()
+    assert scaler.stage(toy.opt) is OptState.READY
+
+
+BAD_CTOR = [
+    (dict(growth_interval=0), ValueError, r"growth_interval=0 .*\[1, "),
+    (dict(growth_interval=-3), ValueError, r"growth_interval=-3"),
+    (dict(growth_interval=1.5), TypeError, r"growth_interval must be an int, got 1.5"),
+    (dict(growth_interval=True), TypeError, r"growth_interval must be an int"),
+    (dict(growth_interval=2**31), ValueError, r"growth_interval"),
+    (dict(growth_factor=1.0), ValueError, r"growth_factor=1.0 .*\(1, inf\)"),
+    (dict(growth_factor=0.5), ValueError, r"growth_factor=0.5"),
+    (dict(growth_factor=INF), ValueError, r"growth_factor=inf .*finite"),
+    (dict(growth_factor="2"), TypeError, r"growth_factor must be a real number, got '2'"),
+    (dict(backoff_factor=1.0), ValueError, r"backoff_factor=1.0 .*\(0, 1\)"),
+    (dict(backoff_factor=0.0), ValueError, r"backoff_factor=0.0"),
+    (dict(backoff_factor=NAN), ValueError, r"backoff_factor=nan"),
+    (dict(init_scale=0.0), ValueError, r"init_scale=0.0"),
+    (dict(init_scale=-1.0), ValueError, r"init_scale=-1.0"),
+    (dict(init_scale=INF), ValueError, r"init_scale=inf"),
+    (dict(init_scale=1e39), ValueError, r"init_scale=1e\+39"),
+    (dict(init_scale=None), TypeError, r"init_scale must be a real number, got None"),
+    (dict(hysteresis=0), ValueError, r"hysteresis=0 .*\[1, "),
+    (dict(hysteresis=2.0), TypeError, r"hysteresis must be an int"),
+    (dict(min_scale=0.0), ValueError, r"min_scale=0.0"),
+    (dict(max_scale=-2.0), ValueError, r"max_scale=-2.0"),
+    (dict(min_scale=4.0, max_scale=2.0, init_scale=3.0), ValueError, r"min_scale=4.0 is larger than max_scale=2.0"),
+    (dict(min_scale=2.0**20), ValueError, r"init_scale=65536.0 lies outside"),
+    (dict(max_scale=2.0), ValueError, r"init_scale=65536.0 lies outside"),
+    (dict(enabled="yes"), TypeError, r"enabled must be True or False, got 'yes'"),
+    (dict(device=3), TypeError, r"device must be a str"),
+    (dict(device="gpu0"), ValueError, r"device='gpu0'"),
+]
+
+
+@pytest.mark.parametrize("kw, exc, match", BAD_CTOR, ids=[str(k) for k, _, _ in BAD_CTOR])
+def test_constructor_validates_every_argument(kw, exc, match):
+    kw = dict(kw)
+    device = kw.pop("device", "cpu")
+    with pytest.raises(exc, match=match):
+        ampkit.GradScaler(device, **kw)
+
+
+def test_torch_accepts_what_we_refuse():
+    """The reason for the validation: torch silently accepts growth_interval=0."""
+    torch.amp.GradScaler("cpu", growth_interval=0)
+    with pytest.raises(ValueError):
+        ampkit.GradScaler("cpu", growth_interval=0)
+
+
+@pytest.mark.parametrize(
+    "setter, value, exc",
+    [("set_growth_interval", 0, ValueError), ("set_growth_factor", 0.9, ValueError),
+     ("set_backoff_factor", 2, ValueError), ("set_growth_interval", "3", TypeError)],
+)
+def test_setters_validate_and_keep_the_old_value(setter, value, exc):
+    scaler = ampkit.GradScaler("cpu")
+    before = scaler.state_dict()
+    with pytest.raises(exc):
+        getattr(scaler, setter)(value)
+    assert scaler.state_dict() == before
+
+
+def _our_sd():
+    scaler = ampkit.GradScaler("cpu", init_scale=16.0, hysteresis=2, min_scale=1.0)
+    Toy(scaler).iterate(True)
+    return scaler.state_dict()
+
+
+BAD_SD = [
+    (lambda sd: sd.pop("scale"), ValueError, r"missing key\(s\) \['scale'\]"),
+    (lambda sd: sd.pop("_hysteresis_left"), ValueError, r"missing key\(s\) \['_hysteresis_left'\]"),
+    (lambda sd: sd.update(scale="1.0"), TypeError, r"state_dict\['scale'\] must be a real number"),
+    (lambda sd: sd.update(scale=-4.0), ValueError, r"state_dict\['scale'\]=-4.0"),
+    (lambda sd: sd.update(growth_interval=0), ValueError, r"state_dict\['growth_interval'\]=0"),
+    (lambda sd: sd.update(_growth_tracker=1.0), TypeError, r"_growth_tracker'\] must be an int"),
+    (lambda sd: sd.update(hysteresis=None), TypeError, r"state_dict\['hysteresis'\]"),
+    (lambda sd: sd.update(_hysteresis_left=5), ValueError, r"_hysteresis_left'\]=5"),
+    (lambda sd: sd.update(min_scale=32.0), ValueError, r"lies outside its own clamps"),
+    (lambda sd: sd.update(_skipped=9), ValueError, r"_skipped'\]=9"),
+    (lambda sd: sd.update(_scale_history=[1.0]), ValueError, r"list of 1024 floats"),
+    (lambda sd: sd.update(_scale_history=[1.0] * 1023 + ["x"]), TypeError, r"_scale_history'\]\[1023\]"),
+    (lambda sd: sd.clear(), ValueError, r"empty dict.*disabled"),
+]
+
+
+@pytest.mark.parametrize("mutate, exc, match", BAD_SD, ids=[m for _, _, m in BAD_SD])
+@pytest.mark.parametrize("initialized", [True, False], ids=["after-scale", "before-scale"])
+def test_bad_state_dict_raises_and_changes_nothing(mutate, exc, match, initialized):
+    sd = _our_sd()
+    mutate(sd)
+    scaler = ampkit.GradScaler("cpu", init_scale=2.0**10, growth_interval=3, hysteresis=3, max_scale=2.0**12)
+    if initialized:
+        Toy(scaler).iterate(True)
+    before = full_state(scaler)
+    with pytest.raises(exc, match=match):
+        scaler.load_state_dict(sd)
+    assert_unchanged(before, scaler)
+
+
+def test_load_state_dict_refuses_a_non_dict():
+    with pytest.raises(TypeError, match="takes a dict, got list"):
+        ampkit.GradScaler("cpu").load_state_dict([("scale", 1.0)])
+
+
+def test_cuda_amp_grad_scaler():
+    with pytest.raises(TypeError, match="always uses 'cuda'"):
+        ampkit.cuda_amp_grad_scaler(device="cpu")
+    with pytest.raises(ValueError, match="growth_interval=0"):
+        ampkit.cuda_amp_grad_scaler(growth_interval=0)
+    if torch.cuda.is_available():
+        assert ampkit.cuda_amp_grad_scaler(init_scale=4.0).is_enabled()
+    else:
+        with pytest.warns(UserWarning, match="CUDA is not available"):
+            scaler = ampkit.cuda_amp_grad_scaler(init_scale=4.0)
+        assert not scaler.is_enabled()
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    import ampkit._scaler as mod
+
+    result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
+    assert result.attempted >= 3 and result.failed == 0
