@@ -24,7 +24,10 @@ pt <- function() reticulate::import("torch")
 
 dtype_name <- function(t) sub("^torch\\.", "", reticulate::py_str(t$dtype))
 
-# Run Python code in a fresh namespace and return that namespace as an R list.
-py_golden <- function(code, ...) {
-  reticulate::py_run_string(code, local = TRUE, convert = TRUE)
+# Run Python code in a fresh namespace and return that namespace as an R list
+# (golden values computed by the Python core in the test, never pasted).
+py_golden <- function(code) {
+  ns <- reticulate::py_dict(list(), list(), convert = FALSE)
+  reticulate::import_builtins()$exec(code, ns)
+  reticulate::py_to_r(ns)
 }
