@@ -27,7 +27,7 @@ dtype_name <- function(t) sub("^torch\\.", "", reticulate::py_str(t$dtype))
 # Run Python code in a fresh namespace and return that namespace as an R list
 # (golden values computed by the Python core in the test, never pasted).
 py_golden <- function(code) {
-  ns <- reticulate::py_dict(list(), list(), convert = FALSE)
+  ns <- reticulate::py_dict(list(), list(), convert = TRUE)
   reticulate::import_builtins()$exec(code, ns)
   reticulate::py_to_r(ns)
 }
