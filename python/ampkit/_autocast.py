@@ -252,7 +252,7 @@ def _rule(engine, name, category, device_type, dtype, cache_enabled, message):
         cast = _caster(engine, device_type, dtype if category == "lower_precision_fp" else _F32, dtype, cache_enabled)
 
         def act(func, args, kwargs):
-            if kwargs and "out" in kwargs:
+            if kwargs and kwargs.get("out") is not None:
                 return func(*args, **kwargs)
             args = [cast(a) for a in args]
             if kwargs:
@@ -264,17 +264,19 @@ def _rule(engine, name, category, device_type, dtype, cache_enabled, message):
         def act(func, args, kwargs):
             t = _first_tensor(args, None)
             if (
-                t is None or "dtype" in kwargs or "out" in kwargs or t.dtype not in _CASTABLE or not on(t)
+                t is None or kwargs.get("dtype") is not None or kwargs.get("out") is not None or t.dtype not in _CASTABLE or not on(t)
                 or any(isinstance(a, torch.dtype) for a in args)
             ):
                 return func(*args, **kwargs)
-            return func(*args, dtype=_F32, **kwargs)
+            kwargs = dict(kwargs)
+            kwargs["dtype"] = _F32
+            return func(*args, **kwargs)
 
     elif category == "promote":
         casts = {d: _caster(engine, device_type, d, dtype, cache_enabled) for d in (_F32, dtype)}
 
         def act(func, args, kwargs):
-            if kwargs and "out" in kwargs:
+            if kwargs and kwargs.get("out") is not None:
                 return func(*args, **kwargs)
             cast = casts[_widest(args, kwargs, on, dtype)]
             return func(*[cast(a) for a in args], **{k: cast(v) for k, v in kwargs.items()})
