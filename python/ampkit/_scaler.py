@@ -532,6 +532,11 @@ class GradScaler:
             if not found:
                 raise no_grads
         found_inf = sum(t.to(scale.device, non_blocking=True) for t in found.values())
+        state = optimizer.state
+        fresh = [
+            p for g in optimizer.param_groups for p in g["params"]
+            if p.grad is not None and not state.get(p)
+        ]
         had_grad_scale = hasattr(optimizer, "grad_scale")
         previous = getattr(optimizer, "grad_scale", None)
         optimizer.grad_scale = (
@@ -546,6 +551,14 @@ class GradScaler:
                 optimizer.grad_scale = previous
             else:
                 del optimizer.grad_scale
+        # Fused kernels allocate state before they look at found_inf; fused SGD allocates its
+        # momentum buffer with empty_like, so a skipped first step would leave garbage that
+        # the next step reads (torch's scaler does). Zero state born in a skipped step: for
+        # SGD (dampening=0) the next step then starts from buf = grad, as a first step does.
+        for p in fresh:
+            for v in state.get(p, {}).values():
+                if isinstance(v, torch.Tensor):
+                    v.masked_fill_(found.get(v.device, found_inf).to(v.device) > 0, 0)
         self._per_optimizer[id(optimizer)] = _OptRecord(OptState.STEPPED, found)
         return retval
 

@@ -788,3 +788,27 @@ def test_docstring_examples_run():
 
     result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
     assert result.attempted >= 3 and result.failed == 0
+
+
+@pytest.mark.skipif(not _fused_supported(), reason="this torch has no fused CPU optimizers")
+def test_fused_sgd_skipped_first_step_leaves_no_garbage():
+    """Fused SGD allocates its momentum buffer with empty_like before it sees found_inf, so
+    with torch's scaler a skipped *first* step leaves garbage that the next step reads. Ours
+    zeroes state born in a skipped step: the run equals one where that step never happened."""
+
+    def run(scaler, steps):
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, fused=True)
+        for step, bad in steps:
+            x, y = DATA[2 * step]
+            opt.zero_grad()
+            scaler.scale(forward_loss(model, x, y)).backward()
+            if bad:
+                poison_grad(model, INF)
+            scaler.step(opt)
+            scaler.update()
+        return snapshot([model], [opt], scaler)[2:]  # params and optimizer state
+
+    ours = run(ampkit.GradScaler("cpu", init_scale=2.0**16), [(0, True), (0, False), (1, False)])
+    clean = run(torch.amp.GradScaler("cpu", init_scale=2.0**15), [(0, False), (1, False)])
+    assert_same(2, ours, clean)

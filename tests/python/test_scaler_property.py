@@ -1,0 +1,161 @@
+"""Nothing lost: a step whose gradients hold an inf/NaN leaves params and optimizer state
+bit for bit as they were, for every optimizer in torch.optim that works with a scaler."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ampkit
+
+# Constructor keywords per optimizer; every Optimizer subclass in torch.optim must be listed
+# here or in SKIPPED (test_every_optimizer_is_covered enforces it).
+KWARGS = {
+    "ASGD": dict(lr=0.05),
+    "Adadelta": dict(lr=0.5),
+    "Adafactor": dict(lr=0.05),
+    "Adagrad": dict(lr=0.05),
+    "Adam": dict(lr=0.05),
+    "AdamW": dict(lr=0.05),
+    "Adamax": dict(lr=0.05),
+    "Muon": dict(lr=0.05),  # 2-D parameters only: the model below has only matrices
+    "NAdam": dict(lr=0.05),
+    "RAdam": dict(lr=0.05),
+    "RMSprop": dict(lr=0.05, momentum=0.5),
+    "Rprop": dict(lr=0.05),
+    "SGD": dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2),
+    "SparseAdam": dict(lr=0.05),  # sparse gradients: an nn.Embedding(sparse=True)
+}
+SKIPPED = {
+    "LBFGS": "needs step(closure), which re-evaluates the loss and gradients after the "
+    "scaler checked them; GradScaler.step refuses closures (as torch's does)",
+}
+FUSED = {"Adam", "AdamW", "SGD", "Adagrad"}
+
+
+def _all_optimizers():
+    return sorted(
+        name
+        for name, obj in vars(torch.optim).items()
+        if inspect.isclass(obj) and issubclass(obj, torch.optim.Optimizer) and obj is not torch.optim.Optimizer
+    )
+
+
+def test_every_optimizer_is_covered():
+    missing = [n for n in _all_optimizers() if n not in KWARGS and n not in SKIPPED]
+    assert not missing, f"add {missing} to KWARGS (or to SKIPPED with a reason)"
+
+
+def _cases():
+    out = []
+    for name in _all_optimizers():
+        if name in SKIPPED:
+            continue
+        out.append((name, False))
+        if name in FUSED:
+            try:
+                getattr(torch.optim, name)([torch.nn.Parameter(torch.zeros(2))], fused=True)
+                out.append((name, True))
+            except (RuntimeError, TypeError, ValueError):
+                pass
+    return out
+
+
+CASES = _cases()
+
+
+class Net(torch.nn.Module):
+    def __init__(self, sparse: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.sparse = sparse
+        if sparse:
+            self.emb = torch.nn.Embedding(10, 4, sparse=True)
+        else:
+            self.w1 = torch.nn.Parameter(torch.randn(4, 6) * 0.3)
+            self.w2 = torch.nn.Parameter(torch.randn(2, 4) * 0.3)
+
+    def loss(self, g: torch.Generator) -> torch.Tensor:
+        if self.sparse:
+            idx = torch.randint(0, 10, (5,), generator=g)
+            return self.emb(idx).pow(2).sum()
+        x = torch.randn(3, 6, generator=g)
+        return (torch.tanh(x @ self.w1.t()) @ self.w2.t()).pow(2).mean()
+
+
+def _state(net, opt):
+    tensors = [p.detach().clone() for p in net.parameters()]
+    for p in net.parameters():
+        for k, v in sorted(opt.state.get(p, {}).items()):
+            tensors.append(v.detach().clone() if torch.is_tensor(v) else torch.tensor(float(v)))
+    return tensors
+
+
+def _bits(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    case=st.sampled_from(CASES),
+    warm=st.integers(0, 2),
+    where=st.integers(0, 10_000),
+    value=st.sampled_from([float("inf"), float("-inf"), float("nan")]),
+    explicit_unscale=st.booleans(),
+    hysteresis=st.sampled_from([1, 3]),
+)
+def test_a_non_finite_step_loses_nothing(case, warm, where, value, explicit_unscale, hysteresis):
+    name, fused = case
+    net = Net(sparse=name == "SparseAdam")
+    kw = dict(KWARGS[name], **({"fused": True} if fused else {}))
+    opt = getattr(torch.optim, name)(net.parameters(), **kw)
+    scaler = ampkit.GradScaler("cpu", init_scale=2.0**8, growth_interval=1, hysteresis=hysteresis)
+    g = torch.Generator().manual_seed(where)
+
+    def iterate(poison: bool):
+        opt.zero_grad()
+        scaler.scale(net.loss(g)).backward()
+        if poison:
+            grads = [p.grad for p in net.parameters()]
+            grad = grads[where % len(grads)]
+            flat = grad._values().view(-1) if grad.is_sparse else grad.view(-1)
+            flat[where % flat.numel()] = value
+        if explicit_unscale and not fused:
+            scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+
+    for _ in range(warm):
+        before = _state(net, opt)
+        iterate(poison=False)
+        # A clean step does change something, so the check below can fail.
+        assert not all(_bits(a, b) for a, b in zip(before, _state(net, opt)))
+    before = _state(net, opt)
+    iterate(poison=True)
+    after = _state(net, opt)
+    n_params = len(list(net.parameters()))
+    if len(after) != len(before):
+        # Fused kernels allocate their state before they see found_inf (torch's scaler does
+        # the same); a skipped first step must leave it at its initial value: zeros, step 0.
+        assert fused and warm == 0 and len(before) == n_params, f"{name}: state appeared"
+        assert all(not t.any() for t in after[n_params:]), f"{name}: new state is not initial"
+        after = after[:n_params]
+    for a, b in zip(before, after):
+        assert _bits(a, b), f"{name} (fused={fused}): a skipped step changed state"
+    assert scaler.stats().last_skipped == warm
+
+
+@pytest.mark.parametrize("name", sorted(SKIPPED))
+def test_skipped_optimizers_are_refused_clearly(name):
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = getattr(torch.optim, name)([p])
+    scaler = ampkit.GradScaler("cpu")
+    scaler.scale(p.sum()).backward()
+    with pytest.raises(RuntimeError, match="closure"):
+        scaler.step(opt, closure=lambda: p.sum())
