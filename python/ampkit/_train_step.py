@@ -329,10 +329,9 @@ class TrainStep:
         self._sig = self._key = None
 
     def _state_key(self):
+        # Host scalars are baked into the graph; tensors (a tensor lr) are read by address.
         groups = tuple(
-            tuple((k, v) for k, v in g.items()
-                  if k != "params" and isinstance(v, (int, float, bool, str, tuple,
-                                                      type(None))))
+            tuple((k, v) for k, v in g.items() if k != "params" and _plain(v))
             for g in self.optimizer.param_groups)
         return (groups, tuple(m.training for m in self._modules),
                 tuple(p.requires_grad for p in self._params))
@@ -352,6 +351,12 @@ def _user_stacklevel():
     while frame is not None and frame.f_code.co_filename == __file__:
         level, frame = level + 1, frame.f_back
     return level
+
+
+def _plain(v):
+    if isinstance(v, (tuple, list)):
+        return all(_plain(x) for x in v)
+    return isinstance(v, (int, float, bool, str, type(None)))
 
 
 def _default_dtype(device_type):

@@ -142,7 +142,6 @@ def test_dynamic_shapes_run_eagerly_once_warned_then_replay_again():
     (e, e_model, _, _), (c, c_model, caught, step) = res[False], res["auto"]
     ours = [w for w in caught if "make_train_step" in str(w.message)]
     assert len(ours) == 1
-    assert "[40, 64] float16" not in str(ours[0].message)
     assert "[40, 64] float32" in str(ours[0].message) and "[64, 64] float32" in str(ours[0].message)
     assert c[3] == [False] * 3 + [True] * 2 + [False] + [True] * 3 + [False] + [True] * 2
     assert step.captures == 1
