@@ -1,0 +1,216 @@
+"""Turn a results document (benchmarks/schema.json) into a markdown report and a PNG chart.
+
+    python benchmarks/report.py benchmarks/results/results.json [--out-dir DIR]
+
+Writes DIR/report.md (the context, one table row per case x variant x language, and
+where we stand on the issue's goals) and DIR/report.png (speedup against fp32 per case,
+variant and language, with the range of the samples), and prints the table. Ratios are
+given as median [low, high], where low and high come from the extremes of the samples; a
+ratio whose whole range lies past 1 +/- 5% is flagged 'faster' or 'slower'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+
+COLUMNS = ("case", "variant", "lang", "dtype", "ms/step median [min, max]", "speedup vs fp32",
+           "time vs torch_amp", "R / Python time", "final loss", "loss diff vs fp32", "peak memory",
+           "skipped steps")
+
+
+def fmt_ratio(r, suffix="") -> str:
+    if not r:
+        return "-"
+    flag = "" if r["change"] == "same" else " " + r["change"]
+    return "%.2f%s [%.2f, %.2f]%s" % (r["value"], suffix, r["low"], r["high"], flag)
+
+
+def fmt_bytes(n) -> str:
+    if n is None:
+        return "-"
+    return "%.1f MiB" % (n / 2 ** 20)
+
+
+def fmt_pct(x) -> str:
+    return "-" if x is None else "%.2f%%" % (100 * x)
+
+
+def row(rec: dict) -> list:
+    head = [rec["case"], rec["variant"], rec["language"], rec["dtype"] or "float32"]
+    if rec["status"] == "skipped":
+        return head + ["skipped: " + rec["reason"]] + ["-"] * (len(COLUMNS) - 5)
+    if rec["status"] == "failed":
+        err = rec["error"] if len(rec["error"]) <= 100 else rec["error"][:97] + "..."
+        return head + ["FAILED: " + err.replace("|", "/")] + ["-"] * (len(COLUMNS) - 5)
+    return head + [
+        "%.2f [%.2f, %.2f]" % (rec["median"], rec["min"], rec["max"]),
+        fmt_ratio(rec["speedup_vs_fp32"], "x"),
+        fmt_ratio(rec["time_vs_torch_amp"]),
+        fmt_ratio(rec["time_vs_python"]),
+        "%.6g" % rec["final_loss"],
+        fmt_pct(rec["loss_rel_diff_vs_fp32"]),
+        fmt_bytes(rec["peak_memory_bytes"]),
+        "-" if rec["skipped_steps"] is None else str(rec["skipped_steps"]),
+    ]
+
+
+def table(doc: dict) -> str:
+    """The markdown table: one row per record, in the order case, variant, language."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for rec in doc["records"]:
+        lines.append("| " + " | ".join(row(rec)) + " |")
+    return "\n".join(lines)
+
+
+def context_lines(doc: dict) -> str:
+    c = doc["context"]
+    where = c["card"] or "CPU only"
+    out = [
+        "- profile `%s` on `%s` (%s), %s, %d CPUs (%s), torch threads %d" % (
+            c["profile"], c["device"], where, c["host"], c["cpu_count"] or 0, c["cpu"], c["torch_threads"]),
+        "- torch %s%s, Python %s, R %s, reticulate %s, ampkit %s" % (
+            c["torch_version"], " (CUDA %s)" % c["cuda_version"] if c["cuda_version"] else "",
+            c["python_version"], c["r_version"] or "-", c["reticulate_version"] or "-", c["ampkit_version"] or "-"),
+        "- commit %s, %s, seed %d, languages %s" % (c["git_commit"], c["date"], c["seed"], ", ".join(c["languages"])),
+    ]
+    return "\n".join(out)
+
+
+def _find(doc, case, variant, lang):
+    for r in doc["records"]:
+        if (r["case"], r["variant"], r["language"]) == (case, variant, lang) and r["status"] == "ok":
+            return r
+    return None
+
+
+def goals(doc: dict) -> str:
+    """Where the run stands on the goals of issue 5 (meant for the GPU; reported on any device)."""
+    out = []
+
+    def say(ok, text):
+        out.append("- %s %s" % ("n/a" if ok is None else ("met" if ok else "NOT met"), text))
+
+    for case in ("seed_mlp", "transformer"):
+        r = _find(doc, case, "ampkit_amp", "python")
+        s = r and r["speedup_vs_fp32"]
+        say(None if not s else s["value"] >= 2.0,
+            "ampkit_amp >= 2x fp32 on %s (python): %s" % (case, fmt_ratio(s, "x")))
+    for case in sorted({r["case"] for r in doc["records"]}):
+        for lang in doc["context"]["languages"]:
+            r = _find(doc, case, "ampkit_amp", lang)
+            t = r and r["time_vs_torch_amp"]
+            say(None if not t else t["value"] <= 1.05,
+                "ampkit_amp within 5%% of torch_amp on %s (%s): time ratio %s" % (case, lang, fmt_ratio(t)))
+    for case in ("seed_mlp", "transformer"):
+        for variant in ("torch_amp", "ampkit_amp"):
+            r = _find(doc, case, variant, "r")
+            t = r and r["time_vs_python"]
+            say(None if not t else t["value"] <= 1.15,
+                "R within 15%% of Python on %s / %s: time ratio %s" % (case, variant, fmt_ratio(t)))
+    worst = [(r["loss_rel_diff_vs_fp32"], r) for r in doc["records"]
+             if r["status"] == "ok" and r["dtype"] and r["loss_rel_diff_vs_fp32"] is not None]
+    if worst:
+        d, r = max(worst, key=lambda t: t[0])
+        say(d <= 0.01, "final loss of every AMP variant within 1%% of fp32: worst %s (%s / %s / %s)"
+            % (fmt_pct(d), r["case"], r["variant"], r["language"]))
+    for case in sorted({r["case"] for r in doc["records"]}):
+        a, t = _find(doc, case, "ampkit_amp", "python"), _find(doc, case, "torch_amp", "python")
+        if a and t and a["peak_memory_bytes"] is not None and t["peak_memory_bytes"] is not None:
+            say(a["peak_memory_bytes"] <= t["peak_memory_bytes"], "peak memory of ampkit_amp <= torch_amp's on %s: %s vs %s"
+                % (case, fmt_bytes(a["peak_memory_bytes"]), fmt_bytes(t["peak_memory_bytes"])))
+    failed = [r for r in doc["records"] if r["status"] == "failed"]
+    if failed:
+        out.append("- %d run(s) failed: %s" % (len(failed), ", ".join(
+            "%s/%s/%s" % (r["case"], r["variant"], r["language"]) for r in failed)))
+    return "\n".join(out)
+
+
+def markdown(doc: dict) -> str:
+    return "\n\n".join([
+        "# ampkit benchmark report (%s profile)" % doc["context"]["profile"],
+        context_lines(doc),
+        "ms/step: median over the timed repeats (one epoch each, after warm-up) with the "
+        "fastest and slowest repeat. Ratios: median [low, high] from the samples' extremes; "
+        "'faster'/'slower' when the whole range lies past 1 +/- 5%. Speedup vs fp32 > 1 is "
+        "faster; time vs torch_amp and R / Python time < 1 are faster. Final loss: mean "
+        "training loss over the last repeat.",
+        table(doc),
+        "## Goals (issue 5; they are set for the GPU)",
+        goals(doc),
+    ]) + "\n"
+
+
+def chart(doc: dict, path) -> bool:
+    """Speedup against fp32 per case (one panel each), variant and language; False without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("report: matplotlib is not installed; no chart written", file=sys.stderr)
+        return False
+    recs = doc["records"]
+    cases = list(dict.fromkeys(r["case"] for r in recs))
+    variants = list(dict.fromkeys(r["variant"] for r in recs if r["variant"] != "fp32"))
+    langs = doc["context"]["languages"] or ["python"]
+    fig, axes = plt.subplots(1, len(cases), figsize=(4.2 * len(cases), 4.2), squeeze=False, sharey=True)
+    width = 0.8 / len(langs)
+    for ax, case in zip(axes[0], cases):
+        for j, lang in enumerate(langs):
+            for i, v in enumerate(variants):
+                r = next((x for x in recs if (x["case"], x["variant"], x["language"]) == (case, v, lang)), None)
+                x = i + (j - (len(langs) - 1) / 2) * width
+                s = r and r["speedup_vs_fp32"]
+                if s:
+                    ax.bar(x, s["value"], width, color="C%d" % j, label=lang if i == 0 else None,
+                           yerr=[[s["value"] - s["low"]], [s["high"] - s["value"]]], capsize=2)
+                elif r is not None:
+                    ax.text(x, 0.05, r["status"], rotation=90, ha="center", va="bottom", fontsize=7)
+        ax.axhline(1.0, color="gray", ls="--", lw=0.8)
+        ax.set_xticks(range(len(variants)))
+        ax.set_xticklabels(variants, rotation=45, ha="right", fontsize=8)
+        ax.set_title(case)
+    axes[0][0].set_ylabel("speedup vs fp32 (median, range)")
+    axes[0][0].legend(fontsize=8)
+    c = doc["context"]
+    fig.suptitle("ampkit %s profile on %s (%s)" % (c["profile"], c["card"] or c["cpu"], c["device"]), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write(doc: dict, out_dir) -> Path:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md = out_dir / "report.md"
+    md.write_text(markdown(doc))
+    chart(doc, out_dir / "report.png")
+    return md
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("results", help="a results JSON file")
+    p.add_argument("--out-dir", default=None, help="where report.md and report.png go (default: beside the results)")
+    a = p.parse_args(argv)
+    from ampkit.bench import read_document
+    try:
+        doc = read_document(a.results)
+    except (OSError, ValueError) as e:
+        print("error: %s" % e, file=sys.stderr)
+        return 2
+    md = write(doc, a.out_dir or Path(a.results).parent)
+    print(table(doc))
+    print("\n" + goals(doc))
+    print("\nreport: %s" % md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

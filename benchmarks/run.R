@@ -1,0 +1,198 @@
+# The R runner of the benchmark suite: the training loop runs in R, through the ampkit R
+# package (with_autocast(), amp_grad_scaler(), amp_train_step()), on the same seeded
+# models and data as the Python runner (built by ampkit.bench through reticulate), timed
+# by the same protocol (see python/ampkit/bench/_runner.py) and written in the same
+# schema (benchmarks/schema.json).
+#
+#   Rscript benchmarks/run.R --profile cpu --out raw-r.json \
+#     [--cases a,b] [--variants x,y] [--repeats N] [--device auto|cpu|cuda] [--threads N] [--seed 0]
+#
+# Needs RETICULATE_PYTHON (the venv's python) and R_LIBS (where the ampkit R package is
+# installed); benchmarks/run.py sets both. Exit status 2 on bad arguments.
+
+parse_args <- function(args) {
+  opts <- list(profile = "cpu", cases = "", variants = "", repeats = "", device = "auto",
+               threads = "", seed = "0", out = "")
+  i <- 1
+  while (i <= length(args)) {
+    key <- sub("^--", "", args[[i]])
+    if (!startsWith(args[[i]], "--") || !(key %in% names(opts)) || i == length(args)) {
+      stop_usage(sprintf("unknown or incomplete argument '%s'; valid: %s", args[[i]],
+                         paste0("--", names(opts), collapse = ", ")))
+    }
+    opts[[key]] <- args[[i + 1]]
+    i <- i + 2
+  }
+  if (!nzchar(opts$out)) stop_usage("--out FILE is required")
+  opts
+}
+
+stop_usage <- function(msg) {
+  message("error: ", msg)
+  quit(save = "no", status = 2)
+}
+
+opts <- parse_args(commandArgs(trailingOnly = TRUE))
+
+for (pkg in c("reticulate", "ampkit")) {
+  if (!requireNamespace(pkg, quietly = TRUE)) {
+    stop_usage(sprintf("the R package '%s' is not installed (run `make setup-r`, and set R_LIBS=<repo>/.rlib)", pkg))
+  }
+}
+library(ampkit)
+# Values may come back converted or not (objects inherit the convert flag): read both.
+py_to_r <- function(x) if (inherits(x, "python.builtin.object")) reticulate::py_to_r(x) else x
+
+bench <- reticulate::import("ampkit.bench", convert = FALSE)
+torch <- reticulate::import("torch")  # converting: its callables are R functions, as for a user
+
+# Names are checked by the same code as in Python, so the errors list the same valid names.
+planned <- tryCatch(
+  py_to_r(bench$plan(opts$profile, opts$cases, opts$variants)),
+  error = function(e) stop_usage(conditionMessage(e)))
+device <- tryCatch(py_to_r(bench$resolve_device(opts$device)),
+                   error = function(e) stop_usage(conditionMessage(e)))
+repeats <- if (nzchar(opts$repeats)) as.integer(opts$repeats) else NULL
+if (!is.null(repeats) && (is.na(repeats) || repeats < 1)) stop_usage("--repeats must be an integer >= 1")
+if (nzchar(opts$threads)) torch$set_num_threads(as.integer(opts$threads))
+seed <- as.integer(opts$seed)
+
+field <- function(obj, name) py_to_r(reticulate::py_get_attr(obj, name))
+cases <- planned[[1]]
+variants <- Filter(function(v) "r" %in% unlist(field(v, "languages")), planned[[2]])
+
+sync <- if (device == "cuda") torch$cuda$synchronize else function() invisible(NULL)
+now <- function() as.numeric(Sys.time())
+torch_autocast <- torch$autocast
+torch_dtype <- function(name) reticulate::py_get_attr(torch, name)
+
+# The training step of a variant, written as an R user writes it (the seeds' R walkthrough).
+make_step <- function(v, built, model, opt, scaler) {
+  loss_fn <- py_to_r(built$loss_fn)
+  zero_grad <- opt$zero_grad
+  dtype <- py_to_r(v$resolved_dtype(device))
+  autocast <- field(v, "autocast")
+  if (field(v, "runner") == "train_step") {  # issue 6: the whole step in one call
+    return(amp_train_step(model, loss_fn, opt, scaler = scaler, device_type = device, dtype = dtype))
+  }
+  update <- if (is.null(scaler)) {
+    function(loss) { loss$backward(); opt$step() }
+  } else {
+    function(loss) { scaler$scale(loss)$backward(); scaler$step(opt); scaler$update() }
+  }
+  if (autocast == "ampkit") {
+    function(x, y) {
+      with_autocast(device_type = device, dtype = dtype, {
+        output <- model(x)
+        loss <- loss_fn(output, y)
+      })
+      update(loss)
+      zero_grad(set_to_none = TRUE)
+      loss
+    }
+  } else if (autocast == "torch") {
+    dt <- torch_dtype(dtype)
+    function(x, y) {
+      with(torch_autocast(device_type = device, dtype = dt), {
+        output <- model(x)
+        loss <- loss_fn(output, y)
+      })
+      update(loss)
+      zero_grad(set_to_none = TRUE)
+      loss
+    }
+  } else {
+    function(x, y) {
+      output <- model(x)
+      loss <- loss_fn(output, y)
+      update(loss)
+      zero_grad(set_to_none = TRUE)
+      loss
+    }
+  }
+}
+
+make_scaler <- function(v) {
+  init <- py_to_r(bench$`_runner`$INIT_SCALE)
+  interval <- py_to_r(bench$`_runner`$GROWTH_INTERVAL)
+  switch(field(v, "scaler"),
+         none = NULL,
+         torch = torch$amp$GradScaler(device, init_scale = init, growth_interval = as.integer(interval)),
+         ampkit = amp_grad_scaler(device, init_scale = init, growth_interval = interval))
+}
+
+scale_of <- function(scaler) {
+  if (is.null(scaler)) return(NULL)
+  s <- scaler$get_scale()
+  if (inherits(s, "python.builtin.object")) py_to_r(s) else as.numeric(s)
+}
+
+run_variant <- function(built, v) {
+  common <- list(case = built, variant = v, language = "r", profile = opts$profile, device = device)
+  reason <- py_to_r(v$skip_reason(device))
+  if (!is.null(reason)) return(do.call(bench$make_record, c(common, status = "skipped", reason = reason)))
+  t_start <- now()
+  bench$reset_peak_memory(device)
+  flags <- bench$`_runner`$precision_flags(v, device)
+  flags$`__enter__`()
+  on.exit(flags$`__exit__`(NULL, NULL, NULL), add = TRUE)
+  tryCatch({
+    # py_to_r: the model and optimizer as an R user holds them (callable, converting)
+    model <- py_to_r(built$new_model())
+    opt <- py_to_r(built$new_optimizer(model, fused = reticulate::py_get_attr(v, "fused_optimizer")))
+    scaler <- make_scaler(v)
+    step <- make_step(v, built, model, opt, scaler)
+    batches <- py_to_r(built$batches)
+    n <- length(batches)
+    warmup <- py_to_r(built$warmup_steps)
+    reps <- py_to_r(built$repeats)
+    for (i in seq_len(warmup)) {
+      b <- batches[[(i - 1) %% n + 1]]
+      step(b[[1]], b[[2]])
+    }
+    samples <- numeric(reps)
+    losses <- vector("list", n)
+    for (r in seq_len(reps)) {
+      sync()
+      t0 <- now()
+      for (i in seq_len(n)) {
+        b <- batches[[i]]
+        losses[[i]] <- step(b[[1]], b[[2]])
+      }
+      sync()
+      samples[[r]] <- (now() - t0) * 1000 / n
+    }
+    final_loss <- py_to_r(built$mean_loss(losses))
+    final_scale <- scale_of(scaler)
+    skipped <- if (is.null(final_scale)) NULL else
+      py_to_r(bench$skipped_from_scale(final_scale, built$total_steps()))
+    do.call(bench$make_record, c(common, list(
+      status = "ok", samples_ms = as.list(samples), final_loss = final_loss,
+      peak_memory_bytes = bench$peak_memory(device), final_scale = final_scale,
+      skipped_steps = skipped, wall_s = now() - t_start)))
+  }, error = function(e) {
+    msg <- substr(gsub("\\s+", " ", conditionMessage(e)), 1, 600)
+    do.call(bench$make_record, c(common, list(status = "failed", error = msg, wall_s = now() - t_start)))
+  }, finally = {
+    model <- opt <- scaler <- step <- NULL
+    bench$reset_peak_memory(device)
+  })
+}
+
+records <- list()
+total <- length(cases) * length(variants)
+for (case in cases) {
+  built <- bench$build_case(case, opts$profile, seed = seed, device = device,
+                            repeats = if (is.null(repeats)) NULL else repeats)
+  for (v in variants) {
+    rec <- run_variant(built, v)
+    records[[length(records) + 1]] <- rec
+    bench$progress("r", length(records), total, rec)
+  }
+  rm(built)
+}
+
+ctx <- bench$context(opts$profile, device, "r", seed = seed,
+                     r_version = paste(R.version$major, R.version$minor, sep = "."),
+                     reticulate_version = as.character(utils::packageVersion("reticulate")))
+invisible(bench$write_document(opts$out, ctx, records))

@@ -1,0 +1,156 @@
+"""Run the benchmark suite from Python and from R, merge the results, write the report.
+
+    python benchmarks/run.py --profile cpu --langs python,r --out benchmarks/results \
+        [--cases seed_mlp,transformer] [--variants fp32,torch_amp,ampkit_amp] [--repeats 5] \
+        [--device auto|cpu|cuda] [--threads N] [--rscript "Rscript"]
+
+`make bench` calls this. Each language runs in its own process, one after the other
+(the Python runner is `python -m ampkit.bench`, the R runner `Rscript benchmarks/run.R`),
+so each gets the whole machine with the same number of torch threads. Writes, under
+--out: raw-python.json and raw-r.json (each runner's document), results.json (merged,
+with the comparisons filled in), report.md and report.png; prints the table. A runner
+that cannot start (no R, no R package) is recorded as failed runs, with its error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "python"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+LANGS = ("python", "r")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--profile", default="cpu")
+    p.add_argument("--langs", default="python,r", help="comma-separated: python, r")
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="output folder")
+    p.add_argument("--cases", default="")
+    p.add_argument("--variants", default="")
+    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads in both runners (default: 1 on CPU, torch's own on CUDA)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rscript", default=os.environ.get("AMPKIT_RSCRIPT", "Rscript"),
+                   help="command that runs an R script (default: Rscript; on the GPU machine the r-on-device wrapper)")
+    return p.parse_args(argv)
+
+
+def runner_env(threads: int | None) -> dict:
+    env = dict(os.environ)
+    env.setdefault("RETICULATE_PYTHON", sys.executable)
+    if "R_LIBS" not in env and (REPO / ".rlib").is_dir():
+        env["R_LIBS"] = str(REPO / ".rlib")
+    env.setdefault("AMPKIT_REPO", str(REPO))
+    env["PYTHONPATH"] = str(REPO / "python") + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONUNBUFFERED"] = "1"
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+def common_args(a, device: str, threads) -> list:
+    args = ["--profile", a.profile, "--device", device, "--seed", str(a.seed)]
+    for flag, value in (("--cases", a.cases), ("--variants", a.variants), ("--repeats", a.repeats),
+                        ("--threads", threads)):
+        if value not in (None, ""):
+            args += [flag, str(value)]
+    return args
+
+
+def run_runner(lang: str, cmd: list, env: dict, out: Path) -> str | None:
+    """Run one runner, streaming its progress; None when it wrote its document, else the error."""
+    print("== %s runner: %s" % (lang, " ".join(shlex.quote(c) for c in cmd)), file=sys.stderr, flush=True)
+    if out.exists():
+        out.unlink()
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    except OSError as e:
+        return "could not start the %s runner (%s): %s" % (lang, cmd[0], e)
+    tail = []
+    for line in proc.stdout:
+        sys.stderr.write(line)
+        sys.stderr.flush()
+        tail = (tail + [line.rstrip()])[-5:]
+    rc = proc.wait()
+    print("== %s runner: exit %d after %.1f s" % (lang, rc, time.perf_counter() - t0), file=sys.stderr, flush=True)
+    if rc != 0 or not out.exists():
+        return "the %s runner exited with status %d: %s" % (lang, rc, " / ".join(tail) or "(no output)")
+    return None
+
+
+def failed_document(lang: str, error: str, a, device: str, cases, variants) -> dict:
+    """When a runner could not run at all: one failed record per run it should have made."""
+    from ampkit import bench
+    recs = []
+    for c in cases:
+        for v in variants:
+            if lang in v.languages:
+                reason = v.skip_reason(device)
+                recs.append(bench.make_record(c, v, lang, a.profile, device, repeats=a.repeats,
+                                              status="skipped" if reason else "failed", reason=reason,
+                                              error=None if reason else error))
+    ctx = bench.context(a.profile, device, lang, seed=a.seed)
+    return {"context": ctx, "records": recs}
+
+
+def main(argv=None) -> int:
+    t_start = time.perf_counter()
+    a = parse_args(argv)
+    from ampkit import bench
+    import report
+    try:
+        langs = bench.select(a.langs, LANGS, "language")
+        cases, variants = bench.plan(a.profile, a.cases, a.variants)
+        device = bench.resolve_device(a.device)
+        if a.repeats is not None and a.repeats < 1:
+            raise ValueError("--repeats must be >= 1, got %d" % a.repeats)
+    except ValueError as e:
+        print("error: %s" % e, file=sys.stderr)
+        return 2
+    if a.profile == "full" and device == "cpu":
+        print("warning: the full profile is sized for a GPU; on the CPU it takes hours", file=sys.stderr)
+    threads = a.threads or (1 if device == "cpu" else None)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = runner_env(threads)
+    docs = []
+    for lang in langs:
+        raw = out / ("raw-%s.json" % lang)
+        if lang == "python":
+            cmd = [sys.executable, "-m", "ampkit.bench"]
+        else:
+            cmd = shlex.split(a.rscript) + [str(REPO / "benchmarks" / "run.R")]
+            if shutil.which(cmd[0]) is None:
+                err = "R is not available (%r not found); run `make setup-r`" % cmd[0]
+                docs.append(failed_document(lang, err, a, device, cases, variants))
+                print("== r runner: " + err, file=sys.stderr)
+                continue
+        err = run_runner(lang, cmd + common_args(a, device, threads) + ["--out", str(raw)], env, raw)
+        docs.append(bench.read_document(raw) if err is None else
+                    failed_document(lang, err, a, device, cases, variants))
+    doc = bench.merge(docs)
+    results = out / "results.json"
+    bench.write_document(results, doc["context"], doc["records"])
+    md = report.write(doc, out)
+    print(report.table(doc))
+    print("\n" + report.goals(doc))
+    print("\nresults: %s\nreport:  %s (and report.png)\nwall time: %.1f s"
+          % (results, md, time.perf_counter() - t_start))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

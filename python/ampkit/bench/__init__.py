@@ -1,0 +1,75 @@
+"""ampkit.bench: the shared pieces of the cross-language benchmark suite.
+
+Cases and variants are YAML data (shared_specs/benchmarks); `build_case` makes the same
+seeded model and data for the Python runner (`python -m ampkit.bench`) and the R runner
+(benchmarks/run.R, through reticulate); `make_record`, `derive` and `write_document`
+write the one results schema (benchmarks/schema.json) for both.
+
+>>> import ampkit.bench as bench
+>>> b = bench.build_case("seed_mlp", "tiny", seed=0, device="cpu")
+>>> rec = bench.run_variant(b, bench.load_variants()["fp32"])
+>>> rec["status"], rec["unit"], len(rec["samples"]) == b.repeats
+('ok', 'ms/step', True)
+"""
+
+from ampkit.bench._spec import BenchSpecError
+from ampkit.bench._spec import Case
+from ampkit.bench._spec import PROFILES
+from ampkit.bench._spec import Variant
+from ampkit.bench._spec import load_case
+from ampkit.bench._spec import load_cases
+from ampkit.bench._spec import load_variants
+from ampkit.bench._spec import plan
+from ampkit.bench._spec import select
+from ampkit.bench._spec import spec_dir
+from ampkit.bench._build import BuiltCase
+from ampkit.bench._build import build_case
+from ampkit.bench._build import resolve_device
+from ampkit.bench._results import SCHEMA_VERSION
+from ampkit.bench._results import check
+from ampkit.bench._results import context
+from ampkit.bench._results import derive
+from ampkit.bench._results import finalize_json
+from ampkit.bench._results import make_record
+from ampkit.bench._results import merge
+from ampkit.bench._results import read_document
+from ampkit.bench._results import validate
+from ampkit.bench._results import write_document
+from ampkit.bench._runner import peak_memory
+from ampkit.bench._runner import progress
+from ampkit.bench._runner import reset_peak_memory
+from ampkit.bench._runner import run_variant
+from ampkit.bench._runner import skipped_from_scale
+from ampkit.bench._runner import synchronize
+
+__all__ = [
+    "BenchSpecError",
+    "BuiltCase",
+    "Case",
+    "PROFILES",
+    "SCHEMA_VERSION",
+    "Variant",
+    "build_case",
+    "check",
+    "context",
+    "derive",
+    "finalize_json",
+    "load_case",
+    "load_cases",
+    "load_variants",
+    "make_record",
+    "merge",
+    "peak_memory",
+    "plan",
+    "progress",
+    "read_document",
+    "reset_peak_memory",
+    "resolve_device",
+    "run_variant",
+    "select",
+    "skipped_from_scale",
+    "spec_dir",
+    "synchronize",
+    "validate",
+    "write_document",
+]

@@ -1,0 +1,304 @@
+"""Benchmark results: one JSON schema for both languages (benchmarks/schema.json).
+
+A results document is {"context": {...}, "records": [...]}: the context says where and
+with what it ran (host, CPU, card, library versions, commit, profile); each record is
+one case x variant x language with structured fields (never a packed name). Derived
+comparisons (speedup against fp32, time against torch_amp, R against Python, loss
+against fp32) are filled in by `derive`, the same code for records of either language.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+from pathlib import Path
+
+SCHEMA_VERSION = 1
+NOISE = 0.05  # a ratio whose [low, high] lies wholly past 1 +/- NOISE is flagged as a change
+
+
+def schema_path() -> Path:
+    from ampkit.bench._spec import spec_dir
+    return spec_dir().parent.parent / "benchmarks" / "schema.json"
+
+
+def load_schema() -> dict:
+    with open(schema_path()) as f:
+        return json.load(f)
+
+
+# --- a small JSON-schema validator (jsonschema is not a dependency) -------------------------
+
+_TYPES = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None)}
+
+
+def _is_type(x, t: str) -> bool:
+    if t == "number":
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+    if t == "integer":
+        return isinstance(x, int) and not isinstance(x, bool)
+    return isinstance(x, _TYPES[t])
+
+
+def validate(doc, schema=None, _root=None, _path="$") -> list:
+    """Errors (a list of 'path: message' strings, empty when valid) of doc against a JSON schema.
+
+    Supports the subset schema.json uses: type, enum, const, required, properties,
+    additionalProperties (false), items, minimum, minItems and $ref to #/$defs.
+    >>> validate({"a": 1}, {"type": "object", "properties": {"a": {"type": "string"}}})
+    ['$.a: expected string, got int 1']
+    """
+    schema = load_schema() if schema is None else schema
+    root = schema if _root is None else _root
+    if "$ref" in schema:
+        ref = schema["$ref"]
+        if not ref.startswith("#/$defs/"):
+            raise ValueError("unsupported $ref %r" % ref)
+        return validate(doc, root["$defs"][ref[len("#/$defs/"):]], root, _path)
+    errs = []
+    t = schema.get("type")
+    if t is not None:
+        types = [t] if isinstance(t, str) else t
+        if not any(_is_type(doc, x) for x in types):
+            return ["%s: expected %s, got %s %r" % (_path, " or ".join(types), type(doc).__name__, doc)]
+    if "enum" in schema and doc not in schema["enum"]:
+        errs.append("%s: %r is not one of %s" % (_path, doc, schema["enum"]))
+    if "const" in schema and doc != schema["const"]:
+        errs.append("%s: %r is not %r" % (_path, doc, schema["const"]))
+    if "minimum" in schema and _is_type(doc, "number") and doc < schema["minimum"]:
+        errs.append("%s: %r is below the minimum %r" % (_path, doc, schema["minimum"]))
+    if isinstance(doc, dict):
+        for k in schema.get("required", []):
+            if k not in doc:
+                errs.append("%s: missing required field %r" % (_path, k))
+        props = schema.get("properties", {})
+        for k, v in doc.items():
+            if k in props:
+                errs += validate(v, props[k], root, "%s.%s" % (_path, k))
+            elif schema.get("additionalProperties", True) is False:
+                errs.append("%s: unexpected field %r (allowed: %s)" % (_path, k, ", ".join(props)))
+    if isinstance(doc, list):
+        if len(doc) < schema.get("minItems", 0):
+            errs.append("%s: needs at least %d items" % (_path, schema["minItems"]))
+        if "items" in schema:
+            for i, v in enumerate(doc):
+                errs += validate(v, schema["items"], root, "%s[%d]" % (_path, i))
+    return errs
+
+
+def check(doc, what="results document") -> dict:
+    """Raise ValueError listing every schema error of a results document; return it unchanged."""
+    errs = validate(doc)
+    if errs:
+        raise ValueError("%s does not match %s:\n  %s" % (what, schema_path(), "\n  ".join(errs[:20])))
+    return doc
+
+
+# --- context ---------------------------------------------------------------------------------
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _git_commit():
+    from ampkit.bench._spec import spec_dir
+    repo = spec_dir().parent.parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (sha + ("-dirty" if dirty else "")) or None
+
+
+def context(profile: str, device: str, language: str = "python", r_version=None, reticulate_version=None,
+            seed: int = 0) -> dict:
+    """The context block: where, with what, and how the run was made."""
+    import torch
+    try:
+        import ampkit
+        ampkit_version = getattr(ampkit, "__version__", None)
+    except Exception:  # the engine may be mid-change; the benchmark still records what it can
+        ampkit_version = None
+    card = torch.cuda.get_device_name(0) if device == "cuda" else None
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "profile": profile,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "os": platform.platform(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "device": device,
+        "card": card,
+        "cuda_version": torch.version.cuda if device == "cuda" else None,
+        "torch_version": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python_version": platform.python_version(),
+        "r_version": r_version,
+        "reticulate_version": reticulate_version,
+        "ampkit_version": ampkit_version,
+        "git_commit": _git_commit(),
+        "languages": [language],
+        "seed": int(seed),
+    }
+
+
+# --- records ---------------------------------------------------------------------------------
+
+def _num(x):
+    if x is None:
+        return None
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def make_record(case, variant, language: str, profile: str, device: str, *, status: str = "ok",
+                samples_ms=None, final_loss=None, peak_memory_bytes=None, final_scale=None,
+                skipped_steps=None, reason=None, error=None, torch_threads=None, wall_s=None,
+                repeats=None) -> dict:
+    """One record, the same fields from either language. `case` is a BuiltCase (or Case with
+    `repeats`), `variant` a Variant; samples_ms holds one ms/step value per timed repeat."""
+    import torch
+    from ampkit.bench._spec import Case
+    if status not in ("ok", "skipped", "failed"):
+        raise ValueError("status must be 'ok', 'skipped' or 'failed', got %r" % (status,))
+    spec = case if isinstance(case, Case) else case.case
+    prof = spec.profile(profile)
+    samples = [float(s) for s in (samples_ms or [])]
+    if status == "ok" and not samples:
+        raise ValueError("an 'ok' record needs its timed samples")
+    loss = _num(final_loss)
+    if status == "ok" and loss is None:
+        status, error = "failed", "final loss is not finite (%r): training diverged" % (final_loss,)
+    q = statistics.quantiles(samples, n=4, method="inclusive") if len(samples) >= 2 else [None, None, None]
+    rec = {
+        "case": spec.name,
+        "variant": variant.name,
+        "language": language,
+        "profile": profile,
+        "device": device,
+        "status": status,
+        "reason": reason,
+        "error": error,
+        "autocast": variant.autocast,
+        "scaler": variant.scaler,
+        "dtype": variant.resolved_dtype(device),
+        "tf32": bool(variant.tf32),
+        "runner": variant.runner,
+        "sizes": prof["sizes"],
+        "num_batches": prof["num_batches"],
+        "warmup_steps": prof["warmup_steps"],
+        "repeats": int(repeats if repeats is not None else getattr(case, "repeats", prof["repeats"])),
+        "unit": "ms/step",
+        "samples": samples,
+        "median": statistics.median(samples) if samples else None,
+        "min": min(samples) if samples else None,
+        "max": max(samples) if samples else None,
+        "iqr": (q[2] - q[0]) if q[0] is not None else (0.0 if samples else None),
+        "final_loss": loss if status == "ok" else None,
+        "skipped_steps": None if skipped_steps is None else int(skipped_steps),
+        "final_scale": _num(final_scale),
+        "peak_memory_bytes": None if peak_memory_bytes is None else int(peak_memory_bytes),
+        "torch_threads": int(torch_threads if torch_threads is not None else torch.get_num_threads()),
+        "wall_s": _num(wall_s),
+        "speedup_vs_fp32": None,
+        "time_vs_torch_amp": None,
+        "time_vs_python": None,
+        "loss_rel_diff_vs_fp32": None,
+    }
+    if status != "ok":
+        for k in ("samples",):
+            rec[k] = []
+    return rec
+
+
+def _ratio(num: dict, den: dict, speedup: bool = False):
+    """num.median / den.median with a conservative [low, high] from the extremes of the samples.
+
+    A time ratio (speedup=False) below 1 is faster; a speedup (fp32 time / this time) above 1 is.
+    """
+    if num is None or den is None or num is den or num.get("status") != "ok" or den.get("status") != "ok":
+        return None
+    value = num["median"] / den["median"]
+    low, high = num["min"] / den["max"], num["max"] / den["min"]
+    below, above = high < 1 - NOISE, low > 1 + NOISE
+    change = ("faster" if above else "slower" if below else "same") if speedup else \
+             ("faster" if below else "slower" if above else "same")
+    return {"value": value, "low": low, "high": high, "change": change}
+
+
+def derive(records: list) -> list:
+    """Fill the comparison fields of every record from the others of the same case (and language).
+
+    speedup_vs_fp32 = fp32 time / this time (>1: faster), time_vs_torch_amp = this time /
+    torch_amp's (<1: faster), time_vs_python = this R time / the Python time of the same
+    case and variant; loss_rel_diff_vs_fp32 = |loss - fp32 loss| / |fp32 loss|.
+    """
+    idx = {(r["case"], r["variant"], r["language"]): r for r in records}
+    for r in records:
+        key = (r["case"], r["language"])
+        fp32, rival = idx.get(key[:1] + ("fp32",) + key[1:]), idx.get(key[:1] + ("torch_amp",) + key[1:])
+        r["speedup_vs_fp32"] = _ratio(fp32, r, speedup=True)
+        r["time_vs_torch_amp"] = _ratio(r, rival)
+        r["time_vs_python"] = _ratio(r, idx.get((r["case"], r["variant"], "python")))
+        if fp32 and r["status"] == "ok" and fp32["status"] == "ok" and fp32["final_loss"]:
+            r["loss_rel_diff_vs_fp32"] = abs(r["final_loss"] - fp32["final_loss"]) / abs(fp32["final_loss"])
+        else:
+            r["loss_rel_diff_vs_fp32"] = None
+    return records
+
+
+def merge(documents: list) -> dict:
+    """One document from several (one per language): the first context, with the others'
+    R/reticulate versions and languages added, and all records, compared with `derive`."""
+    if not documents:
+        raise ValueError("nothing to merge")
+    ctx = dict(documents[0]["context"])
+    langs = list(ctx.get("languages", []))
+    for d in documents[1:]:
+        for k, v in d["context"].items():
+            if ctx.get(k) is None and v is not None:
+                ctx[k] = v
+        langs += [x for x in d["context"].get("languages", []) if x not in langs]
+        for k in ("profile", "device"):
+            if d["context"].get(k) != ctx.get(k):
+                raise ValueError("cannot merge runs of different %s: %r and %r" % (k, ctx.get(k), d["context"].get(k)))
+    ctx["languages"] = langs
+    records = [dict(r) for d in documents for r in d["records"]]
+    return check({"context": ctx, "records": derive(records)})
+
+
+def finalize_json(text: str) -> str:
+    """For the R runner: a results document as JSON text in, derived and checked JSON text out."""
+    doc = json.loads(text)
+    doc["records"] = derive(doc["records"])
+    return json.dumps(check(doc), indent=1)
+
+
+def write_document(path, ctx: dict, records: list) -> dict:
+    """Derive, check and write a results document; returns it."""
+    doc = check({"context": dict(ctx), "records": derive([dict(r) for r in records])})
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    return doc
+
+
+def read_document(path) -> dict:
+    with open(path) as f:
+        return check(json.load(f), what=str(path))

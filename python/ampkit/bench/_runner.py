@@ -1,0 +1,169 @@
+"""The Python runner: train each case under each variant and time it.
+
+The timing protocol (the R runner, benchmarks/run.R, follows it line by line):
+  1. build the case once (seeded data on the device); per variant, a fresh seeded model;
+  2. run `warmup_steps` untimed steps (cycling over the batches);
+  3. `repeats` times: synchronize, read the clock, one epoch over the `num_batches`
+     batches, synchronize, read the clock: one sample of ms/step;
+  4. the final loss is the mean loss of the last repeat, read after the clock stopped
+     (the loop itself never syncs with the host);
+  5. skipped steps from the scaler: with fewer steps than its growth interval the scale
+     only ever halves, once per skipped step, so skipped = log2(init_scale / final_scale).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import sys
+import time
+
+import torch
+
+from ampkit.bench._build import BuiltCase
+from ampkit.bench._results import make_record
+from ampkit.bench._spec import Variant
+
+INIT_SCALE = 2.0 ** 16
+GROWTH_INTERVAL = 2000
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def reset_peak_memory(device: str) -> None:
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_memory(device: str):
+    return int(torch.cuda.max_memory_allocated()) if device == "cuda" else None
+
+
+@contextlib.contextmanager
+def precision_flags(variant: Variant, device: str):
+    """TF32 on for fp32_tf32 only (also for cuDNN, whose default is on), restored after."""
+    if device != "cuda":
+        yield
+        return
+    saved = (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32)
+    torch.set_float32_matmul_precision("high" if variant.tf32 else "highest")
+    torch.backends.cudnn.allow_tf32 = bool(variant.tf32)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(saved[0])
+        torch.backends.cudnn.allow_tf32 = saved[1]
+
+
+def make_scaler(variant: Variant, device: str):
+    if variant.scaler == "torch":
+        return torch.amp.GradScaler(device, init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
+    if variant.scaler == "ampkit":
+        import ampkit
+        return ampkit.GradScaler(device, init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
+    return None
+
+
+def make_step(variant: Variant, built: BuiltCase, model, opt, scaler):
+    """The training step of a variant: a function (inputs, targets) -> loss tensor."""
+    device, loss_fn = built.device, built.loss_fn
+    dtype = variant.resolved_dtype(device)
+    dtype = getattr(torch, dtype) if dtype else None
+    if variant.runner == "train_step":  # issue 6: ampkit's graph-captured step
+        import ampkit
+        return ampkit.make_train_step(model, loss_fn, opt, scaler=scaler,
+                                      autocast=dict(device_type=device, dtype=dtype))
+    if variant.autocast == "torch":
+        region = lambda: torch.autocast(device_type=device, dtype=dtype)  # noqa: E731
+    elif variant.autocast == "ampkit":
+        import ampkit
+        region = lambda: ampkit.autocast(device, dtype=dtype)  # noqa: E731
+    else:
+        region = contextlib.nullcontext
+
+    if scaler is None:
+        def step(x, y):
+            with region():
+                loss = loss_fn(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+    else:
+        def step(x, y):
+            with region():
+                loss = loss_fn(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            return loss
+    return step
+
+
+def skipped_from_scale(final_scale, total_steps: int):
+    if final_scale is None or total_steps >= GROWTH_INTERVAL or final_scale <= 0:
+        return None
+    return max(0, int(round(math.log2(INIT_SCALE / final_scale))))
+
+
+def run_variant(built: BuiltCase, variant: Variant, language: str = "python") -> dict:
+    """Train `built` under `variant`; a record with status ok, skipped (with the reason) or
+    failed (with the error), never a zero."""
+    device = built.device
+    common = dict(case=built, variant=variant, language=language, profile=built.profile, device=device)
+    reason = variant.skip_reason(device)
+    if reason:
+        return make_record(status="skipped", reason=reason, **common)
+    t_start = time.perf_counter()
+    model = opt = scaler = step = None
+    try:
+        reset_peak_memory(device)
+        with precision_flags(variant, device):
+            model = built.new_model()
+            opt = built.new_optimizer(model, fused=variant.fused_optimizer)
+            scaler = make_scaler(variant, device)
+            step = make_step(variant, built, model, opt, scaler)
+            batches, n = built.batches, built.num_batches
+            for i in range(built.warmup_steps):
+                step(*batches[i % n])
+            samples, losses = [], []
+            for _ in range(built.repeats):
+                losses = []
+                synchronize(device)
+                t0 = time.perf_counter()
+                for x, y in batches:
+                    losses.append(step(x, y))
+                synchronize(device)
+                samples.append((time.perf_counter() - t0) * 1000.0 / n)
+            final_loss = built.mean_loss(losses)
+            final_scale = float(scaler.get_scale()) if scaler is not None else None
+        return make_record(status="ok", samples_ms=samples, final_loss=final_loss,
+                           peak_memory_bytes=peak_memory(device), final_scale=final_scale,
+                           skipped_steps=skipped_from_scale(final_scale, built.total_steps()),
+                           wall_s=time.perf_counter() - t_start, **common)
+    except Exception as e:  # a failure is a result: record it, with the error, and go on
+        return make_record(status="failed", error="%s: %s" % (type(e).__name__, e),
+                           wall_s=time.perf_counter() - t_start, **common)
+    finally:
+        del model, opt, scaler, step
+        reset_peak_memory(device)
+
+
+def progress(language: str, i: int, total: int, rec: dict, file=sys.stderr) -> None:
+    """One line per finished run: '[python  3/24] seed_mlp / torch_amp: 12.31 ms/step ...'."""
+    head = "[%-6s %2d/%d] %s / %s:" % (language, i, total, rec["case"], rec["variant"])
+    if rec["status"] == "ok":
+        tail = "%.2f ms/step (median of %d, %.2f-%.2f), final loss %.5g" % (
+            rec["median"], len(rec["samples"]), rec["min"], rec["max"], rec["final_loss"])
+    elif rec["status"] == "skipped":
+        tail = "skipped: " + rec["reason"]
+    else:
+        tail = "FAILED: " + rec["error"]
+    print(head, tail, file=file, flush=True)
