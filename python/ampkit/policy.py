@@ -37,6 +37,7 @@ KNOWN_GAPS = {
     "linalg.multi_dot": (("mixed",), "native checks dtypes before its C++ decomposition reaches mm; ampkit casts first"),
     "tensordot": (("mixed",), "native checks dtypes before its C++ decomposition reaches mm; ampkit casts first"),
     "lstm_cell": (("mixed",), "native casts only the inner linear layers (C++); the cell's output stays float32"),
+    "gru": (("mixed",), "native casts only the inner linear layers (C++); the GRU's output stays float32"),
     "gru_cell": (("mixed",), "native casts only the inner linear layers (C++); the cell's output stays float32"),
     "linalg.pinv": (("f32",), "native runs the SVD in float32 and only the final matmul in low precision"),
     "pad": (("low",), "depends on mode: reflect/replicate pads run in float32 natively, constant pads do not"),

@@ -135,6 +135,10 @@ _SAMPLES = {
     "gru_cell": lambda m: _m(torch.gru_cell, m.t(2, 3), m.t(2, 4), m.t(12, 3), m.t(12, 4), m.t(12), m.t(12)),
     "rnn_tanh_cell": lambda m: _m(torch.rnn_tanh_cell, m.t(2, 3), m.t(2, 4), m.t(4, 3), m.t(4, 4), m.t(4), m.t(4)),
     "rnn_relu_cell": lambda m: _m(torch.rnn_relu_cell, m.t(2, 3), m.t(2, 4), m.t(4, 3), m.t(4, 4), m.t(4), m.t(4)),
+    "lstm": lambda m: _m(torch.lstm, m.t(2, 3, 3), (m.t(1, 2, 4), m.t(1, 2, 4)), [m.t(16, 3), m.t(16, 4), m.t(16), m.t(16)], True, 1, 0.0, False, False, True),
+    "gru": lambda m: _m(torch.gru, m.t(2, 3, 3), m.t(1, 2, 4), [m.t(12, 3), m.t(12, 4), m.t(12), m.t(12)], True, 1, 0.0, False, False, True),
+    "rnn_tanh": lambda m: _m(torch.rnn_tanh, m.t(2, 3, 3), m.t(1, 2, 4), [m.t(4, 3), m.t(4, 4), m.t(4), m.t(4)], True, 1, 0.0, False, False, True),
+    "rnn_relu": lambda m: _m(torch.rnn_relu, m.t(2, 3, 3), m.t(1, 2, 4), [m.t(4, 3), m.t(4, 4), m.t(4), m.t(4)], True, 1, 0.0, False, False, True),
     # ---- losses
     "binary_cross_entropy": lambda m: _m(F.binary_cross_entropy, m.u(3, 4), m.u(3, 4)),
     "binary_cross_entropy_with_logits": lambda m: _m(F.binary_cross_entropy_with_logits, m.t(3, 4), m.u(3, 4)),
