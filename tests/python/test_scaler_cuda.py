@@ -1,0 +1,154 @@
+"""CUDA variants of the scaler tests: fused optimizers bitwise vs torch's scaler, no host
+sync under set_sync_debug_mode("error"), and a captured training step with an injected inf."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ampkit
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+F = torch.nn.functional
+INF = float("inf")
+
+OPTS = {
+    "sgd_fused": lambda p, **k: torch.optim.SGD(p, lr=0.05, momentum=0.9, fused=True),
+    "adam_fused": lambda p, **k: torch.optim.Adam(p, lr=1e-3, fused=True, **k),
+    "adamw_fused": lambda p, **k: torch.optim.AdamW(p, lr=1e-3, fused=True, **k),
+    "adam_foreach": lambda p, **k: torch.optim.Adam(p, lr=1e-3, foreach=True),
+    "sgd_plain": lambda p, **k: torch.optim.SGD(p, lr=0.05, momentum=0.9, foreach=False),
+}
+
+
+def model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)).cuda()
+
+
+def data(n, bad=()):
+    g = torch.Generator(device="cuda").manual_seed(1)
+    out = []
+    for i in range(n):
+        x = torch.randn(16, 32, device="cuda", generator=g)
+        y = torch.randn(16, 8, device="cuda", generator=g)
+        if i in bad:
+            x[0, 0] = INF
+        out.append((x, y))
+    return out
+
+
+def step(m, opt, scaler, x, y, guard=None):
+    opt.zero_grad(set_to_none=True)
+    with torch.autocast("cuda", dtype=torch.float16):  # the oracle autocast: same forward both runs
+        out = m(x)
+    loss = F.mse_loss(out.float(), y)
+    if guard is not None:
+        guard.__enter__()
+    try:
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    finally:
+        if guard is not None:
+            guard.__exit__(None, None, None)
+
+
+def flat_state(m, opt, scaler):
+    out = [scaler._scale, scaler._growth_tracker] + [p.detach() for p in m.parameters()]
+    for p in m.parameters():
+        out += [v for _, v in sorted(opt.state.get(p, {}).items()) if torch.is_tensor(v)]
+    return [t.clone() for t in out]
+
+
+@pytest.mark.parametrize("opt_name", list(OPTS))
+def test_cuda_trajectory_is_bitwise_torch(opt_name):
+    batches = data(12, bad={2, 5, 6})
+    runs = []
+    for cls in (ampkit.GradScaler, torch.amp.GradScaler):
+        m = model()
+        runs.append((m, OPTS[opt_name](m.parameters()), cls("cuda", init_scale=2.0**16, growth_interval=2)))
+    for i, (x, y) in enumerate(batches):
+        snaps = []
+        for m, opt, scaler in runs:
+            step(m, opt, scaler, x, y)
+            snaps.append(flat_state(m, opt, scaler))
+        for a, b in zip(*snaps):
+            assert a.dtype == b.dtype and torch.equal(a, b), f"step {i}"
+    assert runs[0][2].stats().skipped == 3
+
+
+class SyncError:
+    def __enter__(self):
+        torch.cuda.set_sync_debug_mode("error")
+
+    def __exit__(self, *exc):
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("opt_name", ["sgd_fused", "adam_fused", "adamw_fused"])
+@pytest.mark.parametrize("kw", [{}, dict(hysteresis=2, min_scale=1.0, max_scale=2.0**20)],
+                         ids=["torch-like", "hysteresis+clamps"])
+def test_fused_step_and_update_make_no_sync(opt_name, kw):
+    m = model()
+    opt = OPTS[opt_name](m.parameters())
+    scaler = ampkit.GradScaler("cuda", init_scale=2.0**16, growth_interval=2, **kw)
+    batches = data(6, bad={3})
+    for x, y in batches[:2]:
+        step(m, opt, scaler, x, y)  # lazy state first
+    torch.cuda.synchronize()
+    for x, y in batches[2:]:
+        step(m, opt, scaler, x, y, guard=SyncError())
+    assert scaler.stats().skipped == 1
+
+
+def test_plain_optimizer_does_sync_as_documented():
+    m = model()
+    opt = OPTS["sgd_plain"](m.parameters())
+    scaler = ampkit.GradScaler("cuda")
+    x, y = data(1)[0]
+    step(m, opt, scaler, x, y)
+    with pytest.raises(RuntimeError, match="synchroniz"):
+        step(m, opt, scaler, x, y, guard=SyncError())
+
+
+@pytest.mark.parametrize("opt_name", ["sgd_fused", "adam_fused"])
+def test_captured_step_skips_an_injected_inf(opt_name):
+    m = model()
+    kw = {} if opt_name == "sgd_fused" else dict(capturable=True)
+    opt = OPTS[opt_name](m.parameters(), **kw)
+    scaler = ampkit.GradScaler("cuda", init_scale=2.0**16, growth_interval=2, hysteresis=2)
+    x, y = data(1)[0]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step(m, opt, scaler, x, y)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        with ampkit.autocast("cuda", dtype=torch.float16):
+            out = m(x)
+        scaler.scale(F.mse_loss(out.float(), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+    graph.replay()
+    s0 = scaler.stats()
+    params = [p.detach().clone() for p in m.parameters()]
+    good = x.clone()
+    x[0, 0] = INF
+    graph.replay()  # absorbed by hysteresis: skipped, scale kept
+    s1 = scaler.stats()
+    assert all(torch.equal(a, p) for a, p in zip(params, m.parameters()))
+    assert (s1.scale, s1.skipped, s1.hysteresis_left) == (s0.scale, s0.skipped + 1, 1)
+    graph.replay()  # second consecutive overflow: backs off
+    s2 = scaler.stats()
+    assert all(torch.equal(a, p) for a, p in zip(params, m.parameters()))
+    assert (s2.scale, s2.skipped, s2.last_skipped) == (s0.scale / 2, s0.skipped + 2, s2.steps - 1)
+    x.copy_(good)
+    graph.replay()
+    assert any(not torch.equal(a, p) for a, p in zip(params, m.parameters()))
