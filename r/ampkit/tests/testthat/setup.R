@@ -10,5 +10,6 @@ if (ampkit::ampkit_available()) {
     "import warnings",
     "warnings.filterwarnings('ignore', message='.*deprecated')",
     "warnings.filterwarnings('ignore', message='.*CUDA is not available')",
+    "warnings.filterwarnings('ignore', message='.*not as a CUDA graph')",
     sep = "\n"))
 }
