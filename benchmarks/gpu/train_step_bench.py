@@ -42,6 +42,7 @@ import ampkit
 DTYPE = torch.float16
 DEVICE = "cuda"  # --device cpu: a smoke run of the script itself (tiny profile), no figures
 VARIANTS = ("torch_amp", "torch_amp_fused", "ampkit_amp", "ampkit_step_eager", "ampkit_step")
+TOP = 12  # kernels listed per profiled variant (--top)
 WARMUP = 8  # > make_train_step's 3 warm-up steps + the capture
 
 
@@ -109,7 +110,7 @@ def time_variant(name, built, repeats):
     if hasattr(step, "captured"):
         rec.update(captured=step.captured, reason=step.reason)
     breakdown = None
-    if name in ("ampkit_step", "ampkit_step_eager"):
+    if name in ("ampkit_step", "ampkit_step_eager", "torch_amp_fused"):
         try:
             breakdown = kernel_breakdown(step, batches)
         except Exception as e:  # noqa: BLE001 - the timing stands without it
@@ -199,7 +200,7 @@ def kernel_breakdown(step, batches, steps=3):
         for i in range(steps):
             step(*batches[i % len(batches)])
         sync()
-    totals, n = {}, 0
+    totals, n, top = {}, 0, []
     for evt in prof.key_averages():
         us = getattr(evt, "self_device_time_total", None)
         if us is None:
@@ -211,9 +212,11 @@ def kernel_breakdown(step, batches, steps=3):
         k = _kind(evt.key)
         totals[k] = totals.get(k, 0.0) + us / 1e3 / steps
         n += evt.count
+        top.append((round(us / 1e3 / steps, 4), evt.count // steps, k, evt.key[:110]))
     out = {k: round(v, 4) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
     out["_total_ms"] = round(sum(totals.values()), 4)
     out["_kernels_per_step"] = n / steps
+    out["_top"] = sorted(top, reverse=True)[:TOP]
     return out
 
 
@@ -268,8 +271,12 @@ def print_case(res):
               f"{r['peak_mem_mib']:>9.0f}  {r['final_loss']:.5g}"
               + ("" if r.get("captured", True) else f"  (eager: {r.get('reason')})"))
     for r in res["records"]:
-        if r.get("gpu_time_by_kind"):
-            print(f"  GPU ms/step by kernel kind, {r['variant']}: {r['gpu_time_by_kind']}")
+        kinds = dict(r.get("gpu_time_by_kind") or {})
+        top = kinds.pop("_top", [])
+        if kinds:
+            print(f"  GPU ms/step by kernel kind, {r['variant']}: {kinds}")
+        for ms, count, kind, name in top:
+            print(f"      {ms:8.4f} ms  x{count:<4} {kind:<17} {name}")
 
 
 def main(argv=None):
@@ -277,10 +284,12 @@ def main(argv=None):
     ap.add_argument("--cases", default="seed_mlp,transformer")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--top", type=int, default=12, help="kernels listed per profiled variant")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                     help="cpu: a smoke run of this script at the tiny profile (no figures)")
     args = ap.parse_args(argv)
-    global DEVICE, DTYPE
+    global DEVICE, DTYPE, TOP
+    TOP = args.top
     DEVICE, DTYPE = args.device, (torch.float16 if args.device == "cuda" else torch.bfloat16)
     profile = "full" if DEVICE == "cuda" else "tiny"
     if DEVICE == "cuda" and not torch.cuda.is_available():
