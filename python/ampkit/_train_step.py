@@ -17,8 +17,8 @@ from Python. The state machine of one step object:
     WARMUP --(warmup eager steps on a side stream)--> capture --> GRAPH
     GRAPH: a batch of the captured shapes/dtypes        -> copy into static buffers, replay
            a batch of other shapes/dtypes               -> this call runs eagerly (warn once)
-           optimizer hyperparameters / train-eval mode /
-           requires_grad changed since the capture      -> capture again (at most twice,
+           optimizer hyperparameters, optimizer.load_state_dict(),
+           train/eval mode or requires_grad changed     -> capture again (twice at most,
                                                            then EAGER with a warning)
     EAGER: every call runs the loop above; ``step.reason`` says why.
 
@@ -191,7 +191,7 @@ class TrainStep:
                 self.reason = why
                 self._warn(why)
                 return self._eager(flat_in, flat_tg, keep_grads=True)
-            if self._state_key() != self._key:
+            if not self._same_state():
                 self._drop_graph()
                 if self.captures > _MAX_RECAPTURES:
                     return self._give_up(
@@ -285,6 +285,8 @@ class TrainStep:
         self._static_loss = static_loss
         self._sig = _signature(flat_in, flat_tg)
         self._key = self._state_key()
+        # optimizer.load_state_dict() installs new state/param_groups objects (new tensors).
+        self._opt_objs = (self.optimizer.state, self.optimizer.param_groups)
         self.captures += 1
         self.reason = None
         # The capture recorded the work without running it: run it for this batch.
@@ -326,7 +328,12 @@ class TrainStep:
 
     def _reset_static(self):
         self._static_in = self._static_tg = self._static_loss = None
-        self._sig = self._key = None
+        self._sig = self._key = self._opt_objs = None
+
+    def _same_state(self):
+        state, groups = self._opt_objs
+        return (self.optimizer.state is state and self.optimizer.param_groups is groups
+                and self._state_key() == self._key)
 
     def _state_key(self):
         # Host scalars are baked into the graph; tensors (a tensor lr) are read by address.
