@@ -124,7 +124,7 @@ nn_sequential <- function(...) {
   py_ready()
   if (is.null(names(modules))) return(do.call(py_torch$nn$Sequential, modules))
   named <- Map(function(n, m) reticulate::tuple(if (nzchar(n)) n else "", m), names(modules), modules)
-  py_torch$nn$Sequential(reticulate::import("collections")$OrderedDict(unname(named)))
+  py_torch$nn$Sequential(reticulate::import("collections", convert = FALSE)$OrderedDict(unname(named)))
 }
 
 #' @rdname torch_layer

@@ -31,3 +31,5 @@ py_golden <- function(code) {
   reticulate::import_builtins()$exec(code, ns)
   reticulate::py_to_r(ns)
 }
+
+shape <- function(t) unlist(reticulate::import_builtins()$list(t$shape))

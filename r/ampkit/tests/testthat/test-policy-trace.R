@@ -1,0 +1,64 @@
+test_that("amp_policy() lists the spec's tables as a data.frame of op, device and category", {
+  skip_if_no_ampkit()
+  skip_if_no_repo()
+  f <- file.path(repo_dir(), "shared_specs", "policies", "torch_default.yaml")
+  spec <- yaml::read_yaml(f)
+  p <- amp_policy("torch_default")
+  expect_s3_class(p, "ampkit_policy")
+  tab <- as.data.frame(p)
+  expect_equal(names(tab), c("op", "device", "category"))
+  for (dev in names(spec$devices)) {
+    for (cat in c("lower_precision_fp", "fp32", "fp32_output", "promote")) {
+      expect_setequal(tab$op[tab$device == dev & tab$category == cat], as.character(unlist(spec$devices[[dev]][[cat]])))
+    }
+    expect_setequal(tab$op[tab$device == dev & tab$category == "banned"], names(spec$devices[[dev]]$banned))
+    expect_equal(attr(tab, "lower_precision_dtype")[[dev]], spec$devices[[dev]]$lower_precision_dtype)
+  }
+  expect_output(print(p), "torch_default")
+})
+
+test_that("overrides return a new policy and change what a region does", {
+  skip_if_no_ampkit()
+  p <- amp_policy("torch_default")
+  q <- amp_policy(p, fp32 = c("linear", "matmul"), device = "cpu")
+  tq <- as.data.frame(q)
+  tp <- as.data.frame(p)
+  expect_equal(tq$category[tq$op == "linear" & tq$device == "cpu"], "fp32")
+  expect_equal(tq$category[tq$op == "linear" & tq$device == "cuda"], "lower_precision_fp")
+  expect_equal(tp$category[tp$op == "linear" & tp$device == "cpu"], "lower_precision_fp")
+  net <- nn_linear(4, 2)
+  x <- torch_randn(3, 4)
+  expect_equal(dtype_name(with_autocast(device_type = "cpu", policy = q, net(x))), "float32")
+  expect_equal(dtype_name(with_autocast(device_type = "cpu", policy = p, net(x))), "bfloat16")
+  expect_equal(dtype_name(with_autocast(device_type = "cpu", policy = "torch_default", net(x))), "bfloat16")
+})
+
+test_that("bad policies and overrides are R conditions that say what is valid", {
+  skip_if_no_ampkit()
+  err <- expect_error(amp_policy("no_such_policy"), class = "ampkit_python_error")
+  expect_match(conditionMessage(err), "no shipped policy named 'no_such_policy'")
+  err <- expect_error(amp_policy("torch_default", fp16 = "linear"), class = "ampkit_error")
+  expect_match(conditionMessage(err), "lower_precision_fp")
+  expect_error(amp_policy("torch_default", "linear"), class = "ampkit_bad_argument")
+  expect_error(amp_policy("torch_default", fp32 = "linear", device = "gpu"), class = "ampkit_bad_device")
+  expect_error(amp_policy(42), class = "ampkit_bad_argument")
+  expect_error(with_autocast(device_type = "cpu", policy = 42, 1), class = "ampkit_bad_argument")
+})
+
+test_that("amp_trace() returns the casts of a region as a data.frame", {
+  skip_if_no_ampkit()
+  net <- nn_linear(4, 2)
+  x <- torch_randn(3, 4)
+  tr <- amp_trace(with_autocast(device_type = "cpu", {
+    y <- net(x)
+  }))
+  expect_s3_class(tr, "data.frame")
+  expect_true(all(c("op", "rule", "device", "output_dtype") %in% names(tr)))
+  row <- tr[tr$op == "linear", ]
+  expect_equal(nrow(row), 1)
+  expect_equal(row$rule, "lower_precision_fp")
+  expect_equal(row$output_dtype, "bfloat16")
+  expect_equal(dtype_name(y), "bfloat16")
+  # nothing traced outside amp_trace()
+  expect_equal(nrow(amp_trace(NULL)), 0)
+})

@@ -1,0 +1,43 @@
+test_that("amp_train_step() gives the losses of the hand-written R loop, bit for bit", {
+  skip_if_no_ampkit()
+  make <- function() {
+    torch_manual_seed(11)
+    net <- nn_sequential(nn_linear(4, 8), nn_relu(), nn_linear(8, 1))
+    list(net = net, opt = optim_sgd(net$parameters, lr = 0.05))
+  }
+  torch_manual_seed(12)
+  xs <- lapply(1:4, function(i) torch_randn(16, 4))
+  ys <- lapply(1:4, function(i) torch_randn(16, 1))
+
+  a <- make()
+  step <- amp_train_step(a$net, nn_mse_loss(), a$opt, device_type = "cpu", dtype = "bfloat16",
+                         scaler = amp_grad_scaler("cpu", init_scale = 2^10), capture = FALSE)
+  expect_s3_class(step, "ampkit_train_step")
+  got <- vapply(1:4, function(i) step(xs[[i]], ys[[i]])$item(), numeric(1))
+
+  b <- make()
+  scaler <- amp_grad_scaler("cpu", init_scale = 2^10)
+  loss_fn <- nn_mse_loss()
+  want <- numeric(4)
+  for (i in 1:4) {
+    b$opt$zero_grad(set_to_none = TRUE)
+    with_autocast(device_type = "cpu", dtype = "bfloat16", {
+      loss <- loss_fn(b$net(xs[[i]]), ys[[i]])
+    })
+    scaler$scale(loss)$backward()
+    scaler$step(b$opt)
+    scaler$update()
+    want[[i]] <- loss$item()
+  }
+  expect_identical(got, want)
+  expect_output(print(step), "ampkit_train_step")
+})
+
+test_that("amp_train_step() checks its arguments in R", {
+  skip_if_no_ampkit()
+  net <- nn_linear(2, 1)
+  opt <- optim_sgd(net$parameters, lr = 0.1)
+  expect_error(amp_train_step(net, nn_mse_loss(), opt, device_type = "gpu"), class = "ampkit_bad_device")
+  expect_error(amp_train_step(net, nn_mse_loss(), opt, capture = "yes"), class = "ampkit_bad_argument")
+  expect_error(amp_train_step(net, nn_mse_loss(), opt, "cpu"), class = "ampkit_bad_argument")
+})
