@@ -199,32 +199,42 @@ class _Mode(TorchFunctionMode):
 
 # --------------------------------------------------------------------------- casting
 def _caster(engine, device_type, to, lower, cache_enabled):
-    """Return cast(x): x with eligible tensors (also in lists) cast to ``to``."""
+    """Return cast_all(values) -> list: eligible tensors (also in lists) cast to ``to``.
+
+    Mirrors ATen's cached_cast: only floating, non-float64 tensors on the device;
+    fp32 leaves that require grad and are not views are cast once per outermost
+    region (when casting to the region dtype and the cache is enabled).
+    """
     on = _on_device(device_type)
     cache = engine.cache
     may_cache = cache_enabled and to is lower
 
-    def cast_t(a):
-        dt = a.dtype
-        if dt is to or dt not in _CASTABLE or not on(a):
-            return a
-        if may_cache and dt is _F32 and a.requires_grad and a.is_leaf and not a._is_view():
+    def cast_t(a):  # a: an eligible tensor whose dtype differs from ``to``
+        if may_cache and a.requires_grad and a.dtype is _F32 and a.is_leaf and not a._is_view():
             hit = cache.get(id(a))
             if hit is not None and hit[0] is a:
                 return hit[1]
-            out = a.to(to)
+            out = a.to(dtype=to)
             cache[id(a)] = (a, out)
             return out
-        return a.to(to)
+        return a.to(dtype=to)
 
-    def cast(x):
-        if isinstance(x, Tensor):
-            return cast_t(x)
-        if type(x) in _SEQ and x and isinstance(x[0], Tensor):
-            return type(x)(cast_t(t) if isinstance(t, Tensor) else t for t in x)
-        return x
+    def cast_all(values):
+        out = []
+        for x in values:
+            if isinstance(x, Tensor):
+                dt = x.dtype
+                if dt is not to and dt in _CASTABLE and on(x):
+                    x = cast_t(x)
+            elif type(x) in _SEQ and x and isinstance(x[0], Tensor):
+                x = type(x)(
+                    cast_t(t) if isinstance(t, Tensor) and t.dtype is not to and t.dtype in _CASTABLE and on(t) else t
+                    for t in x
+                )
+            out.append(x)
+        return out
 
-    return cast
+    return cast_all
 
 
 def _widest(args, kwargs, on, lower):
@@ -249,15 +259,14 @@ def _rule(engine, name, category, device_type, dtype, cache_enabled, message):
     when the first tensor is not on this device."""
     on = _on_device(device_type)
     if category == "lower_precision_fp" or category == "fp32":
-        cast = _caster(engine, device_type, dtype if category == "lower_precision_fp" else _F32, dtype, cache_enabled)
+        cast_all = _caster(engine, device_type, dtype if category == "lower_precision_fp" else _F32, dtype, cache_enabled)
 
         def act(func, args, kwargs):
-            if kwargs and kwargs.get("out") is not None:
+            if not kwargs:
+                return func(*cast_all(args))
+            if kwargs.get("out") is not None:
                 return func(*args, **kwargs)
-            args = [cast(a) for a in args]
-            if kwargs:
-                return func(*args, **{k: cast(v) for k, v in kwargs.items()})
-            return func(*args)
+            return func(*cast_all(args), **dict(zip(kwargs, cast_all(kwargs.values()))))
 
     elif category == "fp32_output":
 
@@ -278,8 +287,8 @@ def _rule(engine, name, category, device_type, dtype, cache_enabled, message):
         def act(func, args, kwargs):
             if kwargs and kwargs.get("out") is not None:
                 return func(*args, **kwargs)
-            cast = casts[_widest(args, kwargs, on, dtype)]
-            return func(*[cast(a) for a in args], **{k: cast(v) for k, v in kwargs.items()})
+            cast_all = casts[_widest(args, kwargs, on, dtype)]
+            return func(*cast_all(args), **dict(zip(kwargs, cast_all(kwargs.values()))))
 
     elif category == "banned":
 

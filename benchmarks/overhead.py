@@ -1,0 +1,153 @@
+"""Per-op overhead of ampkit.autocast against torch.autocast on this CPU.
+
+    python benchmarks/overhead.py [--repeats 15] [--threads 1] [--json PATH]
+
+Three cases, each run under torch.autocast (native) and ampkit.autocast in one
+process, interleaved (the order alternates every repeat), reporting medians:
+
+- unlisted: a chain of 20 small ops that are in no table (relu, mul, add, tanh ...)
+- listed:   a chain of 20 small listed ops (linear, matmul, mse_loss, cat ...)
+- step:     a seed-shaped MLP training step (3 Linear + ReLU, MSE, SGD; small sizes)
+
+The region is entered once per chain (per step for ``step``), as in real code.
+Timings are printed, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import ampkit
+
+
+def _unlisted_chain(x):
+    for _ in range(4):
+        x = torch.relu(x)
+        x = x * 1.0001
+        x = x + 0.001
+        x = torch.tanh(x)
+        x = x.view(-1).view(8, 8)
+    return x
+
+
+def _listed_chain(x, w, t):
+    for _ in range(4):
+        y = F.linear(x, w)
+        y = torch.matmul(y, w)
+        y = torch.cat([y, y], 0)[:8]
+        y = F.mse_loss(y, t) + y
+        x = torch.mm(y.float(), w)
+    return x
+
+
+def _make_step(batch, width, device):
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(2):
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(width, width)).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(batch, width, device=device)
+    y = torch.randn(batch, width, device=device)
+
+    def step(ctx):
+        with ctx:
+            loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _time(fn, inner):
+    t0 = time.perf_counter()
+    for _ in range(inner):
+        fn()
+    return (time.perf_counter() - t0) / inner
+
+
+def run(repeats=15, device="cpu"):
+    dtype = torch.bfloat16
+    x = torch.randn(8, 8)
+    w = torch.randn(8, 8)
+    t = torch.randn(8, 8)
+    step = _make_step(64, 256, device)
+
+    def native():
+        return torch.autocast(device, dtype=dtype)
+
+    def amp():
+        return ampkit.autocast(device, dtype=dtype)
+
+    def chain(ctx_factory, body, *a):
+        def f():
+            with ctx_factory():
+                body(*a)
+
+        return f
+
+    cases = {
+        "unlisted (20 ops)": {
+            "native": chain(native, _unlisted_chain, x),
+            "ampkit": chain(amp, _unlisted_chain, x),
+            "none": chain(lambda: torch.autocast(device, enabled=False), _unlisted_chain, x),
+            "inner": 300,
+        },
+        "listed (20 ops)": {
+            "native": chain(native, _listed_chain, x, w, t),
+            "ampkit": chain(amp, _listed_chain, x, w, t),
+            "inner": 300,
+        },
+        "mlp step (64x256)": {
+            "native": lambda: step(native()),
+            "ampkit": lambda: step(amp()),
+            "inner": 20,
+        },
+    }
+    results = {}
+    for name, case in cases.items():
+        variants = [v for v in ("native", "ampkit", "none") if v in case]
+        for v in variants:  # warm up (first calls classify and compile)
+            _time(case[v], max(3, case["inner"] // 10))
+        samples = {v: [] for v in variants}
+        for r in range(repeats):
+            order = variants if r % 2 == 0 else variants[::-1]
+            for v in order:
+                samples[v].append(_time(case[v], case["inner"]))
+        med = {v: statistics.median(s) for v, s in samples.items()}
+        spread = {v: (min(s), max(s)) for v, s in samples.items()}
+        results[name] = {"median_s": med, "min_max_s": spread, "ratio": med["ampkit"] / med["native"]}
+    return results
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    res = run(a.repeats)
+    print(f"torch {torch.__version__}, {a.threads} thread(s), {a.repeats} interleaved repeats, medians")
+    print(f"{'case':<20} {'native':>12} {'ampkit':>12} {'ratio':>7}")
+    for name, r in res.items():
+        m = r["median_s"]
+        print(f"{name:<20} {m['native'] * 1e6:>10.1f}us {m['ampkit'] * 1e6:>10.1f}us {r['ratio']:>7.3f}")
+        if "none" in m:
+            print(f"{'  (no autocast)':<20} {m['none'] * 1e6:>10.1f}us")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
