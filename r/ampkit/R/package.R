@@ -12,6 +12,7 @@
 #' first use, not when the package loads.
 #'
 #' @keywords internal
+#' @importFrom R6 R6Class
 "_PACKAGE"
 
 # Python modules, delay-loaded in .onLoad (keras3/tensorflow style): the
