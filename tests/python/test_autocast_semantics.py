@@ -1,0 +1,399 @@
+"""Region semantics of ampkit.autocast, each checked against torch.autocast.
+
+Nesting, enabled=False inside, an exception inside, threads, decorator use, the
+cast cache's lifetime, what is (not) cast, in-place and out= calls, custom_fwd /
+custom_bwd, user ops registered with ampkit.op, bad arguments.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ampkit
+from ampkit import _autocast
+
+pytestmark = pytest.mark.usefixtures("ampkit_quiet")
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def modes():
+    return torch._C._len_torch_function_stack()
+
+
+def lin(x=None, w=None):
+    x = torch.randn(2, 4) if x is None else x
+    w = torch.randn(3, 4) if w is None else w
+    return F.linear(x, w)
+
+
+# --------------------------------------------------------------------- nesting
+@pytest.mark.parametrize("lib", ["torch", "ampkit"])
+def test_nesting_changes_and_restores_dtype(lib):
+    ac = torch.autocast if lib == "torch" else ampkit.autocast
+    enabled = torch.is_autocast_enabled if lib == "torch" else ampkit.is_autocast_enabled
+    dtype = torch.get_autocast_dtype if lib == "torch" else ampkit.get_autocast_dtype
+    seen = []
+    with ac("cpu", dtype=BF16):
+        seen.append((lin().dtype, enabled("cpu"), dtype("cpu")))
+        with ac("cpu", dtype=F16):
+            seen.append((lin().dtype, enabled("cpu"), dtype("cpu")))
+            with ac("cpu", enabled=False):
+                seen.append((lin().dtype, enabled("cpu")))
+            seen.append((lin().dtype, enabled("cpu")))
+        seen.append((lin().dtype, enabled("cpu"), dtype("cpu")))
+    seen.append((lin().dtype, enabled("cpu")))
+    assert seen == [
+        (BF16, True, BF16), (F16, True, F16), (F32, False), (F16, True), (BF16, True, BF16), (F32, False)
+    ]
+
+
+def test_one_mode_however_deep_and_none_after():
+    base = modes()
+    with ampkit.autocast("cpu"):
+        assert modes() == base + 1
+        with ampkit.autocast("cpu", enabled=False), ampkit.autocast("cpu", dtype=F16):
+            assert modes() == base + 1
+    assert modes() == base
+
+
+def test_state_is_ampkits_not_torchs():
+    with ampkit.autocast("cpu"):
+        assert ampkit.is_autocast_enabled("cpu") and not torch.is_autocast_enabled("cpu")
+    with torch.autocast("cpu"):
+        assert torch.is_autocast_enabled("cpu") and not ampkit.is_autocast_enabled("cpu")
+    assert ampkit.get_autocast_dtype("cpu") == BF16 and ampkit.get_autocast_dtype("cuda") == F16
+
+
+def test_exception_inside_restores_everything():
+    base = modes()
+    w = torch.randn(3, 4, requires_grad=True)
+    with pytest.raises(ZeroDivisionError):
+        with ampkit.autocast("cpu", dtype=BF16):
+            with ampkit.autocast("cpu", dtype=F16):
+                lin(w=w)
+                1 / 0
+    assert not ampkit.is_autocast_enabled("cpu")
+    assert modes() == base
+    assert _autocast._engine().cache == {} and _autocast._engine().depth == 0
+    assert lin().dtype == F32
+    with ampkit.autocast("cpu"):
+        with pytest.raises(ValueError):
+            with ampkit.autocast("cpu", enabled=False):
+                raise ValueError("inner")
+        assert ampkit.is_autocast_enabled("cpu") and lin().dtype == BF16
+
+
+# --------------------------------------------------------------------- threads
+def test_other_threads_are_unaffected():
+    out = {}
+    inside = threading.Event()
+    done = threading.Event()
+
+    def worker():
+        inside.wait()
+        out["worker"] = (lin().dtype, ampkit.is_autocast_enabled("cpu"))
+        with ampkit.autocast("cpu", dtype=F16):
+            out["worker_region"] = lin().dtype
+        done.set()
+
+    t = threading.Thread(target=worker)
+    t.start()
+    with ampkit.autocast("cpu", dtype=BF16):
+        inside.set()
+        done.wait(10)
+        out["main"] = lin().dtype
+    t.join(10)
+    assert out == {"worker": (F32, False), "worker_region": F16, "main": BF16}
+
+
+def test_decorated_function_in_many_threads():
+    @ampkit.autocast("cpu", dtype=F16)
+    def f(x, w):
+        return F.linear(x, w).dtype, ampkit.get_autocast_dtype("cpu")
+
+    res = []
+    ts = [threading.Thread(target=lambda: res.append(f(torch.randn(2, 4), torch.randn(3, 4)))) for _ in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(10)
+    assert res == [(F16, F16)] * 4
+    assert lin().dtype == F32
+
+
+# --------------------------------------------------------------------- decorator
+@pytest.mark.parametrize("enabled", [True, False])
+def test_decorator_matches_torch_decorator(enabled):
+    def body(x, w):
+        return F.linear(x, w)
+
+    x, w = torch.randn(2, 4), torch.randn(3, 4)
+    a = ampkit.autocast("cpu", enabled=enabled)(body)(x, w)
+    n = torch.autocast("cpu", enabled=enabled)(body)(x, w)
+    assert a.dtype == n.dtype and torch.equal(a, n)
+    assert ampkit.autocast("cpu")(body).__name__ == "body"
+
+
+# --------------------------------------------------------------------- cache
+def _cached_cast_of(w):
+    hits = [c for (src, c) in _autocast._engine().cache.values() if src is w]
+    return hits[0] if hits else None
+
+
+def test_cache_lives_for_the_outermost_region_and_is_freed():
+    w = torch.nn.Parameter(torch.randn(3, 4))
+    x = torch.randn(2, 4)
+    with ampkit.autocast("cpu"):
+        y1 = F.linear(x, w)
+        with ampkit.autocast("cpu"):  # nested: the same cache
+            y2 = F.linear(x, w)
+        cast = _cached_cast_of(w)
+        assert cast is not None and cast.dtype == BF16
+        ref = weakref.ref(cast)
+        del cast
+        y3 = F.linear(x, w)
+        assert ref() is not None  # still cached after the inner exit
+    del y1, y2, y3  # their graphs hold the cast weight for backward
+    gc.collect()
+    assert ref() is None  # freed at the outermost exit
+    assert _autocast._engine().cache == {}
+
+
+def test_cache_shares_one_cast_like_native():
+    """Two uses of a weight in a region share one cast node in the graph, natively and in ampkit."""
+
+    def shared(region):
+        w = torch.nn.Parameter(torch.randn(3, 4))
+        with region:
+            y1, y2 = F.linear(torch.randn(2, 4), w), F.linear(torch.randn(2, 4), w)
+        return bool(copies(y1) & copies(y2))
+
+    def copies(y):  # the cast nodes (ToCopyBackward) reachable from y's graph
+        out, todo = set(), [y.grad_fn]
+        while todo:
+            n = todo.pop()
+            if n is None:
+                continue
+            if "ToCopy" in n.name():
+                out.add(n)
+            todo.extend(m for m, _ in n.next_functions)
+        return out
+
+    assert shared(torch.autocast("cpu")) is True
+    assert shared(ampkit.autocast("cpu")) is True
+    assert shared(torch.autocast("cpu", cache_enabled=False)) is False
+    assert shared(ampkit.autocast("cpu", cache_enabled=False)) is False
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(3, 4),  # no grad
+        lambda: torch.randn(3, 8, requires_grad=True)[:, :4],  # not a leaf
+        lambda: torch.nn.Parameter(torch.randn(4, 3)).t(),  # a view
+    ],
+    ids=["no_grad", "non_leaf", "view"],
+)
+def test_cache_skips_what_native_skips(make):
+    w = make()
+    with ampkit.autocast("cpu"):
+        F.linear(torch.randn(2, 4), w)
+        assert _cached_cast_of(w) is None
+
+
+def test_cache_disabled_and_disabled_region_cache_nothing():
+    w = torch.nn.Parameter(torch.randn(3, 4))
+    for region in (ampkit.autocast("cpu", cache_enabled=False), ampkit.autocast("cpu", enabled=False)):
+        with region:
+            F.linear(torch.randn(2, 4), w)
+            assert _autocast._engine().cache == {}
+
+
+def test_cache_enabled_none_follows_torch_flag():
+    w = torch.nn.Parameter(torch.randn(3, 4))
+    prev = torch.is_autocast_cache_enabled()
+    try:
+        torch.set_autocast_cache_enabled(False)
+        with ampkit.autocast("cpu"):
+            F.linear(torch.randn(2, 4), w)
+            assert _cached_cast_of(w) is None
+    finally:
+        torch.set_autocast_cache_enabled(prev)
+
+
+# --------------------------------------------------------------------- what is cast
+@pytest.mark.parametrize(
+    "call",
+    [
+        pytest.param(lambda: F.linear(torch.randn(2, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)), id="float64"),
+        pytest.param(lambda: torch.cat([torch.randn(2, 3), torch.randn(2, 3, dtype=torch.float64)]), id="promote_ignores_float64"),
+        pytest.param(lambda: torch.cat([torch.arange(3), torch.arange(3)]), id="integers"),
+        pytest.param(lambda: F.linear(torch.randn(2, 4, device="meta"), torch.randn(3, 4, device="meta")), id="other_device"),
+        pytest.param(lambda: torch.mm(torch.randn(2, 4), torch.randn(4, 3), out=torch.empty(2, 3)), id="out"),
+        pytest.param(lambda: torch.randn(2, 3).addmm_(torch.randn(2, 4), torch.randn(4, 3)), id="inplace_method"),
+        pytest.param(lambda: torch.randn(2, 3).add_(torch.randn(2, 3)), id="inplace_unlisted"),
+        pytest.param(lambda: torch.mm(torch.randn(2, 4), torch.randn(4, 3).to(BF16)), id="mixed_listed"),
+        pytest.param(lambda: torch.randn(2, 4) @ torch.randn(4, 3), id="matmul_operator"),
+        pytest.param(lambda: torch.randn(2, 4).matmul(torch.randn(4, 3)), id="matmul_method"),
+        pytest.param(lambda: torch.einsum("ij,jk->ik", torch.randn(2, 4), torch.randn(4, 3)), id="einsum_composite"),
+        pytest.param(lambda: F.mse_loss(torch.randn(3).to(BF16), torch.randn(3)), id="fp32_mixed"),
+        pytest.param(lambda: F.linear(input=torch.randn(2, 4), weight=torch.randn(3, 4)), id="keyword_args"),
+    ],
+)
+def test_what_is_cast_matches_native(call):
+    torch.manual_seed(0)
+    with torch.autocast("cpu"):
+        n = call()
+    torch.manual_seed(0)
+    with ampkit.autocast("cpu"):
+        a = call()
+    assert a.dtype == n.dtype and a.device == n.device
+    if a.device.type != "meta":
+        assert torch.equal(a, n)
+
+
+def test_casts_are_recorded_by_autograd():
+    w = torch.nn.Parameter(torch.randn(3, 4))
+    with ampkit.autocast("cpu"):
+        y = F.linear(torch.randn(2, 4), w)
+    y.float().sum().backward()
+    assert y.dtype == BF16 and w.grad.dtype == F32
+
+
+# --------------------------------------------------------------------- custom_fwd / custom_bwd
+def make_function(fwd_deco, bwd_deco, seen):
+    class MyMM(torch.autograd.Function):
+        @staticmethod
+        @fwd_deco
+        def forward(ctx, a, b):
+            ctx.save_for_backward(a, b)
+            out = a.mm(b)
+            seen.append(("fwd", a.dtype, out.dtype))
+            return out
+
+        @staticmethod
+        @bwd_deco
+        def backward(ctx, g):
+            a, b = ctx.saved_tensors
+            ga = g.mm(b.t())
+            seen.append(("bwd", g.dtype, ga.dtype))
+            return ga, a.t().mm(g)
+
+    return MyMM
+
+
+@pytest.mark.parametrize("cast_inputs", [None, torch.float32], ids=["no_cast", "cast_fp32"])
+def test_custom_fwd_bwd_match_torch(cast_inputs):
+    def go(lib):
+        seen = []
+        if lib == "torch":
+            fwd = torch.amp.custom_fwd(device_type="cpu", cast_inputs=cast_inputs)
+            bwd = torch.amp.custom_bwd(device_type="cpu")
+            region = torch.autocast("cpu")
+        else:
+            fwd = ampkit.custom_fwd(device_type="cpu", cast_inputs=cast_inputs)
+            bwd = ampkit.custom_bwd(device_type="cpu")
+            region = ampkit.autocast("cpu")
+        fn = make_function(fwd, bwd, seen)
+        a = torch.randn(2, 3, requires_grad=True)
+        b = torch.randn(3, 2, requires_grad=True)
+        with region:
+            out = fn.apply(a.to(BF16), b)
+        out.float().sum().backward()
+        return seen, out.dtype, a.grad.dtype
+
+    assert go("ampkit") == go("torch")
+
+
+def test_custom_fwd_outside_region_is_plain():
+    seen = []
+    fn = make_function(ampkit.custom_fwd(device_type="cpu", cast_inputs=F32), ampkit.custom_bwd(device_type="cpu"), seen)
+    a, b = torch.randn(2, 3, requires_grad=True), torch.randn(3, 2, requires_grad=True)
+    fn.apply(a, b).sum().backward()
+    assert seen == [("fwd", F32, F32), ("bwd", F32, F32)]
+
+
+# --------------------------------------------------------------------- user ops
+@ampkit.op
+def my_attention(q, k, v):
+    return torch.softmax(q @ k.transpose(-2, -1), dim=-1) @ v
+
+
+@ampkit.op(name="my_scale")
+def _scale(x, w):
+    return F.linear(x, w) * 2
+
+
+def test_user_op_outside_regions_is_the_plain_function():
+    q = torch.randn(2, 3, 4)
+    ref = torch.softmax(q @ q.transpose(-2, -1), dim=-1) @ q
+    assert torch.equal(my_attention(q, q, q), ref)
+    assert my_attention.__name__ == "my_attention"
+
+
+def test_custom_policy_softmax_fp32_and_my_attention_low():
+    policy = ampkit.load_policy("torch_default").with_ops(
+        "cpu", fp32=["softmax"], lower_precision_fp=["my_attention"]
+    )
+    q = torch.randn(2, 3, 4)
+    with ampkit.trace() as tr, ampkit.autocast("cpu", policy=policy):
+        att = my_attention(q, q, q)
+        sm = torch.softmax(q.to(BF16), dim=-1)
+    assert att.dtype == BF16  # my_attention ran as one low-precision op
+    ref = torch.softmax(q.to(BF16) @ q.to(BF16).transpose(-2, -1), dim=-1) @ q.to(BF16)
+    assert torch.equal(att, ref)
+    assert sm.dtype == F32  # softmax outside my_attention follows the policy
+    rules = [(r.op, r.rule) for r in tr.records if r.rule != "none"]
+    assert rules == [("my_attention", "lower_precision_fp"), ("softmax", "fp32")]
+    with ampkit.autocast("cpu"):  # the default policy does not list softmax on cpu
+        assert torch.softmax(q.to(BF16), dim=-1).dtype == BF16
+
+
+def test_unlisted_user_op_body_is_seen():
+    x, w = torch.randn(2, 4), torch.randn(3, 4)
+    with ampkit.autocast("cpu"):
+        assert _scale(x, w).dtype == BF16  # the linear inside is cast
+    policy = ampkit.load_policy("torch_default").with_ops("cpu", fp32=["my_scale"])
+    with ampkit.autocast("cpu", policy=policy):
+        assert _scale(x.to(BF16), w.to(BF16)).dtype == F32
+    with ampkit.autocast("cpu", enabled=False):
+        assert torch.equal(_scale(x, w), F.linear(x, w) * 2)
+
+
+def test_user_op_bad_registration():
+    with pytest.raises(ValueError, match="already names a torch op"):
+        ampkit.op(lambda x: x, name="linear")
+    with pytest.raises(ValueError, match="identifier"):
+        ampkit.op(lambda x: x, name="not a name")
+    with pytest.raises(TypeError, match="expected a function"):
+        ampkit.op(3, name="three")
+
+
+# --------------------------------------------------------------------- bad arguments
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        (dict(device_type="tpu"), ValueError, "no rules for device type 'tpu'.*cpu, cuda"),
+        (dict(device_type=0), ValueError, "device_type must be a string"),
+        (dict(device_type="cpu", dtype=torch.float32), ValueError, "not a lower-precision dtype"),
+        (dict(device_type="cpu", dtype="bfloat16"), ValueError, "not a lower-precision dtype"),
+        (dict(device_type="cpu", enabled="yes"), ValueError, "enabled must be True or False"),
+        (dict(device_type="cpu", cache_enabled=1), ValueError, "cache_enabled must be"),
+        (dict(device_type="cpu", policy="no_such_policy"), ampkit.PolicyError, "no shipped policy named 'no_such_policy'"),
+    ],
+)
+def test_bad_arguments(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        ampkit.autocast(**kwargs)
+    assert modes() == 0 or not ampkit.is_autocast_enabled("cpu")
+
+
+def test_bad_custom_fwd_device():
+    with pytest.raises(ValueError, match="device_type must be a string"):
+        ampkit.custom_fwd(device_type=None)
