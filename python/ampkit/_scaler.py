@@ -52,6 +52,7 @@ class OptState(enum.Enum):
 class _OptRecord:
     stage: OptState
     found_inf_per_device: dict[torch.device, torch.Tensor]
+    host_found: bool | None = None  # known on the host (plain step synced), else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +139,18 @@ def _check_outputs(value: Any, where: str = "outputs") -> torch.Tensor | None:
         f"scale() takes a tensor or (nested) lists/tuples of tensors, but {where} is "
         f"{type(value).__name__} ({value!r:.60}); pass the loss tensor(s) themselves"
     )
+
+
+def _to_device_counters(counters: list[int]) -> list[int]:
+    """(steps, skipped, last_skipped) -> the device form (steps, skipped, gap, slot)."""
+    steps, skipped, last = counters
+    gap = steps - 1 - last if last >= 0 else steps
+    return [steps, skipped, gap, steps % HISTORY_SIZE]
+
+
+def _from_device_counters(values: list[int]) -> list[int]:
+    steps, skipped, gap, _ = values
+    return [steps, skipped, steps - 1 - gap if skipped else -1]
 
 
 # --------------------------------------------------------------------------- the scaler
@@ -273,10 +286,12 @@ class GradScaler:
         }
         self._scale: torch.Tensor | None = None  # float32, ()
         self._growth_tracker: torch.Tensor | None = None  # int32, ()
-        self._hysteresis_left: torch.Tensor | None = None  # int32, ()
-        self._counters: torch.Tensor | None = None  # int64, (steps, skipped, last_skipped)
+        self._overflow_run: torch.Tensor | None = None  # int32, (): consecutive overflows
+        self._counters: torch.Tensor | None = None  # int64, (steps, skipped, gap, slot)
         self._history: torch.Tensor | None = None  # float32 ring buffer, (HISTORY_SIZE,)
         self._per_optimizer: dict[int, _OptRecord] = {}
+        self._ones: dict[torch.device, torch.Tensor] = {}  # the fused path's dummy inv scale
+        self._stat_steps: tuple | None = None  # device tables for the stats update
 
     # ------------------------------------------------------------------ small accessors
 
@@ -341,11 +356,21 @@ class GradScaler:
         p = self._pending
         self._scale = torch.full((), p["scale"], dtype=torch.float32, device=device)
         self._growth_tracker = torch.full((), p["growth_tracker"], dtype=torch.int32, device=device)
-        self._hysteresis_left = torch.full(
-            (), p["hysteresis_left"], dtype=torch.int32, device=device
+        self._overflow_run = torch.full(
+            (), self._hysteresis - p["hysteresis_left"], dtype=torch.int32, device=device
         )
-        self._counters = torch.tensor(p["counters"], dtype=torch.int64, device=device)
+        self._counters = torch.tensor(_to_device_counters(p["counters"]), dtype=torch.int64, device=device)
         self._history = torch.tensor(p["history"], dtype=torch.float32, device=device)
+        # Stats step: counters = (counters + delta) % modulus, elementwise, with (delta,
+        # modulus) picked by the inf flag: steps+1, skipped+flag, gap+1 (mod 1 -> 0 on a
+        # skip), slot+1 (mod HISTORY_SIZE). Two in-place kernels, no sync.
+        big = 2**62
+        table = torch.tensor(
+            [[[1, 0, 1, 1], [big, big, big, HISTORY_SIZE]], [[1, 1, 1, 1], [big, big, 1, HISTORY_SIZE]]],
+            dtype=torch.int64,
+            device=device,
+        )
+        self._stat_steps = (table[0], table[1], (table[0][0], table[0][1]), (table[1][0], table[1][1]))
 
     def _require_scale(self, method: str) -> torch.Tensor:
         if self._scale is None:
@@ -426,12 +451,11 @@ class GradScaler:
 
     @staticmethod
     def _unscale_grouped(grouped, inv_scale: torch.Tensor) -> dict:
-        found_master = torch.full((), 0.0, dtype=torch.float32, device=inv_scale.device)
         found_per_device: dict[torch.device, torch.Tensor] = {}
         with torch.no_grad():
             for device, per_dtype in grouped.items():
-                found = found_master.to(device=device, non_blocking=True, copy=True)
-                inv = inv_scale.to(device=device, non_blocking=True)
+                found = torch.zeros((), dtype=torch.float32, device=device)
+                inv = inv_scale if inv_scale.device == device else inv_scale.to(device)
                 for grads in per_dtype.values():
                     torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
                 found_per_device[device] = found
@@ -512,9 +536,11 @@ class GradScaler:
             raise no_grads
         retval = None
         # The one sync of the plain path: the host must know whether to call step().
-        if not sum(v.item() for v in record.found_inf_per_device.values()):
+        found_any = bool(sum(v.item() for v in record.found_inf_per_device.values()))
+        if not found_any:
             retval = optimizer.step(*args, **kwargs)
         record.stage = OptState.STEPPED
+        record.host_found = found_any  # lets update() skip the device-side flag
         return retval
 
     def _fused_step(self, optimizer, stage, scale, no_grads, args, kwargs):
@@ -524,14 +550,18 @@ class GradScaler:
             grouped = self._collect_grads(optimizer, allow_fp16=True)
             if not grouped:
                 raise no_grads
-            found = self._unscale_grouped(
-                grouped, torch.full((), 1.0, dtype=torch.float32, device=scale.device)
-            )
+            one = self._ones.get(scale.device)
+            if one is None:
+                one = self._ones[scale.device] = torch.ones((), device=scale.device)
+            found = self._unscale_grouped(grouped, one)
         else:
             found = self._per_optimizer[id(optimizer)].found_inf_per_device
             if not found:
                 raise no_grads
-        found_inf = sum(t.to(scale.device, non_blocking=True) for t in found.values())
+        if len(found) == 1 and scale.device in found:  # one device: no extra kernel
+            found_inf = found[scale.device]
+        else:
+            found_inf = sum(t.to(scale.device, non_blocking=True) for t in found.values())
         state = optimizer.state
         fresh = [
             p for g in optimizer.param_groups for p in g["params"]
@@ -539,9 +569,10 @@ class GradScaler:
         ]
         had_grad_scale = hasattr(optimizer, "grad_scale")
         previous = getattr(optimizer, "grad_scale", None)
-        optimizer.grad_scale = (
-            previous if stage is OptState.UNSCALED else scale * getattr(optimizer, "grad_scale", 1)
-        )
+        if stage is OptState.UNSCALED:
+            optimizer.grad_scale = previous
+        else:  # the kernel only reads grad_scale: pass our scale itself when nothing to combine
+            optimizer.grad_scale = scale if previous is None else scale * previous
         optimizer.found_inf = found_inf
         try:
             retval = optimizer.step(*args, **kwargs)
@@ -590,7 +621,8 @@ class GradScaler:
             found = found_infs[0]
             for f in found_infs[1:]:
                 found = found + f
-            self._update_scale(found)
+            host = [r.host_found for r in self._per_optimizer.values()]
+            self._update_scale(found, None if None in host else any(host))
         self._per_optimizer = {}
 
     def _set_scale(self, scale: torch.Tensor, new_scale) -> None:
@@ -616,29 +648,35 @@ class GradScaler:
         value = _real("new_scale", new_scale, lo, hi, self._min_scale is None, False)
         scale.fill_(value)
 
-    def _update_scale(self, found: torch.Tensor) -> None:
+    def _update_scale(self, found: torch.Tensor, host_found: bool | None) -> None:
         scale, tracker = self._scale, self._growth_tracker
         args = (self._growth_factor, self._backoff_factor, self._growth_interval)
-        found_b = found > 0
+        found_b = None
         if self._hysteresis > 1:
-            left = self._hysteresis_left
-            absorb = found_b & (left > 1)
+            # An overflow is absorbed while fewer than hysteresis-1 overflows precede it in a
+            # row. The kernel backs off as usual (tracker -> 0, as DeepSpeed restarts its growth
+            # window); an absorbed step then gets its old scale back.
+            found_b = found > 0
+            run = self._overflow_run
+            absorb = found_b & (run < self._hysteresis - 1)
             old = scale.clone()
-            torch._amp_update_scale_(scale, tracker, torch.where(absorb, 0.0, found), *args)
-            scale.copy_(torch.where(absorb, old, scale))
-            tracker.masked_fill_(absorb, 0)
-            left.copy_(torch.where(found_b, (left - 1).clamp_(min=1), self._hysteresis))
+            torch._amp_update_scale_(scale, tracker, found, *args)
+            torch.where(absorb, old, scale, out=scale)
+            run.add_(1).mul_(found_b)  # consecutive overflows; a clean step resets it to 0
         else:
             torch._amp_update_scale_(scale, tracker, found, *args)
         if self._min_scale is not None or self._max_scale is not None:
             scale.clamp_(min=self._min_scale, max=self._max_scale)
-        # Stats, on the device: (steps, skipped, last_skipped) and the scale ring buffer.
+        # Stats, on the device: the scale into the ring buffer at `slot`, then the counters.
         counters = self._counters
-        n = counters[0]
-        slot = torch.remainder(n, HISTORY_SIZE).reshape(1)
-        new = torch.stack((n + 1, counters[1] + found_b, torch.where(found_b, n, counters[2])))
-        self._history.scatter_(0, slot, scale.reshape(1))
-        counters.copy_(new)
+        self._history.scatter_(0, counters[3:], scale.view(1))
+        clean, skip, clean_views, skip_views = self._stat_steps
+        if host_found is None:
+            sel = torch.where(found > 0 if found_b is None else found_b, skip, clean)
+            delta, modulus = sel[0], sel[1]
+        else:  # the plain path already read the flag on the host
+            delta, modulus = skip_views if host_found else clean_views
+        counters.add_(delta).remainder_(modulus)
 
     # ------------------------------------------------------------------ stats
 
@@ -657,7 +695,7 @@ class GradScaler:
             (
                 self._scale.double().reshape(1),
                 self._growth_tracker.double().reshape(1),
-                self._hysteresis_left.double().reshape(1),
+                self._overflow_run.double().reshape(1),
                 self._counters.double(),
                 self._history.double(),
             )
@@ -666,9 +704,9 @@ class GradScaler:
         return {
             "scale": values[0],
             "growth_tracker": int(values[1]),
-            "hysteresis_left": int(values[2]),
-            "counters": [int(v) for v in values[3:6]],
-            "history": values[6:],
+            "hysteresis_left": max(self._hysteresis - int(values[2]), 1),
+            "counters": _from_device_counters([int(v) for v in values[3:7]]),
+            "history": values[7:],
         }
 
     def stats(self) -> ScalerStats:
@@ -750,9 +788,11 @@ class GradScaler:
             return
         self._scale.fill_(new["scale"])
         self._growth_tracker.fill_(new["growth_tracker"])
-        self._hysteresis_left.fill_(new["hysteresis_left"])
+        self._overflow_run.fill_(new["hysteresis"] - new["hysteresis_left"])
         device = self._scale.device
-        self._counters.copy_(torch.tensor(new["counters"], dtype=torch.int64).to(device))
+        self._counters.copy_(
+            torch.tensor(_to_device_counters(new["counters"]), dtype=torch.int64).to(device)
+        )
         self._history.copy_(torch.tensor(new["history"], dtype=torch.float32).to(device))
 
     def _parse_state_dict(self, sd: Mapping[str, Any]) -> dict[str, Any]:
@@ -798,7 +838,8 @@ class GradScaler:
             )
         steps = _int(q("_steps"), sd["_steps"], 0, 2**62)
         skipped = _int(q("_skipped"), sd["_skipped"], 0, steps)
-        last = _int(q("_last_skipped"), sd["_last_skipped"], -1, steps - 1)
+        last = _int(q("_last_skipped"), sd["_last_skipped"], -1 if skipped == 0 else 0,
+                    -1 if skipped == 0 else steps - 1)
         history = sd["_scale_history"]
         if not isinstance(history, (list, tuple)) or len(history) != HISTORY_SIZE:
             raise ValueError(
