@@ -1,0 +1,196 @@
+"""Policies as values, loading and every bad-input case, and the drift check."""
+
+from __future__ import annotations
+
+import io
+import textwrap
+
+import pytest
+import torch
+import yaml
+
+import ampkit
+from ampkit import policy as drift
+from ampkit._policy import SPEC_DIR, parse_policy
+
+DEFAULT = ampkit.load_policy("torch_default")
+
+
+def write(tmp_path, text, name="p.yaml"):
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(text))
+    return p
+
+
+GOOD = """\
+schema_version: 1
+name: mine
+description: a test policy
+devices:
+  cpu:
+    lower_precision_dtype: bfloat16
+    lower_precision_fp: [linear, matmul]
+    fp32: [mse_loss]
+    fp32_output: [sum]
+    promote: [cat]
+    banned: {binary_cross_entropy: "use the logits version"}
+"""
+
+
+# --------------------------------------------------------------------- values
+def test_categories_constant():
+    assert ampkit.CATEGORIES == ("lower_precision_fp", "fp32", "fp32_output", "promote", "banned")
+
+
+def test_shipped_spec_writes_every_category_for_both_devices():
+    raw = yaml.safe_load((SPEC_DIR / "torch_default.yaml").read_text())
+    assert raw["schema_version"] == 1
+    for dev in ("cpu", "cuda"):
+        assert set(raw["devices"][dev]) == {"lower_precision_dtype", *ampkit.CATEGORIES}
+    assert DEFAULT.rules("cpu").lower_precision_dtype == torch.bfloat16
+    assert DEFAULT.rules("cuda").lower_precision_dtype == torch.float16
+    assert DEFAULT.category("cuda", "binary_cross_entropy") == "banned"
+    assert DEFAULT.category("cuda", "softmax") == "fp32_output"
+    assert DEFAULT.category("cpu", "cat") == "promote"
+
+
+def test_policy_is_an_immutable_comparable_value():
+    again = ampkit.load_policy("torch_default")
+    assert again == DEFAULT and hash(again) == hash(DEFAULT) and again is not DEFAULT
+    with pytest.raises(AttributeError):
+        DEFAULT.name = "x"
+    assert "Policy 'torch_default'" in str(DEFAULT) and "lower_precision_fp" in str(DEFAULT)
+
+
+def test_with_ops_moves_an_op_and_leaves_the_original():
+    p = DEFAULT.with_ops(fp32=["linear"], banned={"einsum": "no einsum here"})
+    assert p.category("cpu", "linear") == "fp32" and p.category("cuda", "linear") == "fp32"
+    assert "linear" not in p.rules("cpu").ops("lower_precision_fp")
+    assert p.rules("cpu").ban_message("einsum") == "no einsum here"
+    assert DEFAULT.category("cpu", "linear") == "lower_precision_fp"
+    assert p != DEFAULT
+    q = DEFAULT.with_ops("cpu", promote=["add"]).without_ops("add")
+    assert q == DEFAULT
+    assert DEFAULT.with_ops("cpu", banned=["mm"]).rules("cpu").ban_message("mm").startswith("mm is banned")
+
+
+def test_with_dtype_and_name():
+    p = DEFAULT.with_dtype("cpu", "float16").with_name("half_cpu", "cpu in float16")
+    assert p.rules("cpu").lower_precision_dtype == torch.float16 and p.name == "half_cpu"
+    with ampkit.autocast("cpu", policy=p):
+        assert torch.nn.functional.linear(torch.randn(2, 3), torch.randn(4, 3)).dtype == torch.float16
+    assert DEFAULT.with_dtype("cpu", torch.bfloat16) == DEFAULT
+
+
+def test_yaml_round_trip(tmp_path):
+    p = DEFAULT.with_ops("cpu", fp32=["softmax"])
+    again = parse_policy(p.to_yaml(), "round trip")
+    assert again == p
+    path = write(tmp_path, p.to_yaml())
+    assert ampkit.load_policy(path) == p and ampkit.load_policy(str(path)) == p
+
+
+def test_load_a_user_file(tmp_path):
+    p = ampkit.load_policy(write(tmp_path, GOOD))
+    assert p.name == "mine" and p.device_types() == ("cpu",)
+    assert p.category("cpu", "sum") == "fp32_output"
+    with pytest.raises(ampkit.PolicyError, match="has no rules for device type 'cuda'"):
+        ampkit.autocast("cuda", policy=p)
+
+
+def test_banned_op_raises_in_region_with_its_message():
+    p = DEFAULT.with_ops("cpu", banned={"mse_loss": "mse_loss is off limits: use l1_loss"})
+    a, b = torch.randn(3), torch.randn(3)
+    with pytest.raises(RuntimeError, match="off limits: use l1_loss"), ampkit.autocast("cpu", policy=p):
+        torch.nn.functional.mse_loss(a, b)
+    with ampkit.autocast("cpu", policy=p, enabled=False):
+        assert torch.equal(torch.nn.functional.mse_loss(a, b), torch.nn.functional.mse_loss(a, b))
+
+
+# --------------------------------------------------------------------- bad input
+BAD = {
+    "malformed": ("schema_version: 1\nname: [unclosed\n", r"p\.yaml, line \d+: malformed YAML"),
+    "python_tag": ("schema_version: 1\nname: !!python/object/apply:os.system ['echo hi']\n", r"line 2: malformed YAML.*no Python tags"),
+    "not_mapping": ("- a\n- b\n", "must be a YAML mapping"),
+    "schema_version": (GOOD.replace("schema_version: 1", "schema_version: 2"), r"line 1, key 'schema_version'.*must be 1, got 2"),
+    "unknown_top_key": (GOOD + "extra: 1\n", r"key 'extra'.*unknown key 'extra'"),
+    "unknown_device": (GOOD.replace("  cpu:", "  tpu:"), r"line 5, key 'devices.tpu'.*unknown device type 'tpu'; valid: cpu, cuda"),
+    "unknown_category": (GOOD.replace("fp32_output:", "fp16_output:"), r"line 9, key 'devices.cpu.fp16_output'.*unknown category 'fp16_output'"),
+    "missing_category": (GOOD.replace("    promote: [cat]\n", ""), r"missing key 'promote'"),
+    "unknown_dtype": (GOOD.replace("dtype: bfloat16", "dtype: bfloat8"), r"line 6, key 'devices.cpu.lower_precision_dtype'.*unknown lower-precision dtype 'bfloat8'"),
+    "unknown_op": (GOOD.replace("[linear, matmul]", "[linear, matmull]"), r"line 7, key 'devices.cpu.lower_precision_fp.matmull'.*unknown op 'matmull'.*did you mean 'matmul'"),
+    "duplicate_op": (GOOD.replace("fp32: [mse_loss]", "fp32: [mse_loss, linear]"), r"line 8.*'linear' is listed in both 'lower_precision_fp' and 'fp32'"),
+    "list_not_list": (GOOD.replace("promote: [cat]", "promote: cat"), r"promote must be a list of op names, got 'cat'"),
+    "banned_not_mapping": (GOOD.replace('banned: {binary_cross_entropy: "use the logits version"}', "banned: [binary_cross_entropy]"), "banned must be a mapping op: message"),
+    "banned_message": (GOOD.replace('"use the logits version"', "3"), "message of banned op 'binary_cross_entropy' must be a string, got 3"),
+    "name": (GOOD.replace("name: mine", "name: ''"), "name must be a non-empty string"),
+    "op_not_string": (GOOD.replace("[linear, matmul]", "[linear, 3]"), "op name must be a non-empty string, got 3"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_policy_file(tmp_path, case):
+    text, match = BAD[case]
+    path = write(tmp_path, text)
+    with pytest.raises(ampkit.PolicyError, match=match) as e:
+        ampkit.load_policy(path)
+    assert str(path) in str(e.value)  # names the file
+    assert isinstance(e.value, ValueError)
+
+
+def test_bad_names_and_paths(tmp_path):
+    with pytest.raises(ampkit.PolicyError, match="no shipped policy named 'torch_defualt'; shipped: torch_default"):
+        ampkit.load_policy("torch_defualt")
+    with pytest.raises(ampkit.PolicyError, match="cannot read the policy file"):
+        ampkit.load_policy(tmp_path / "missing.yaml")
+    with pytest.raises(ampkit.PolicyError, match="expected a spec name or a path, got 3"):
+        ampkit.load_policy(3)
+
+
+def test_bad_with_calls():
+    with pytest.raises(ampkit.PolicyError, match="unknown category 'fp16'.*valid: lower_precision_fp"):
+        DEFAULT.with_ops(fp16=["linear"])
+    with pytest.raises(ampkit.PolicyError, match="unknown op 'lineer'.*did you mean 'linear'"):
+        DEFAULT.with_ops(fp32=["lineer"])
+    with pytest.raises(ampkit.PolicyError, match="given for both 'fp32' and 'promote'"):
+        DEFAULT.with_ops(fp32=["linear"], promote=["linear"])
+    with pytest.raises(ampkit.PolicyError, match="must be a list of op names, got the string"):
+        DEFAULT.with_ops(fp32="linear")
+    with pytest.raises(ampkit.PolicyError, match="no rules for device type 'xpu'"):
+        DEFAULT.with_ops("xpu", fp32=["linear"])
+    with pytest.raises(ampkit.PolicyError, match="unknown lower-precision dtype torch.float32"):
+        DEFAULT.with_dtype("cpu", torch.float32)
+
+
+def test_nothing_half_loaded(tmp_path):
+    before = ampkit.load_policy("torch_default")
+    text, _ = BAD["duplicate_op"]
+    with pytest.raises(ampkit.PolicyError):
+        ampkit.load_policy(write(tmp_path, text))
+    assert ampkit.load_policy("torch_default") == before
+    with ampkit.autocast("cpu"):
+        assert torch.nn.functional.linear(torch.randn(2, 3), torch.randn(4, 3)).dtype == torch.bfloat16
+
+
+# --------------------------------------------------------------------- drift check
+def test_drift_check_passes_on_the_shipped_cpu_table():
+    out = io.StringIO()
+    assert drift.check("cpu", out=out) == 0, out.getvalue()
+    assert "0 drifting" in out.getvalue()
+
+
+def test_drift_check_reports_a_wrong_table(tmp_path):
+    wrong = DEFAULT.with_ops("cpu", fp32=["linear"]).without_ops("mm", device="cpu")
+    path = write(tmp_path, wrong.to_yaml())
+    out = io.StringIO()
+    n = drift.check("cpu", policy=str(path), ops=["linear", "mm", "relu"], out=out)
+    text = out.getvalue()
+    assert n == 2
+    assert "linear" in text and "DRIFT" in text and "lower_precision_fp" in text
+    assert drift.main(["check", "--device", "cpu", "--policy", str(path), "--ops", "linear"]) == 1
+    assert drift.main(["check", "--device", "cpu", "--ops", "linear,mm"]) == 0
+
+
+def test_drift_check_command_line_errors(capsys):
+    assert drift.main(["check", "--policy", "nope"]) == 2
+    assert "no shipped policy named 'nope'" in capsys.readouterr().err
