@@ -176,7 +176,8 @@ def chart(doc: dict, path) -> bool:
         ax.set_xticklabels(variants, rotation=45, ha="right", fontsize=8)
         ax.set_title(case)
     axes[0][0].set_ylabel("speedup vs fp32 (median, range)")
-    axes[0][0].legend(fontsize=8)
+    if axes[0][0].get_legend_handles_labels()[0]:
+        axes[0][0].legend(fontsize=8)
     c = doc["context"]
     fig.suptitle("ampkit %s profile on %s (%s)" % (c["profile"], c["card"] or c["cpu"], c["device"]), fontsize=10)
     fig.tight_layout()

@@ -1,0 +1,324 @@
+"""The benchmark suite: cases and variants as data, the Python runner, the schema, the report."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ampkit
+from ampkit import bench
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+import report  # noqa: E402
+import run as run_py  # noqa: E402  (benchmarks/run.py)
+
+CASES = sorted(bench.load_cases())
+VARIANTS = list(bench.load_variants())
+
+
+# --- cases and variants are data -----------------------------------------------------------
+
+def test_the_four_cases_exist_with_every_profile():
+    assert CASES == ["convnet", "seed_mlp", "text_classifier", "transformer"]
+    for case in bench.load_cases().values():
+        assert set(case.profiles) == {"tiny", "cpu", "full"}
+
+
+def test_seed_mlp_full_profile_is_exactly_the_seeds_recipe():
+    case = bench.load_cases()["seed_mlp"]
+    full = case.profile("full")
+    assert full["sizes"] == {"batch_size": 512, "in_size": 4096, "out_size": 4096, "num_layers": 3}
+    assert (full["num_batches"], full["repeats"]) == (50, 3)  # 50 batches, 3 epochs
+    assert (case.model, case.loss, dict(case.optimizer)) == ("mlp", "mse", {"name": "sgd", "lr": 1e-3})
+    b = bench.build_case("seed_mlp", "tiny", device="cpu")
+    layers = [type(m).__name__ for m in b.new_model()]
+    assert layers == ["Linear", "ReLU", "Linear", "ReLU", "Linear"]  # num_layers=3 as in make_model
+
+
+def test_the_other_cases_follow_the_issue():
+    cases = bench.load_cases()
+    assert cases["convnet"].profile("full")["sizes"]["batch_size"] == 128
+    assert (cases["convnet"].optimizer["name"], cases["convnet"].optimizer["momentum"]) == ("sgd", 0.9)
+    assert (cases["transformer"].optimizer["name"], cases["transformer"].loss) == ("adamw", "cross_entropy")
+    assert (cases["text_classifier"].optimizer["name"], cases["text_classifier"].loss) == ("adamw", "bce_with_logits")
+
+
+def test_the_variants_of_the_issue_exist_and_tf32_is_cuda_only():
+    variants = bench.load_variants()
+    for name in ("fp32", "fp32_tf32", "torch_amp", "ampkit_amp", "ampkit_autocast_only", "ampkit_bf16"):
+        assert name in variants
+    assert variants["fp32_tf32"].skip_reason("cpu") is not None
+    assert variants["fp32_tf32"].skip_reason("cuda") is None
+    assert variants["ampkit_amp"].resolved_dtype("cuda") == "float16"
+    assert variants["ampkit_amp"].resolved_dtype("cpu") == "bfloat16"
+    assert variants["ampkit_bf16"].resolved_dtype("cuda") == "bfloat16"
+    assert (variants["torch_amp"].autocast, variants["torch_amp"].scaler) == ("torch", "torch")
+    assert (variants["ampkit_amp"].autocast, variants["ampkit_amp"].scaler) == ("ampkit", "ampkit")
+    assert variants["ampkit_autocast_only"].scaler == "none"
+
+
+def test_build_case_is_seeded_the_same_every_time():
+    a, b = bench.build_case("transformer", "tiny", seed=3, device="cpu"), bench.build_case("transformer", "tiny", seed=3, device="cpu")
+    assert all(torch.equal(x, y) for (x, _), (y, _) in zip(a.batches, b.batches))
+    for p, q in zip(a.new_model().parameters(), b.new_model().parameters()):
+        assert torch.equal(p, q)
+    c = bench.build_case("transformer", "tiny", seed=4, device="cpu")
+    assert not torch.equal(a.batches[0][0], c.batches[0][0])
+
+
+# --- every case x variant runs and makes a valid record -----------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_records():
+    variants = bench.load_variants()
+    recs = []
+    for name in CASES:
+        built = bench.build_case(name, "tiny", seed=0, device="cpu")
+        recs += [bench.run_variant(built, v) for v in variants.values()]
+    return bench.derive(recs)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_case_and_variant_runs_and_validates(tiny_records, case, variant):
+    rec = next(r for r in tiny_records if (r["case"], r["variant"]) == (case, variant))
+    assert bench.validate(_doc([rec])) == []
+    if variant == "fp32_tf32":  # CUDA only: skipped with the reason, never a zero
+        assert rec["status"] == "skipped" and "cuda" in rec["reason"]
+        assert rec["samples"] == [] and rec["median"] is None and rec["final_loss"] is None
+        return
+    assert rec["status"] == "ok", rec["error"]
+    assert len(rec["samples"]) == rec["repeats"] and all(s > 0 for s in rec["samples"])
+    assert rec["min"] <= rec["median"] <= rec["max"]
+    assert rec["dtype"] == (None if variant == "fp32" else "bfloat16")
+    if rec["scaler"] != "none":
+        assert rec["skipped_steps"] == 0 and rec["final_scale"] == 2.0 ** 16  # bf16: no overflow
+    fp32 = next(r for r in tiny_records if (r["case"], r["variant"]) == (case, "fp32"))
+    if variant != "fp32":
+        assert rec["speedup_vs_fp32"]["value"] == pytest.approx(fp32["median"] / rec["median"])
+        assert rec["loss_rel_diff_vs_fp32"] == pytest.approx(
+            abs(rec["final_loss"] - fp32["final_loss"]) / abs(fp32["final_loss"]))
+
+
+def test_the_fp32_loop_matches_a_hand_written_loop_bitwise():
+    built = bench.build_case("seed_mlp", "tiny", seed=0, device="cpu")
+    rec = bench.run_variant(built, bench.load_variants()["fp32"])
+    model = built.new_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(built.warmup_steps + built.repeats):
+        losses = []
+        for x, y in built.batches:
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+    assert rec["final_loss"] == float(torch.stack(losses).mean())
+
+
+def test_torch_amp_and_ampkit_amp_agree_on_the_loss_on_cpu():
+    """Our engine against the oracle: the same bf16 training reaches the same loss."""
+    built = bench.build_case("seed_mlp", "tiny", seed=0, device="cpu")
+    v = bench.load_variants()
+    t, a = bench.run_variant(built, v["torch_amp"]), bench.run_variant(built, v["ampkit_amp"])
+    assert t["status"] == a["status"] == "ok"
+    assert a["final_loss"] == pytest.approx(t["final_loss"], rel=1e-3)
+
+
+def test_a_failing_variant_is_recorded_as_a_failure_with_its_error(monkeypatch):
+    def broken(*a, **k):
+        raise RuntimeError("engine exploded")
+    monkeypatch.setattr(ampkit, "autocast", broken)
+    built = bench.build_case("seed_mlp", "tiny", seed=0, device="cpu")
+    rec = bench.run_variant(built, bench.load_variants()["ampkit_bf16"])
+    assert rec["status"] == "failed" and rec["error"] == "RuntimeError: engine exploded"
+    assert rec["samples"] == [] and rec["median"] is None and rec["final_loss"] is None
+    assert bench.validate(_doc([rec])) == []
+
+
+def test_skipped_steps_come_from_the_scale():
+    assert bench.skipped_from_scale(2.0 ** 16, 100) == 0
+    assert bench.skipped_from_scale(2.0 ** 13, 100) == 3
+    assert bench.skipped_from_scale(2.0 ** 16, 5000) is None  # the scale may have grown: unknown
+    assert bench.skipped_from_scale(None, 10) is None
+
+
+# --- the schema and its validator -----------------------------------------------------------
+
+def _doc(records):
+    return {"context": bench.context("tiny", "cpu"), "records": records}
+
+
+def test_the_validator_accepts_a_document_and_names_each_fault(tiny_records):
+    doc = _doc(copy.deepcopy(tiny_records))
+    assert bench.validate(doc) == []
+    bad = copy.deepcopy(doc)
+    del bad["records"][0]["median"]
+    bad["records"][1]["status"] = "zero"
+    bad["records"][2]["packed_name"] = "seed_mlp-fp32-python"
+    bad["context"]["torch_threads"] = "two"
+    errs = bench.validate(bad)
+    assert "$.records[0]: missing required field 'median'" in errs
+    assert any(e.startswith("$.records[1].status: 'zero' is not one of") for e in errs)
+    assert any(e.startswith("$.records[2]: unexpected field 'packed_name'") for e in errs)
+    assert any(e.startswith("$.context.torch_threads: expected integer") for e in errs)
+    with pytest.raises(ValueError, match="missing required field 'median'"):
+        bench.check(bad)
+
+
+def test_write_read_and_merge_round_trip(tmp_path, tiny_records):
+    py = [dict(r) for r in tiny_records if r["case"] == "seed_mlp"]
+    r = [dict(x, language="r") for x in py]
+    bench.write_document(tmp_path / "py.json", bench.context("tiny", "cpu"), py)
+    bench.write_document(tmp_path / "r.json", bench.context("tiny", "cpu", "r", r_version="4.2.2",
+                                                             reticulate_version="1.28"), r)
+    doc = bench.merge([bench.read_document(tmp_path / "py.json"), bench.read_document(tmp_path / "r.json")])
+    assert doc["context"]["languages"] == ["python", "r"] and doc["context"]["r_version"] == "4.2.2"
+    assert len(doc["records"]) == 2 * len(py)
+    rec = next(x for x in doc["records"] if x["language"] == "r" and x["variant"] == "torch_amp")
+    assert rec["time_vs_python"]["value"] == pytest.approx(1.0)
+
+
+def test_derive_compares_like_a_statistician():
+    def rec(variant, samples, lang="python", loss=1.0):
+        return {"case": "c", "variant": variant, "language": lang, "status": "ok", "median": sorted(samples)[1],
+                "min": min(samples), "max": max(samples), "final_loss": loss}
+    recs = bench.derive([rec("fp32", [10, 11, 12]), rec("torch_amp", [5, 5.5, 6], loss=1.002),
+                         rec("ampkit_amp", [5.4, 5.6, 7]), rec("ampkit_amp", [5.5, 5.9, 6], "r")])
+    fp32, rival, ours, ours_r = recs
+    assert fp32["speedup_vs_fp32"] is None and rival["time_vs_torch_amp"] is None  # no self-comparisons
+    s = rival["speedup_vs_fp32"]
+    assert (s["value"], s["low"], s["high"], s["change"]) == (11 / 5.5, 10 / 6, 12 / 5, "faster")
+    t = ours["time_vs_torch_amp"]
+    assert (t["value"], t["low"], t["high"], t["change"]) == (5.6 / 5.5, 5.4 / 6, 7 / 5, "same")
+    assert ours_r["time_vs_python"]["value"] == 5.9 / 5.6 and ours["time_vs_python"] is None
+    assert rival["loss_rel_diff_vs_fp32"] == pytest.approx(0.002)
+    assert ours_r["speedup_vs_fp32"] is None  # no R fp32 record to compare with
+
+
+# --- the report ---------------------------------------------------------------------------
+
+def test_the_report_turns_a_fixture_into_the_expected_table(tiny_records):
+    doc = _doc(copy.deepcopy(tiny_records))
+    lines = report.table(doc).splitlines()
+    assert lines[0] == "| " + " | ".join(report.COLUMNS) + " |"
+    assert len(lines) == 2 + len(doc["records"])
+    rows = {tuple(c.strip() for c in line.strip("|").split("|"))[:3]: [c.strip() for c in line.strip("|").split("|")]
+            for line in lines[2:]}
+    for rec in doc["records"]:
+        cells = rows[(rec["case"], rec["variant"], "python")]
+        if rec["status"] == "skipped":
+            assert cells[4] == "skipped: " + rec["reason"]
+            continue
+        assert cells[4] == "%.2f [%.2f, %.2f]" % (rec["median"], rec["min"], rec["max"])
+        assert cells[8] == "%.6g" % rec["final_loss"]
+        s = rec["speedup_vs_fp32"]
+        if s is None:
+            assert cells[5] == "-"
+        else:
+            assert cells[5].startswith("%.2fx [%.2f, %.2f]" % (s["value"], s["low"], s["high"]))
+            assert cells[5].endswith(s["change"]) == (s["change"] != "same")
+
+
+def test_the_report_writes_markdown_and_a_chart(tmp_path, tiny_records):
+    doc = _doc(copy.deepcopy(tiny_records))
+    doc["records"][0] = dict(doc["records"][0], status="failed", error="RuntimeError: x|y", samples=[],
+                             median=None, min=None, max=None, iqr=None, final_loss=None)
+    bench.derive(doc["records"])
+    md = report.write(doc, tmp_path)
+    text = md.read_text()
+    assert "FAILED: RuntimeError: x/y" in text and "## Goals" in text
+    assert (tmp_path / "report.png").stat().st_size > 1000
+
+
+# --- bad input ------------------------------------------------------------------------------
+
+def test_unknown_names_list_the_valid_ones():
+    with pytest.raises(bench.BenchSpecError, match="unknown profile 'gpu'; valid profiles: tiny, cpu, full"):
+        bench.plan("gpu")
+    with pytest.raises(bench.BenchSpecError, match="unknown case 'resnet'; valid cases: convnet, seed_mlp"):
+        bench.plan("cpu", "seed_mlp,resnet")
+    with pytest.raises(bench.BenchSpecError, match="unknown variant 'amp'; valid variants: fp32, fp32_tf32"):
+        bench.plan("cpu", None, ["amp"])
+    cases, variants = bench.plan("cpu", "transformer,seed_mlp", "torch_amp")
+    assert [c.name for c in cases] == ["transformer", "seed_mlp"] and [v.name for v in variants] == ["torch_amp"]
+
+
+GOOD = (REPO / "shared_specs" / "benchmarks" / "seed_mlp.yaml").read_text()
+
+
+@pytest.mark.parametrize("edit, key", [
+    (lambda s: s.replace("loss: mse", "loss: mse\nlearning_rate: 3"), "key 'learning_rate': unknown key"),
+    (lambda s: s.replace("in_size: 1024", "in_sise: 1024"), "key 'profiles.cpu.sizes.in_sise': not a size"),
+    (lambda s: s.replace("num_batches: 10", "num_batches: ten"), "key 'profiles.cpu.num_batches': must be an integer"),
+    (lambda s: s.replace("model: mlp", "model: mlpp"), "key 'model': unknown model 'mlpp'; valid: mlp, resnet"),
+    (lambda s: s.replace("name: seed_mlp", "name: other"), "key 'name': is 'other'; it must equal"),
+    (lambda s: s.replace("  tiny:", "  small:"), "key 'profiles.small': unknown key; valid keys are tiny, cpu, full"),
+    (lambda s: s.replace("{name: sgd, lr: 1.0e-3}", "{name: sgd, lr: 1.0e-3, nesterov: 1}"), "key 'optimizer.nesterov'"),
+    (lambda s: s.replace("out_size: 16, ", ""), "key 'profiles.tiny.sizes.out_size': missing"),
+])
+def test_a_malformed_case_file_names_the_file_and_the_key(tmp_path, edit, key):
+    path = tmp_path / "seed_mlp.yaml"
+    path.write_text(edit(GOOD))
+    with pytest.raises(bench.BenchSpecError) as e:
+        bench.load_case(path)
+    assert str(e.value).startswith(str(path)) and key in str(e.value)
+
+
+def test_a_case_file_that_is_not_yaml_names_the_line(tmp_path):
+    path = tmp_path / "seed_mlp.yaml"
+    path.write_text(GOOD.replace("loss: mse", "loss: [mse"))
+    with pytest.raises(bench.BenchSpecError, match=r"seed_mlp.yaml \(line \d+\): not valid YAML"):
+        bench.load_case(path)
+
+
+def test_a_malformed_variant_names_the_file_and_the_key(tmp_path):
+    path = tmp_path / "variants.yaml"
+    path.write_text("schema_version: 1\nvariants:\n  x:\n    description: d\n    autocast: apex\n    dtype: auto\n")
+    with pytest.raises(bench.BenchSpecError, match=r"variants.yaml: key 'variants.x.autocast': got 'apex'; valid: none, torch, ampkit"):
+        bench.load_variants(path)
+    path.write_text("schema_version: 1\nvariants:\n  x:\n    description: d\n    autocast: torch\n")
+    with pytest.raises(bench.BenchSpecError, match="key 'variants.x.dtype': an autocast variant needs a dtype"):
+        bench.load_variants(path)
+
+
+def _run_py(*args, **kw):
+    return subprocess.run([sys.executable, str(REPO / "benchmarks" / "run.py"), *args], capture_output=True,
+                          text=True, cwd=REPO, timeout=300, **kw)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--profile", "gpu"], "unknown profile 'gpu'; valid profiles: tiny, cpu, full"),
+    (["--cases", "mnist"], "unknown case 'mnist'; valid cases: convnet, seed_mlp, text_classifier, transformer"),
+    (["--variants", "fp8"], "unknown variant 'fp8'; valid variants: fp32, fp32_tf32, torch_amp"),
+    (["--langs", "julia"], "unknown language 'julia'; valid languages: python, r"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
+])
+def test_run_py_rejects_bad_input_with_the_valid_names(tmp_path, capsys, args, message):
+    assert run_py.main(["--out", str(tmp_path), *args]) == 2
+    assert message in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # nothing ran
+
+
+def test_run_py_end_to_end_and_a_missing_r_is_a_failure_not_a_gap(tmp_path):
+    p = _run_py("--profile", "tiny", "--cases", "seed_mlp", "--variants", "fp32,fp32_tf32,torch_amp",
+                "--langs", "python,r", "--rscript", "/nonexistent/Rscript", "--out", str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    doc = bench.read_document(tmp_path / "results.json")
+    got = {(r["language"], r["variant"]): r for r in doc["records"]}
+    assert set(got) == {(lang, v) for lang in ("python", "r") for v in ("fp32", "fp32_tf32", "torch_amp")}
+    assert got[("python", "torch_amp")]["status"] == "ok"
+    assert got[("r", "torch_amp")]["status"] == "failed" and "R is not available" in got[("r", "torch_amp")]["error"]
+    assert got[("r", "fp32_tf32")]["status"] == "skipped"
+    assert doc["context"]["torch_threads"] == 1
+    assert "| seed_mlp | torch_amp | python | bfloat16 |" in p.stdout
+    assert (tmp_path / "report.md").exists() and (tmp_path / "report.png").exists()
+    assert "[python  1/3] seed_mlp / fp32:" in p.stderr  # progress while it runs

@@ -1,0 +1,111 @@
+"""The R runner (benchmarks/run.R) against the Python runner: same cases, same fields, same losses.
+
+Skipped, saying what is missing, when R or the ampkit R package is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ampkit import bench
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _env():
+    env = dict(os.environ)
+    env.setdefault("RETICULATE_PYTHON", sys.executable)
+    env.setdefault("R_LIBS", str(REPO / ".rlib"))
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _r_ready():
+    if shutil.which("Rscript") is None:
+        return "Rscript is not installed (make setup-r)"
+    p = subprocess.run(["Rscript", "-e", "library(ampkit); library(reticulate)"], env=_env(),
+                       capture_output=True, text=True, timeout=120)
+    if p.returncode != 0:
+        return "the ampkit R package is not installed in R_LIBS (make setup-r): " + p.stderr.strip()[-200:]
+    return None
+
+
+_MISSING = _r_ready()
+pytestmark = pytest.mark.skipif(_MISSING is not None, reason=str(_MISSING))
+
+
+def run_r(*args):
+    return subprocess.run(["Rscript", str(REPO / "benchmarks" / "run.R"), *args], env=_env(), cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def both(tmp_path_factory):
+    """Every case x variant at the tiny size, from R and from Python, on the same seeds."""
+    out = tmp_path_factory.mktemp("bench_r")
+    p = run_r("--profile", "tiny", "--device", "cpu", "--threads", "1", "--out", str(out / "r.json"))
+    assert p.returncode == 0, p.stdout + p.stderr
+    r_doc = bench.read_document(out / "r.json")  # validates against the schema
+    py = []
+    for name in sorted(bench.load_cases()):
+        built = bench.build_case(name, "tiny", seed=0, device="cpu")
+        py += [bench.run_variant(built, v) for v in bench.load_variants().values() if "python" in v.languages]
+    return r_doc, bench.derive(py), p.stderr
+
+
+def test_the_r_runner_runs_every_case_and_variant(both):
+    r_doc, py, _ = both
+    expected = {(c, v.name) for c in bench.load_cases() for v in bench.load_variants().values() if "r" in v.languages}
+    assert {(r["case"], r["variant"]) for r in r_doc["records"]} == expected
+    assert all(r["language"] == "r" for r in r_doc["records"])
+    for r in r_doc["records"]:
+        if r["variant"] == "fp32_tf32":
+            assert r["status"] == "skipped" and "cuda" in r["reason"]
+        else:
+            assert r["status"] == "ok", (r["case"], r["variant"], r["error"])
+            assert len(r["samples"]) == r["repeats"]
+    c = r_doc["context"]
+    assert c["languages"] == ["r"] and c["r_version"].startswith("4.") and c["reticulate_version"]
+
+
+def test_python_and_r_records_carry_the_same_fields(both):
+    r_doc, py, _ = both
+    by_key = {(r["case"], r["variant"]): r for r in py}
+    for r in r_doc["records"]:
+        p = by_key[(r["case"], r["variant"])]
+        assert list(r) == list(p)
+        for field in ("profile", "device", "status", "autocast", "scaler", "dtype", "tf32", "runner", "sizes",
+                      "num_batches", "warmup_steps", "repeats", "unit", "skipped_steps"):
+            assert r[field] == p[field], field
+
+
+def test_r_trains_the_same_seeded_model_on_the_same_data_as_python(both):
+    """The golden values come from the Python runner in this test: R's loop, driving the same
+    torch through reticulate, must reach the same final loss."""
+    r_doc, py, _ = both
+    by_key = {(r["case"], r["variant"]): r for r in py}
+    for r in r_doc["records"]:
+        p = by_key[(r["case"], r["variant"])]
+        if r["status"] == "ok":
+            assert r["final_loss"] == pytest.approx(p["final_loss"], rel=1e-6), (r["case"], r["variant"])
+
+
+def test_the_r_runner_shows_progress(both):
+    assert "[r       1/" in both[2]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--variants", "fp8"], "unknown variant 'fp8'; valid variants: fp32, fp32_tf32, torch_amp"),
+    (["--cases", "mnist"], "unknown case 'mnist'; valid cases: convnet, seed_mlp"),
+    (["--profile", "gpu"], "unknown profile 'gpu'; valid profiles: tiny, cpu, full"),
+    (["--colour", "red"], "unknown or incomplete argument '--colour'"),
+])
+def test_the_r_runner_rejects_bad_input_with_the_valid_names(tmp_path, args, message):
+    p = run_r("--out", str(tmp_path / "x.json"), *args)
+    assert p.returncode == 2 and message in p.stderr
