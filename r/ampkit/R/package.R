@@ -109,6 +109,8 @@ py_ready <- function() {
   .h$exit_autocast <- helpers$exit_autocast
   .h$trace_rows <- helpers$trace_rows
   .h$plain <- helpers$plain
+  .h$is_method <- helpers$is_method
+  .h$call_method <- helpers$call_method
   .h$named_parameters <- reticulate::py_eval("lambda m: dict(m.named_parameters())")
   .h$cuda_is_available <- py_torch$cuda$is_available
   .h$ready <- TRUE
@@ -139,6 +141,14 @@ def _plain(v):
     if isinstance(v, (tuple, list)):
         return ', '.join(str(_plain(x)) for x in v)
     return str(v)
+
+import inspect as _inspect
+
+def is_method(obj, name):
+    return _inspect.isroutine(getattr(type(obj), name, None)) and name not in getattr(obj, '__dict__', ())
+
+def call_method(obj, name, *args, **kwargs):
+    return getattr(obj, name)(*args, **kwargs)
 
 def plain(obj):
     if _dc.is_dataclass(obj):

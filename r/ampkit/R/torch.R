@@ -192,3 +192,30 @@ optim_adamw <- function(params, lr = 0.001, betas = c(0.9, 0.999), eps = 1e-8,
     NextMethod()
   )
 }
+
+# `loss$backward()`, `opt$zero_grad()`: reticulate's `$` looks the attribute
+# up and wraps it in a new R function on every call (about three times the
+# cost of the call itself). For tensors and optimizers, whether `name` is a
+# method of the class is asked once per class and name; a method then costs
+# one Python call. Attributes that are not methods (`x$dtype`, `x$grad`) take
+# reticulate's path.
+.methods <- new.env(parent = emptyenv())
+
+#' @export
+`$.torch.Tensor` <- function(x, name) {
+  if (is_py_method(x, name)) function(...) .h$call_method(x, name, ...) else NextMethod()
+}
+
+#' @export
+`$.torch.optim.optimizer.Optimizer` <- `$.torch.Tensor`
+
+is_py_method <- function(x, name) {
+  key <- paste0(class(x)[[1L]], "$", name)
+  known <- .methods[[key]]
+  if (is.null(known)) {
+    if (is.null(.h$ready)) py_ready()
+    known <- .h$is_method(x, name)
+    assign(key, known, envir = .methods)
+  }
+  known
+}
