@@ -25,6 +25,8 @@ __all__ = ["GradScaler", "OptState", "ScalerStats", "cuda_amp_grad_scaler", "HIS
 HISTORY_SIZE = 1024
 
 _INT32_MAX = 2**31 - 1
+# torch's C++ grouping of tensor lists by (device, dtype), used by its foreach optimizers.
+_GROUP = getattr(torch._C, "_group_tensors_by_device_and_dtype", None)
 _F32_MAX = float(torch.finfo(torch.float32).max)
 _ORDER = "scale(loss).backward() -> [unscale_(opt)] -> step(opt) -> update()"
 _TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
@@ -415,50 +417,53 @@ class GradScaler:
 
     @staticmethod
     def _collect_grads(optimizer, allow_fp16: bool) -> dict:
-        """Group the optimizer's gradients by device and dtype; validate before mutating."""
+        """Group the optimizer's gradients by (device, dtype); validate before mutating."""
         groups = getattr(optimizer, "param_groups", None)
         if groups is None:
             raise TypeError(
                 f"expected a torch.optim.Optimizer (something with param_groups), "
                 f"got {type(optimizer).__name__}"
             )
-        grouped: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = {}
-        to_coalesce = []
-        for group in groups:
-            for param in group["params"]:
-                grad = param.grad
-                if grad is None:
-                    continue
-                if not allow_fp16 and grad.dtype == torch.float16:
+        params = [p for group in groups for p in group["params"] if p.grad is not None]
+        grads = [p.grad for p in params]
+        if not allow_fp16:
+            for p, grad in zip(params, grads):
+                if grad.dtype == torch.float16:
                     raise ValueError(
                         f"unscale_() got a float16 gradient (parameter of shape "
-                        f"{tuple(param.shape)}); unscaling in float16 loses the small "
+                        f"{tuple(p.shape)}); unscaling in float16 loses the small "
                         "gradients that loss scaling exists to keep. Keep parameters in "
                         "float32 and run the forward pass under ampkit.autocast, or use a "
                         "fused optimizer that unscales internally."
                     )
-                if grad.is_sparse and grad.dtype is torch.float16:
-                    to_coalesce.append(param)
-                    continue
-                values = grad._values() if grad.is_sparse else grad
-                grouped.setdefault(values.device, {}).setdefault(values.dtype, []).append(values)
-        with torch.no_grad():
-            for param in to_coalesce:  # fp16 sparse grads can hold duplicates that overflow
-                param.grad = param.grad.coalesce()
-                values = param.grad._values()
-                grouped.setdefault(values.device, {}).setdefault(values.dtype, []).append(values)
+        if any(g.is_sparse for g in grads):
+            with torch.no_grad():
+                for i, p in enumerate(params):
+                    if grads[i].is_sparse:
+                        if grads[i].dtype is torch.float16:  # duplicates could overflow
+                            p.grad = grads[i] = grads[i].coalesce()
+                        grads[i] = grads[i]._values()
+        if not grads:
+            return {}
+        if _GROUP is not None:
+            return {key: lists[0] for key, (lists, _) in _GROUP([grads], False).items()}
+        grouped: dict[tuple, list[torch.Tensor]] = {}
+        for grad in grads:
+            grouped.setdefault((grad.device, grad.dtype), []).append(grad)
         return grouped
 
     @staticmethod
     def _unscale_grouped(grouped, inv_scale: torch.Tensor) -> dict:
         found_per_device: dict[torch.device, torch.Tensor] = {}
         with torch.no_grad():
-            for device, per_dtype in grouped.items():
-                found = torch.zeros((), dtype=torch.float32, device=device)
+            for (device, _), grads in grouped.items():
+                found = found_per_device.get(device)
+                if found is None:
+                    found = found_per_device[device] = torch.zeros(
+                        (), dtype=torch.float32, device=device
+                    )
                 inv = inv_scale if inv_scale.device == device else inv_scale.to(device)
-                for grads in per_dtype.values():
-                    torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
-                found_per_device[device] = found
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
         return found_per_device
 
     def _check_ready_for_unscale(self, optimizer) -> None:
