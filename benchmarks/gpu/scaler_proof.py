@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -188,7 +189,7 @@ def graph_check(kind: str) -> dict:
 # --------------------------------------------------------------------------- 3. speed
 
 
-def speed(warmup: int = 15, repeats: int = 7, block: int = 25) -> list[dict]:
+def speed(warmup: int = 20, repeats: int = 11, block: int = 30) -> list[dict]:
     width, batch = 4096, 512
     x = torch.randn(batch, width, device=DEV)
     y = torch.randn(batch, width, device=DEV)
@@ -233,8 +234,12 @@ def speed(warmup: int = 15, repeats: int = 7, block: int = 25) -> list[dict]:
         for _ in range(warmup):
             fn()
     torch.cuda.synchronize()
-    for _ in range(repeats):  # round-robin so that clock/thermal drift hits every variant
-        for name, fn in variants.items():
+    order = list(variants)
+    rng = random.Random(0)
+    for _ in range(repeats):  # interleaved, shuffled: drift and order effects hit every variant
+        rng.shuffle(order)
+        for name in order:
+            fn = variants[name]
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for _ in range(block):

@@ -143,6 +143,15 @@ def _check_outputs(value: Any, where: str = "outputs") -> torch.Tensor | None:
     )
 
 
+class _NoGrads(RuntimeError):
+    def __init__(self):
+        super().__init__(
+            "step(): this optimizer has no gradients (every .grad is None), so there is "
+            "nothing to check or apply. Call scaler.scale(loss).backward() on a loss that "
+            "depends on its parameters first."
+        )
+
+
 def _to_device_counters(counters: list[int]) -> list[int]:
     """(steps, skipped, last_skipped) -> the device form (steps, skipped, gap, slot)."""
     steps, skipped, last = counters
@@ -399,6 +408,8 @@ class GradScaler:
             self._lazy_init(first.device)
         scale = self._scale
         if isinstance(outputs, torch.Tensor):
+            if outputs.device == scale.device:
+                return outputs * scale
             return outputs * scale.to(device=outputs.device, non_blocking=True)
         per_device: dict[torch.device, torch.Tensor] = {}
 
@@ -522,11 +533,7 @@ class GradScaler:
                 f"order is {_ORDER}. Call scaler.update() once per iteration after stepping "
                 "every optimizer, before the next step()."
             )
-        no_grads = RuntimeError(
-            "step(): this optimizer has no gradients (every .grad is None), so there is "
-            "nothing to check or apply. Call scaler.scale(loss).backward() on a loss that "
-            "depends on its parameters first."
-        )
+        no_grads = _NoGrads
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             return self._fused_step(optimizer, stage, scale, no_grads, args, kwargs)
         if stage is OptState.READY:
