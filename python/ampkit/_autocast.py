@@ -237,21 +237,27 @@ def _caster(engine, device_type, to, lower, cache_enabled):
     return cast_all
 
 
-def _widest(args, kwargs, on, lower):
+def _widest(values, on, lower):
     """ATen's prioritize(): float32 wins, float64 is ignored, else the region dtype."""
-    cur = lower
-    for a in list(args) + list(kwargs.values()):
-        ts = (a,) if isinstance(a, Tensor) else (a if type(a) in _SEQ else ())
+    for a in values:
+        if isinstance(a, Tensor):
+            ts = (a,)
+        elif type(a) in _SEQ:
+            ts = a
+        else:
+            continue
         for t in ts:
-            if isinstance(t, Tensor) and t.dtype in _CASTABLE and on(t):
-                if t.dtype is _F32:
+            if isinstance(t, Tensor):
+                d = t.dtype
+                if d is lower or d not in _CASTABLE or not on(t):
+                    continue
+                if d is _F32:
                     return _F32
-                if t.dtype is not lower:
-                    raise RuntimeError(
-                        f"ampkit autocast: promote op got a {t.dtype} input in a {lower} region "
-                        "(native autocast raises 'Unexpected floating ScalarType in prioritize' here)"
-                    )
-    return cur
+                raise RuntimeError(
+                    f"ampkit autocast: promote op got a {d} input in a {lower} region "
+                    "(native autocast raises 'Unexpected floating ScalarType in prioritize' here)"
+                )
+    return lower
 
 
 def _rule(engine, name, category, device_type, dtype, cache_enabled, message):
@@ -285,9 +291,11 @@ def _rule(engine, name, category, device_type, dtype, cache_enabled, message):
         casts = {d: _caster(engine, device_type, d, dtype, cache_enabled) for d in (_F32, dtype)}
 
         def act(func, args, kwargs):
-            if kwargs and kwargs.get("out") is not None:
+            if not kwargs:
+                return func(*casts[_widest(args, on, dtype)](args))
+            if kwargs.get("out") is not None:
                 return func(*args, **kwargs)
-            cast_all = casts[_widest(args, kwargs, on, dtype)]
+            cast_all = casts[_widest((*args, *kwargs.values()), on, dtype)]
             return func(*cast_all(args), **dict(zip(kwargs, cast_all(kwargs.values()))))
 
     elif category == "banned":
