@@ -6,7 +6,10 @@
 #     Rscript r/ampkit/bench/overhead.R [steps=200] [repeats=7]
 #
 # Prints, per size and variant, the median ms/step of each driver and the
-# difference in microseconds per step.
+# difference in microseconds per step. Times are the process's CPU time
+# (user + system; torch and OpenMP on one thread), which other processes on a
+# busy machine disturb much less than wall time; wall-time medians are
+# printed too.
 args <- as.integer(commandArgs(trailingOnly = TRUE))
 steps <- if (length(args) >= 1) args[[1]] else 200L
 repeats <- if (length(args) >= 2) args[[2]] else 7L
@@ -20,7 +23,7 @@ import time, torch, ampkit
 
 def py_loop(net, loss_fn, opt, scaler, data, targets, steps, autocast):
     n = len(data)
-    t0 = time.perf_counter()
+    t0, w0 = time.process_time(), time.perf_counter()
     for s in range(steps):
         i = s % n
         with ampkit.autocast('cpu', enabled=autocast):
@@ -34,13 +37,13 @@ def py_loop(net, loss_fn, opt, scaler, data, targets, steps, autocast):
             scaler.step(opt)
             scaler.update()
         opt.zero_grad()
-    return (time.perf_counter() - t0) / steps
+    return [(time.process_time() - t0) / steps, (time.perf_counter() - w0) / steps]
 ")
 py_loop <- reticulate::py_eval("py_loop")
 
 r_loop <- function(net, loss_fn, opt, scaler, data, targets, steps, autocast) {
   n <- length(data)
-  t0 <- proc.time()[["elapsed"]]
+  t0 <- cpu_wall()
   for (s in seq_len(steps)) {
     i <- (s - 1L) %% n + 1L
     with_autocast(enabled = autocast, device_type = "cpu", {
@@ -57,7 +60,12 @@ r_loop <- function(net, loss_fn, opt, scaler, data, targets, steps, autocast) {
     }
     opt$zero_grad()
   }
-  (proc.time()[["elapsed"]] - t0) / steps
+  (cpu_wall() - t0) / steps
+}
+
+cpu_wall <- function() {
+  p <- proc.time()
+  c(p[["user.self"]] + p[["sys.self"]], p[["elapsed"]])
 }
 
 make_model <- function(in_size, out_size, num_layers) {
@@ -87,21 +95,21 @@ for (sz in names(sizes)) {
       scaler <- if (v$scale) amp_grad_scaler("cpu") else NULL
       list(net = net, loss_fn = nn_mse_loss(), opt = opt, scaler = scaler)
     }
-    t_r <- t_py <- numeric(repeats)
+    t_r <- t_py <- matrix(0, repeats, 2)
     for (k in seq_len(repeats)) {
       m <- fresh()
-      t_py[k] <- py_loop(m$net, m$loss_fn, m$opt, if (is.null(m$scaler)) NULL else m$scaler$py,
-                         data, targets, as.integer(steps), v$autocast)
+      t_py[k, ] <- unlist(py_loop(m$net, m$loss_fn, m$opt, if (is.null(m$scaler)) NULL else m$scaler$py,
+                         data, targets, as.integer(steps), v$autocast))
       m <- fresh()
-      t_r[k] <- r_loop(m$net, m$loss_fn, m$opt, m$scaler, data, targets, steps, v$autocast)
+      t_r[k, ] <- r_loop(m$net, m$loss_fn, m$opt, m$scaler, data, targets, steps, v$autocast)
     }
     rows[[length(rows) + 1]] <- data.frame(
       size = sprintf("%s (batch %d, width %d, 3 layers)", sz, b, w), variant = vn,
-      python_ms = round(median(t_py) * 1e3, 3), r_ms = round(median(t_r) * 1e3, 3),
-      overhead_us = round((median(t_r) - median(t_py)) * 1e6, 1),
-      ratio = round(median(t_r) / median(t_py), 2))
+      python_ms = round(median(t_py[, 1]) * 1e3, 3), r_ms = round(median(t_r[, 1]) * 1e3, 3),
+      overhead_us = round((median(t_r[, 1]) - median(t_py[, 1])) * 1e6, 1),
+      wall_python_ms = round(median(t_py[, 2]) * 1e3, 3), wall_r_ms = round(median(t_r[, 2]) * 1e3, 3))
   }
 }
 out <- do.call(rbind, rows)
-cat(sprintf("steps per repeat: %d, repeats: %d (medians), torch threads: 1\n", steps, repeats))
+cat(sprintf("steps per repeat: %d, repeats: %d (medians of CPU time per step), torch threads: 1\n", steps, repeats))
 print(out, row.names = FALSE)

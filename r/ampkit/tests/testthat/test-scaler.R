@@ -152,3 +152,26 @@ test_that("cuda_amp_grad_scaler() is amp_grad_scaler(device = 'cuda')", {
   expect_equal(s$py$`_device`, "cuda")
   expect_equal(s$is_enabled(), cuda_is_available())
 })
+
+test_that("unscale_() divides the gradients by the scale before step(), as in Python", {
+  skip_if_no_ampkit()
+  torch <- pt()
+  torch_manual_seed(5)
+  net <- nn_linear(3, 2)
+  opt <- optim_sgd(net$parameters, lr = 0.1)
+  s <- amp_grad_scaler("cpu", init_scale = 2^12)
+  x <- torch_randn(4, 3)
+  s$scale(net(x)$pow(2)$sum())$backward()
+  scaled <- net$parameters[["weight"]]$grad$clone()
+  s$unscale_(opt)
+  unscaled <- net$parameters[["weight"]]$grad
+  expect_true(torch$equal(unscaled, scaled$div(2^12)))
+  # the control: plain backward, no scaler
+  torch_manual_seed(5)
+  ctrl <- nn_linear(3, 2)
+  ctrl(x)$pow(2)$sum()$backward()
+  expect_true(torch$equal(unscaled, ctrl$parameters[["weight"]]$grad))
+  s$step(opt)
+  s$update()
+  expect_equal(s$stats()$steps, 1L)
+})

@@ -1,0 +1,25 @@
+test_that("the package loads without Python and says what is missing on first use", {
+  script <- paste(
+    "library(ampkit)",
+    "stopifnot(!ampkit_available())",
+    "e <- tryCatch(with_autocast(device_type = 'cpu', 1), error = identity)",
+    "cat(class(e), sep = '\\n'); cat(conditionMessage(e), '\\n')",
+    sep = "; ")
+  out <- suppressWarnings(system2(file.path(R.home("bin"), "Rscript"), c("-e", shQuote(script)),
+    env = c(paste0("R_LIBS=", paste(.libPaths(), collapse = .Platform$path.sep)),
+            "RETICULATE_PYTHON=/nonexistent/bin/python"),
+    stdout = TRUE, stderr = TRUE))
+  expect_true("ampkit_python_missing" %in% out)
+  expect_true("ampkit_error" %in% out)
+  expect_true(any(grepl("make setup", out)))
+  expect_true(any(grepl("RETICULATE_PYTHON=/nonexistent/bin/python does not exist", out, fixed = TRUE)))
+})
+
+test_that("ampkit_config() names the Python and the versions in use", {
+  skip_if_no_ampkit()
+  cfg <- ampkit_config()
+  expect_equal(cfg$python, reticulate::py_exe())
+  expect_equal(cfg$torch, pt()$`__version__`)
+  expect_type(cfg$ampkit, "character")
+  expect_type(cfg$cuda, "logical")
+})
