@@ -103,9 +103,9 @@ class _Frame:
     def __init__(self, devs):
         # devs: {device_type: (enabled, dtype, policy, cache_enabled)}
         self.devs = devs
-        # id(policy): hashing a policy's op tables on every region entry is too slow;
-        # the compiled table keeps the policy alive, so the id is not reused.
-        self.key = tuple(sorted((d, s[1], id(s[2]), s[3]) for d, s in devs.items() if s[0]))
+        # policies cache their hash; the registry version invalidates tables when
+        # ampkit.op (re)registers a user op.
+        self.key = (_ops.VERSION[0],) + tuple(sorted((d, s[1], s[2], s[3]) for d, s in devs.items() if s[0]))
 
 
 class _Engine:
@@ -141,8 +141,9 @@ class _Engine:
         key = self.frames[-1].key
         table = self.tables.get(key)
         if table is None:
+            if len(self.tables) > 64:  # e.g. a fresh policy built every step
+                self.tables.clear()
             table = self.tables[key] = _compile(self, self.frames[-1])
-            table[_POLICIES_KEY] = [s[2] for s in self.frames[-1].devs.values()]
         self.mode.real = table
         self.mode.table = table if self.trace is None else _EMPTY
 
@@ -176,7 +177,10 @@ class _Mode(TorchFunctionMode):
         self.real = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        act = self.table.get(func, _MISS)
+        try:
+            act = self.table.get(func, _MISS)
+        except TypeError:  # an unhashable callable: never listed, run as is
+            act = None
         if act is None:
             return func(*args, **kwargs) if kwargs else func(*args)
         if act is _MISS:
@@ -357,7 +361,6 @@ def _compile(engine, frame) -> dict:
 
 
 _NAMES_KEY = object()
-_POLICIES_KEY = object()
 _REACH_KEY = object()
 
 
@@ -646,12 +649,12 @@ def op(fn=None, *, name=None):
 
     >>> import torch, ampkit
     >>> @ampkit.op
-    ... def my_attention(q, k, v):
+    ... def toy_attention(q, k, v):
     ...     return torch.softmax(q @ k.transpose(-2, -1), -1) @ v
-    >>> policy = ampkit.load_policy("torch_default").with_ops(lower_precision_fp=["my_attention"])
+    >>> policy = ampkit.load_policy("torch_default").with_ops(lower_precision_fp=["toy_attention"])
     >>> q = torch.randn(2, 3, 4)
     >>> with ampkit.autocast("cpu", policy=policy):
-    ...     my_attention(q, q, q).dtype
+    ...     toy_attention(q, q, q).dtype
     torch.bfloat16
     """
     if isinstance(fn, str) and name is None:
@@ -682,12 +685,6 @@ def op(fn=None, *, name=None):
         _USER_WRAPPERS.pop(old, None)
     _ops.USER_OPS[name] = wrapper
     _USER_WRAPPERS[wrapper] = fn
-    for e in _all_engines():
-        e.tables.clear()
+    _ops.VERSION[0] += 1  # compiled tables are keyed by it: rebuilt on next region entry
     wrapper.ampkit_op_name = name
     return wrapper
-
-
-def _all_engines():
-    e = getattr(_tls, "engine", None)
-    return [e] if e is not None and e.depth == 0 else []

@@ -42,6 +42,7 @@ _NAMESPACES = {"linalg": "_linalg", "fft": "_fft", "special": "_special"}
 
 # name -> callable registered by ampkit.op (filled by _autocast.op)
 USER_OPS: dict = {}
+VERSION = [0]  # bumped on each registration
 
 
 def _is_op(obj) -> bool:

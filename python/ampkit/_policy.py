@@ -111,6 +111,13 @@ class Policy:
     description: str = ""
     source: str = dataclasses.field(default="", compare=False)
 
+    def __hash__(self):  # cached: regions key their compiled tables by policy
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.name, self.devices, self.description))
+            object.__setattr__(self, "_hash", h)
+        return h
+
     # -- reading --------------------------------------------------------------
     def device_types(self) -> tuple:
         return tuple(d for d, _ in self.devices)
@@ -287,10 +294,21 @@ def load_policy(path_or_name) -> Policy:
     else:
         path = Path(s)
     try:
+        st = path.stat()
+        key = (str(path.resolve()), st.st_mtime_ns, st.st_size)
+        if key in _LOADED:
+            return _LOADED[key]
         text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise PolicyError(f"{path}: cannot read the policy file ({e.strerror or e})") from e
-    return parse_policy(text, str(path))
+    policy = parse_policy(text, str(path))
+    if len(_LOADED) > 32:
+        _LOADED.clear()
+    _LOADED[key] = policy  # policies are immutable: share one per unchanged file
+    return policy
+
+
+_LOADED: dict = {}
 
 
 def parse_policy(text: str, source: str = "<string>") -> Policy:

@@ -55,8 +55,9 @@ def test_shipped_spec_writes_every_category_for_both_devices():
 
 
 def test_policy_is_an_immutable_comparable_value():
-    again = ampkit.load_policy("torch_default")
+    again = parse_policy(DEFAULT.to_yaml(), "copy")
     assert again == DEFAULT and hash(again) == hash(DEFAULT) and again is not DEFAULT
+    assert ampkit.load_policy("torch_default") is DEFAULT  # an unchanged file is loaded once
     with pytest.raises(AttributeError):
         DEFAULT.name = "x"
     assert "Policy 'torch_default'" in str(DEFAULT) and "lower_precision_fp" in str(DEFAULT)
@@ -91,7 +92,10 @@ def test_yaml_round_trip(tmp_path):
 
 
 def test_load_a_user_file(tmp_path):
-    p = ampkit.load_policy(write(tmp_path, GOOD))
+    path = write(tmp_path, GOOD)
+    p = ampkit.load_policy(path)
+    path.write_text(GOOD.replace("name: mine", "name: mine2"))  # edited: read again
+    assert ampkit.load_policy(path).name == "mine2"
     assert p.name == "mine" and p.device_types() == ("cpu",)
     assert p.category("cpu", "sum") == "fp32_output"
     with pytest.raises(ampkit.PolicyError, match="has no rules for device type 'cuda'"):
