@@ -71,8 +71,9 @@ def context_lines(doc: dict) -> str:
     c = doc["context"]
     where = c["card"] or "CPU only"
     out = [
-        "- profile `%s` on `%s` (%s), %s, %d CPUs (%s), torch threads %d" % (
-            c["profile"], c["device"], where, c["host"], c["cpu_count"] or 0, c["cpu"], c["torch_threads"]),
+        "- profile `%s` on `%s` (%s), %s, %d CPUs (%s), torch threads %d, load average at start %s" % (
+            c["profile"], c["device"], where, c["host"], c["cpu_count"] or 0, c["cpu"], c["torch_threads"],
+            "/".join("%.2f" % x for x in c["load_average"]) if c.get("load_average") else "-"),
         "- torch %s%s, Python %s, R %s, reticulate %s, ampkit %s" % (
             c["torch_version"], " (CUDA %s)" % c["cuda_version"] if c["cuda_version"] else "",
             c["python_version"], c["r_version"] or "-", c["reticulate_version"] or "-", c["ampkit_version"] or "-"),

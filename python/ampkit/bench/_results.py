@@ -113,6 +113,8 @@ def _cpu_model() -> str:
 
 
 def _git_commit():
+    if os.environ.get("AMPKIT_GIT_COMMIT"):  # where the checkout has no .git (the device machine)
+        return os.environ["AMPKIT_GIT_COMMIT"]
     from ampkit.bench._spec import spec_dir
     repo = spec_dir().parent.parent
     try:
@@ -143,6 +145,7 @@ def context(profile: str, device: str, language: str = "python", r_version=None,
         "os": platform.platform(),
         "cpu": _cpu_model(),
         "cpu_count": os.cpu_count(),
+        "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
         "device": device,
         "card": card,
         "cuda_version": torch.version.cuda if device == "cuda" else None,

@@ -45,20 +45,39 @@ def peak_memory(device: str):
     return int(torch.cuda.max_memory_allocated()) if device == "cuda" else None
 
 
+def _get_tf32():
+    try:  # the legacy flags; they raise once someone has used the new per-backend API
+        return ("legacy", torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32)
+    except RuntimeError:
+        return ("new", torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision)
+
+
+def _set_tf32(on: bool, api: str) -> None:
+    if api == "legacy":
+        torch.set_float32_matmul_precision("high" if on else "highest")
+        torch.backends.cudnn.allow_tf32 = on
+    else:
+        torch.backends.cuda.matmul.fp32_precision = "tf32" if on else "ieee"
+        torch.backends.cudnn.conv.fp32_precision = "tf32" if on else "ieee"
+
+
 @contextlib.contextmanager
 def precision_flags(variant: Variant, device: str):
     """TF32 on for fp32_tf32 only (also for cuDNN, whose default is on), restored after."""
     if device != "cuda":
         yield
         return
-    saved = (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32)
-    torch.set_float32_matmul_precision("high" if variant.tf32 else "highest")
-    torch.backends.cudnn.allow_tf32 = bool(variant.tf32)
+    saved = _get_tf32()
+    _set_tf32(bool(variant.tf32), saved[0])
     try:
         yield
     finally:
-        torch.set_float32_matmul_precision(saved[0])
-        torch.backends.cudnn.allow_tf32 = saved[1]
+        if saved[0] == "legacy":
+            torch.set_float32_matmul_precision(saved[1])
+            torch.backends.cudnn.allow_tf32 = saved[2]
+        else:
+            torch.backends.cuda.matmul.fp32_precision = saved[1]
+            torch.backends.cudnn.conv.fp32_precision = saved[2]
 
 
 def make_scaler(variant: Variant, device: str):
