@@ -101,17 +101,18 @@ OPTIMIZERS = {
 }
 
 
-def _fused_supported() -> bool:
+def _fused_supported(name: str = "adam_fused") -> bool:
+    """Fused CPU kernels arrived optimizer by optimizer (torch 2.4+)."""
     try:
-        torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], fused=True)
+        OPTIMIZERS[name]([torch.nn.Parameter(torch.zeros(1))])
         return True
-    except (RuntimeError, TypeError):
+    except (RuntimeError, TypeError, ValueError):
         return False
 
 
 def _opt_param(name):
     marks = []
-    if name.endswith("_fused") and not _fused_supported():
+    if name.endswith("_fused") and not _fused_supported(name):
         marks.append(pytest.mark.skip(reason="this torch has no fused CPU optimizers"))
     return pytest.param(name, marks=marks, id=name)
 
@@ -790,7 +791,7 @@ def test_docstring_examples_run():
     assert result.attempted >= 3 and result.failed == 0
 
 
-@pytest.mark.skipif(not _fused_supported(), reason="this torch has no fused CPU optimizers")
+@pytest.mark.skipif(not _fused_supported("sgd_fused"), reason="this torch has no fused CPU SGD")
 def test_fused_sgd_skipped_first_step_leaves_no_garbage():
     """Fused SGD allocates its momentum buffer with empty_like before it sees found_inf, so
     with torch's scaler a skipped *first* step leaves garbage that the next step reads. Ours
@@ -812,3 +813,16 @@ def test_fused_sgd_skipped_first_step_leaves_no_garbage():
     ours = run(ampkit.GradScaler("cpu", init_scale=2.0**16), [(0, True), (0, False), (1, False)])
     clean = run(torch.amp.GradScaler("cpu", init_scale=2.0**15), [(0, False), (1, False)])
     assert_same(2, ours, clean)
+
+
+def test_update_new_scale_respects_the_clamps():
+    scaler = ampkit.GradScaler("cpu", init_scale=8.0, min_scale=2.0, max_scale=64.0)
+    toy = Toy(scaler)
+    toy.backward()
+    before = full_state(scaler, toy.opt)
+    for bad in (1.0, 128.0, float("nan")):
+        with pytest.raises(ValueError, match=r"new_scale=.*\[2, 64\]"):
+            scaler.update(new_scale=bad)
+        assert_unchanged(before, scaler, toy.opt)
+    scaler.update(new_scale=torch.tensor(1000.0))  # a tensor is clamped on the device
+    assert scaler.get_scale() == 64.0
