@@ -228,6 +228,15 @@ def test_cache_enabled_none_follows_torch_flag():
 
 
 # --------------------------------------------------------------------- what is cast
+def outcome(call, region):
+    try:
+        with region:
+            return call()
+    except RuntimeError as e:
+        return type(e)
+
+
+
 @pytest.mark.parametrize(
     "call",
     [
@@ -246,13 +255,15 @@ def test_cache_enabled_none_follows_torch_flag():
         pytest.param(lambda: F.linear(input=torch.randn(2, 4), weight=torch.randn(3, 4)), id="keyword_args"),
     ],
 )
-def test_what_is_cast_matches_native(call):
+@pytest.mark.parametrize("enabled", [True, False], ids=["enabled", "disabled"])
+def test_what_is_cast_matches_native(call, enabled):
     torch.manual_seed(0)
-    with torch.autocast("cpu"):
-        n = call()
+    n = outcome(call, torch.autocast("cpu", enabled=enabled))
     torch.manual_seed(0)
-    with ampkit.autocast("cpu"):
-        a = call()
+    a = outcome(call, ampkit.autocast("cpu", enabled=enabled))
+    if isinstance(n, type) or isinstance(a, type):  # mixed dtypes without autocast: both raise
+        assert a is n
+        return
     assert a.dtype == n.dtype and a.device == n.device
     if a.device.type != "meta":
         assert torch.equal(a, n)
@@ -288,23 +299,24 @@ def make_function(fwd_deco, bwd_deco, seen):
     return MyMM
 
 
+@pytest.mark.parametrize("enabled", [True, False], ids=["enabled", "disabled"])
 @pytest.mark.parametrize("cast_inputs", [None, torch.float32], ids=["no_cast", "cast_fp32"])
-def test_custom_fwd_bwd_match_torch(cast_inputs):
+def test_custom_fwd_bwd_match_torch(cast_inputs, enabled):
     def go(lib):
         seen = []
         if lib == "torch":
             fwd = torch.amp.custom_fwd(device_type="cpu", cast_inputs=cast_inputs)
             bwd = torch.amp.custom_bwd(device_type="cpu")
-            region = torch.autocast("cpu")
+            region = torch.autocast("cpu", enabled=enabled)
         else:
             fwd = ampkit.custom_fwd(device_type="cpu", cast_inputs=cast_inputs)
             bwd = ampkit.custom_bwd(device_type="cpu")
-            region = ampkit.autocast("cpu")
+            region = ampkit.autocast("cpu", enabled=enabled)
         fn = make_function(fwd, bwd, seen)
         a = torch.randn(2, 3, requires_grad=True)
         b = torch.randn(3, 2, requires_grad=True)
         with region:
-            out = fn.apply(a.to(BF16), b)
+            out = fn.apply(a.to(BF16) if enabled else a, b)
         out.float().sum().backward()
         return seen, out.dtype, a.grad.dtype
 
