@@ -361,6 +361,15 @@ class GradScaler:
         record = self._per_optimizer.get(id(optimizer))
         return OptState.READY if record is None else record.stage
 
+    def reset_iteration(self) -> None:
+        """Forget this iteration's per-optimizer stages (all back to ``READY``).
+
+        For an iteration abandoned half-way (an exception, an aborted CUDA-graph capture):
+        the scale, the growth tracker, the hysteresis and the stats are untouched, and
+        gradients already unscaled stay unscaled (zero them before the next iteration).
+        """
+        self._per_optimizer = {}
+
     # ------------------------------------------------------------------ device state
 
     def _lazy_init(self, device: torch.device) -> None:

@@ -826,3 +826,18 @@ def test_update_new_scale_respects_the_clamps():
         assert_unchanged(before, scaler, toy.opt)
     scaler.update(new_scale=torch.tensor(1000.0))  # a tensor is clamped on the device
     assert scaler.get_scale() == 64.0
+
+
+def test_reset_iteration_forgets_stages_but_keeps_the_scale_state():
+    scaler = ampkit.GradScaler("cpu", init_scale=8.0, hysteresis=2)
+    toy = Toy(scaler)
+    toy.iterate(True)
+    toy.backward()
+    scaler.step(toy.opt)
+    sd = scaler.state_dict()
+    scaler.reset_iteration()
+    assert scaler.stage(toy.opt) is OptState.READY and scaler.state_dict() == sd
+    with pytest.raises(RuntimeError, match="no inf/NaN checks"):
+        scaler.update()  # nothing recorded any more
+    toy.iterate(False)  # and the next iteration runs normally
+    assert scaler.stats().steps == 2
