@@ -27,7 +27,7 @@
 #' @param .env The frame whose exit ends the region started by
 #'   `local_autocast()`.
 #' @return `with_autocast()` returns the value of `code`. `local_autocast()`
-#'   returns the Python context manager, invisibly.
+#'   returns `NULL`, invisibly.
 #' @seealso [amp_grad_scaler()], [amp_policy()], [amp_trace()]
 #' @export
 #' @examples
@@ -49,8 +49,8 @@
 with_autocast <- function(code, ..., device_type, dtype = NULL, enabled = TRUE,
                           cache_enabled = NULL, policy = NULL) {
   if (...length()) check_dots_empty_(...)
-  cm <- enter_autocast(device_type, dtype, enabled, cache_enabled, policy)
-  on.exit(.h$exit_autocast(cm), add = TRUE)
+  region <- enter_autocast(device_type, dtype, enabled, cache_enabled, policy)
+  on.exit(.h$exit_autocast(region), add = TRUE)
   withCallingHandlers(code, error = py_region_error)
 }
 
@@ -60,9 +60,9 @@ local_autocast <- function(device_type, ..., dtype = NULL, enabled = TRUE,
                            cache_enabled = NULL, policy = NULL,
                            .env = parent.frame()) {
   if (...length()) check_dots_empty_(...)
-  cm <- enter_autocast(device_type, dtype, enabled, cache_enabled, policy)
-  withr::defer(.h$exit_autocast(cm), envir = .env)
-  invisible(cm)
+  region <- enter_autocast(device_type, dtype, enabled, cache_enabled, policy)
+  withr::defer(.h$exit_autocast(region), envir = .env)
+  invisible(NULL)
 }
 
 #' Is autocast on, and with which dtype?

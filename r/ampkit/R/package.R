@@ -109,6 +109,7 @@ py_ready <- function() {
   .h$exit_autocast <- helpers$exit_autocast
   .h$trace_rows <- helpers$trace_rows
   .h$plain <- helpers$plain
+  .h$open_regions <- helpers$open_regions
   .h$is_method <- helpers$is_method
   .h$call_method <- helpers$call_method
   .h$named_parameters <- reticulate::py_eval("lambda m: dict(m.named_parameters())")
@@ -118,17 +119,27 @@ py_ready <- function() {
 }
 
 # One Python call to enter a region and one to leave it (instead of
-# constructor + `__enter__` + `__exit__` looked up from R each time).
+# constructor + `__enter__` + `__exit__` looked up from R each time). The
+# open context managers stay in Python, keyed by an int: an int crosses
+# reticulate about 50 us cheaper than an object, both ways.
 r_helpers_py <- "
 import ampkit as _ampkit
+
+_open = {}
+_last = [0]
 
 def enter_autocast(device_type, dtype=None, enabled=True, cache_enabled=None, policy=None):
     cm = _ampkit.autocast(device_type, dtype, enabled, cache_enabled, policy=policy)
     cm.__enter__()
-    return cm
+    _last[0] += 1
+    _open[_last[0]] = cm
+    return _last[0]
 
-def exit_autocast(cm):
-    cm.__exit__(None, None, None)
+def exit_autocast(token):
+    _open.pop(token).__exit__(None, None, None)
+
+def open_regions():
+    return len(_open)
 
 import dataclasses as _dc
 import torch as _torch

@@ -181,6 +181,7 @@ optim_adamw <- function(params, lr = 0.001, betas = c(0.9, 0.999), eps = 1e-8,
 # Everything else is reticulate's `$`.
 #' @export
 `$.torch.nn.modules.module.Module` <- function(x, name) {
+  if (is.null(.h$ready)) py_ready()
   switch(name,
     parameters = .h$named_parameters(x),
     cuda = if (.h$cuda_is_available()) NextMethod() else function(...) {

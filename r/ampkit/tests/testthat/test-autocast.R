@@ -122,3 +122,16 @@ test_that("the block is not evaluated when the arguments are bad", {
   expect_error(with_autocast(device_type = "gpu", ran <- TRUE), class = "ampkit_error")
   expect_false(ran)
 })
+
+test_that("every region entered from R is left, also after errors", {
+  skip_if_no_ampkit()
+  open_regions <- ampkit:::.h$open_regions
+  before <- open_regions()
+  f <- function() {
+    local_autocast("cpu")
+    with_autocast(device_type = "cpu", stop("x"))
+  }
+  try(f(), silent = TRUE)
+  with_autocast(device_type = "cpu", with_autocast(device_type = "cpu", enabled = FALSE, NULL))
+  expect_equal(open_regions(), before)
+})
