@@ -103,8 +103,13 @@ py_ready <- function() {
   if (!ok) {
     stop(ampkit_condition(missing_python_message(), class = "ampkit_python_missing"))
   }
-  helpers <- reticulate::import("types")$ModuleType("_ampkit_r")
-  reticulate::import_builtins()$exec(r_helpers_py, reticulate::py_get_attr(helpers, "__dict__"))
+  helpers <- tryCatch({
+    m <- reticulate::import("types")$ModuleType("_ampkit_r")
+    reticulate::import_builtins()$exec(r_helpers_py, reticulate::py_get_attr(m, "__dict__"))
+    m
+  }, error = function(e) {
+    stop(ampkit_condition(missing_python_message(conditionMessage(e)), class = "ampkit_python_missing"))
+  })
   .h$enter_autocast <- helpers$enter_autocast
   .h$exit_autocast <- helpers$exit_autocast
   .h$trace_rows <- helpers$trace_rows

@@ -68,6 +68,31 @@ cpu_wall <- function() {
   c(p[["user.self"]] + p[["sys.self"]], p[["elapsed"]])
 }
 
+# The same loop written against the Python objects through reticulate alone
+# (reticulate's `with()` and `$` on the Python scaler): what the R layer saves.
+ak <- reticulate::import("ampkit")
+direct_loop <- function(net, loss_fn, opt, scaler, data, targets, steps, autocast) {
+  n <- length(data)
+  t0 <- cpu_wall()
+  for (s in seq_len(steps)) {
+    i <- (s - 1L) %% n + 1L
+    with(ak$autocast("cpu", enabled = autocast), {
+      output <- net(data[[i]])
+      loss <- loss_fn(output, targets[[i]])
+    })
+    if (is.null(scaler)) {
+      loss$backward()
+      opt$step()
+    } else {
+      scaler$scale(loss)$backward()
+      scaler$step(opt)
+      scaler$update()
+    }
+    opt$zero_grad()
+  }
+  (cpu_wall() - t0) / steps
+}
+
 make_model <- function(in_size, out_size, num_layers) {
   layers <- list()
   for (i in seq_len(num_layers - 1)) layers <- c(layers, list(nn_linear(in_size, in_size), nn_relu()))
@@ -95,18 +120,22 @@ for (sz in names(sizes)) {
       scaler <- if (v$scale) amp_grad_scaler("cpu") else NULL
       list(net = net, loss_fn = nn_mse_loss(), opt = opt, scaler = scaler)
     }
-    t_r <- t_py <- matrix(0, repeats, 2)
+    t_r <- t_py <- t_d <- matrix(0, repeats, 2)
     for (k in seq_len(repeats)) {
       m <- fresh()
       t_py[k, ] <- unlist(py_loop(m$net, m$loss_fn, m$opt, if (is.null(m$scaler)) NULL else m$scaler$py,
                          data, targets, as.integer(steps), v$autocast))
       m <- fresh()
       t_r[k, ] <- r_loop(m$net, m$loss_fn, m$opt, m$scaler, data, targets, steps, v$autocast)
+      m <- fresh()
+      t_d[k, ] <- direct_loop(m$net, m$loss_fn, m$opt, if (is.null(m$scaler)) NULL else m$scaler$py,
+                              data, targets, steps, v$autocast)
     }
     rows[[length(rows) + 1]] <- data.frame(
       size = sprintf("%s (batch %d, width %d, 3 layers)", sz, b, w), variant = vn,
       python_ms = round(median(t_py[, 1]) * 1e3, 3), r_ms = round(median(t_r[, 1]) * 1e3, 3),
       overhead_us = round((median(t_r[, 1]) - median(t_py[, 1])) * 1e6, 1),
+      direct_ms = round(median(t_d[, 1]) * 1e3, 3),
       wall_python_ms = round(median(t_py[, 2]) * 1e3, 3), wall_r_ms = round(median(t_r[, 2]) * 1e3, 3))
   }
 }
