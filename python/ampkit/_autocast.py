@@ -265,8 +265,10 @@ def _widest(values, on, lower):
 
 
 def _rule(engine, name, category, device_type, dtype, cache_enabled, message):
-    """The action of one listed op on one device: (func, args, kwargs) -> result, or _MISS
-    when the first tensor is not on this device."""
+    """The action of one listed op on one device: (func, args, kwargs) -> result.
+
+    It only touches tensors on ``device_type``; calls without such tensors run as is.
+    """
     on = _on_device(device_type)
     if category == "lower_precision_fp" or category == "fp32":
         cast_all = _caster(engine, device_type, dtype if category == "lower_precision_fp" else _F32, dtype, cache_enabled)
@@ -352,7 +354,8 @@ def _compile(engine, frame) -> dict:
                     if _is_inplace(func):
                         continue
                     per_func.setdefault(func, []).append(act)
-                    names.add(getattr(func, "__name__", name))
+                    if not isinstance(func, types.FunctionType):  # builtins: ATen-style names
+                        names.add(getattr(func, "__name__", name))
                 names.add(name.rsplit(".", 1)[-1])
     table = {f: _dispatch(acts) for f, acts in per_func.items()}
     table[_NAMES_KEY] = frozenset(names)

@@ -21,13 +21,10 @@ traced through. Tracing costs nothing when no trace is active.
 from __future__ import annotations
 
 import dataclasses
-import threading
-
 import torch
 
 from ampkit import _ops
 
-_FIELDS = ("op", "rule", "device", "input_dtypes", "output_dtype")
 _SEQ = (list, tuple)
 
 
@@ -123,9 +120,6 @@ class CastTrace:
             )
         )
         return out
-
-
-_stack = threading.local()
 
 
 class trace:
