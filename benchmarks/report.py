@@ -161,6 +161,7 @@ def chart(doc: dict, path) -> bool:
     langs = doc["context"]["languages"] or ["python"]
     fig, axes = plt.subplots(1, len(cases), figsize=(4.2 * len(cases), 4.2), squeeze=False, sharey=True)
     width = 0.8 / len(langs)
+    labeled = set()
     for ax, case in zip(axes[0], cases):
         for j, lang in enumerate(langs):
             for i, v in enumerate(variants):
@@ -168,8 +169,9 @@ def chart(doc: dict, path) -> bool:
                 x = i + (j - (len(langs) - 1) / 2) * width
                 s = r and r["speedup_vs_fp32"]
                 if s:
-                    ax.bar(x, s["value"], width, color="C%d" % j, label=lang if i == 0 else None,
+                    ax.bar(x, s["value"], width, color="C%d" % j, label=None if lang in labeled else lang,
                            yerr=[[s["value"] - s["low"]], [s["high"] - s["value"]]], capsize=2)
+                    labeled.add(lang)
                 elif r is not None:
                     ax.text(x, 0.05, r["status"], rotation=90, ha="center", va="bottom", fontsize=7)
         ax.axhline(1.0, color="gray", ls="--", lw=0.8)
@@ -177,8 +179,10 @@ def chart(doc: dict, path) -> bool:
         ax.set_xticklabels(variants, rotation=45, ha="right", fontsize=8)
         ax.set_title(case)
     axes[0][0].set_ylabel("speedup vs fp32 (median, range)")
-    if axes[0][0].get_legend_handles_labels()[0]:
-        axes[0][0].legend(fontsize=8)
+    handles, labels = [h for ax in axes[0] for h in ax.get_legend_handles_labels()[0]], \
+        [lb for ax in axes[0] for lb in ax.get_legend_handles_labels()[1]]
+    if handles:
+        fig.legend(handles, labels, loc="upper right", fontsize=8)
     c = doc["context"]
     fig.suptitle("ampkit %s profile on %s (%s)" % (c["profile"], c["card"] or c["cpu"], c["device"]), fontsize=10)
     fig.tight_layout()

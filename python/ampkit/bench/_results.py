@@ -219,6 +219,7 @@ def make_record(case, variant, language: str, profile: str, device: str, *, stat
         "peak_memory_bytes": None if peak_memory_bytes is None else int(peak_memory_bytes),
         "torch_threads": int(torch_threads if torch_threads is not None else torch.get_num_threads()),
         "wall_s": _num(wall_s),
+        "load_average": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
         "speedup_vs_fp32": None,
         "time_vs_torch_amp": None,
         "time_vs_python": None,
