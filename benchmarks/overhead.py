@@ -10,6 +10,7 @@ the median over repeats of ampkit/native timed back to back, with its quartiles:
 - listed:   a chain of 20 small listed ops (linear, matmul, mse_loss, cat ...)
 - step:     a seed-shaped MLP training step (3 Linear + ReLU, MSE, SGD) at batch 64 x
             width 256, and at the seed_mlp cpu profile (batch 128 x width 1024)
+- mha:      nn.MultiheadAttention forward, a Python composite whose body is traced through
 
 The region is entered once per chain (per step for ``step``), as in real code.
 Timings are printed, never asserted.
@@ -88,6 +89,9 @@ def run(repeats=15, device="cpu", size=8):
     t = torch.randn(size, size)
     step = _make_step(64, 256, device)
     seed_step = _make_step(128, 1024, device)  # shared_specs/benchmarks/seed_mlp.yaml, cpu profile
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(64, 4, batch_first=True).to(device)
+    q = torch.randn(8, 16, 64, device=device)
 
     def native():
         return torch.autocast(device, dtype=dtype)
@@ -118,6 +122,11 @@ def run(repeats=15, device="cpu", size=8):
             "native": lambda: step(native()),
             "ampkit": lambda: step(amp()),
             "inner": 5,
+        },
+        "mha forward (8x16x64)": {  # a Python composite whose body ampkit traces through
+            "native": chain(native, mha, q, q, q),
+            "ampkit": chain(amp, mha, q, q, q),
+            "inner": 10,
         },
         "mlp step (128x1024)": {
             "native": lambda: seed_step(native()),

@@ -20,6 +20,16 @@ pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("ampkit_quiet")]
 LOWS = pytest.mark.parametrize("low", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
 # cuDNN RNN kernels may reduce in another order when ampkit hands them freshly cast weights.
 CUDA_TOLERANT = {"lstm", "lstm_two_layers", "gru_cell"}
+# Backward through scaled_dot_product_attention accumulates with atomics on CUDA.
+CUDA_NONDETERMINISTIC_GRAD = {"transformer_encoder_layer_train", "transformer_encoder_layer_eval"}
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_cudnn():
+    prev = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    yield
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = prev
 
 
 @LOWS
@@ -54,10 +64,11 @@ def test_cuda_model_matches_native(name, low):
     ny, ng = _run(factory, x, train, grad, torch.autocast("cuda", dtype=low))
     ay, ag = _run(factory, x, train, grad, ampkit.autocast("cuda", dtype=low))
     assert_match(ay, ny, bitwise, f"{name} output")
+    grads_bitwise = bitwise and name not in CUDA_NONDETERMINISTIC_GRAD
     for i, (a, n) in enumerate(zip(ag, ng)):
         if n is not None:
             assert a.dtype == torch.float32
-            assert_match(a, n, bitwise, f"{name} grad {i}")
+            assert_match(a, n, grads_bitwise, f"{name} grad {i}")
 
 
 @pytest.mark.parametrize(

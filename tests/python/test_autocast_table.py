@@ -24,6 +24,15 @@ DEBUG = False
 # Ops whose kernel is not bitwise reproducible from one call to the next (even
 # natively): compared to float32 round-off instead.
 NOT_BITWISE = {"linalg.lstsq"}
+# CUDA backward kernels that accumulate with atomics (torch documents them as
+# nondeterministic): their gradients are compared to low-precision round-off.
+CUDA_NONDETERMINISTIC_GRAD = {
+    "scatter_add", "index_put", "grid_sample", "grid_sampler", "scaled_dot_product_attention",
+    "lstm", "gru", "rnn_tanh", "rnn_relu", "upsample_linear1d", "upsample_bilinear2d",
+    "upsample_bicubic2d", "upsample_trilinear3d", "upsample_nearest1d", "upsample_nearest2d",
+    "upsample_nearest3d", "_upsample_nearest_exact1d", "_upsample_nearest_exact2d",
+    "_upsample_nearest_exact3d", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa", "pdist", "cdist",
+}
 
 
 def table(device):
@@ -86,14 +95,18 @@ def run(op, device, probe, low, region):
         return type(e)
 
 
-def same(a, b, op=None):
+def same(a, b, op=None, grad=False):
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
+    low = a.dtype in (torch.float16, torch.bfloat16)
     if a.is_complex():
         a, b = torch.view_as_real(a), torch.view_as_real(b)
     a, b = torch.nan_to_num(a.float(), 7.0), torch.nan_to_num(b.float(), 7.0)
     if op in NOT_BITWISE:
         return torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+    if grad and a.is_cuda and op in CUDA_NONDETERMINISTIC_GRAD:
+        tol = 2e-2 if low else 1e-4
+        return torch.allclose(a, b, rtol=tol, atol=tol)
     return torch.equal(a, b)
 
 
@@ -116,7 +129,7 @@ def check_probe(op, device, probe, low, ampkit_region, native_region):
         assert (gn is None) == (ga is None), f"{op} [{probe}]: grad {i} missing on one side"
         if gn is not None:
             assert ga.dtype == gn.dtype, f"{op} [{probe}]: grad {i} dtype native {gn.dtype} ampkit {ga.dtype}"
-            assert same(ga, gn, op), f"{op} [{probe}]: grad {i} differs (max {(ga.float() - gn.float()).abs().max()})"
+            assert same(ga, gn, op, grad=True), f"{op} [{probe}]: grad {i} differs (max {(ga.float() - gn.float()).abs().max()})"
 
 
 def check_op(op, device, low):
