@@ -291,7 +291,15 @@ def _rule(engine, name, category, device_type, dtype, cache_enabled, message):
                 return func(*args, **kwargs)
             kwargs = dict(kwargs)
             kwargs["dtype"] = _F32
-            return func(*args, **kwargs)
+            try:
+                return func(*args, **kwargs)
+            except TypeError as e:
+                if "dtype" not in str(e):
+                    raise
+                raise TypeError(
+                    f"ampkit autocast: op {name!r} is in the fp32_output category, but "
+                    f"{_ops.op_name(func)} takes no dtype= argument; list it under fp32 instead"
+                ) from e
 
     elif category == "promote":
         casts = {d: _caster(engine, device_type, d, dtype, cache_enabled) for d in (_F32, dtype)}

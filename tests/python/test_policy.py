@@ -111,6 +111,24 @@ def test_banned_op_raises_in_region_with_its_message():
         assert torch.equal(torch.nn.functional.mse_loss(a, b), torch.nn.functional.mse_loss(a, b))
 
 
+def test_fp32_output_op_without_dtype_argument_names_the_fix():
+    p = DEFAULT.with_ops("cpu", fp32_output=["exp"])
+    with pytest.raises(TypeError, match="'exp' is in the fp32_output category.*list it under fp32"):
+        with ampkit.autocast("cpu", policy=p):
+            torch.exp(torch.randn(3))
+
+
+def test_fp32_output_on_cpu_matches_cuda_semantics():
+    p = DEFAULT.with_ops("cpu", fp32_output=["sum", "softmax"])
+    x = torch.randn(3, 4).to(torch.bfloat16)
+    with ampkit.autocast("cpu", policy=p):
+        assert x.sum().dtype == torch.float32
+        assert torch.equal(x.sum(), x.sum(dtype=torch.float32))
+        assert x.sum(dtype=torch.bfloat16).dtype == torch.bfloat16  # an explicit dtype wins
+        assert torch.nn.functional.softmax(x, -1).dtype == torch.float32
+        assert torch.arange(4).sum().dtype == torch.int64  # not floating: untouched
+
+
 # --------------------------------------------------------------------- bad input
 BAD = {
     "malformed": ("schema_version: 1\nname: [unclosed\n", r"p\.yaml, line \d+: malformed YAML"),
