@@ -41,7 +41,10 @@ def fmt_pct(x) -> str:
 
 
 def row(rec: dict) -> list:
-    head = [rec["case"], rec["variant"], rec["language"], rec["dtype"] or "float32"]
+    variant = rec["variant"]
+    if rec["graph_captured"] is not None:  # a train step: did it run as a CUDA graph?
+        variant += " (graph)" if rec["graph_captured"] else " (eager)"
+    head = [rec["case"], variant, rec["language"], rec["dtype"] or "float32"]
     if rec["status"] == "skipped":
         return head + ["skipped: " + rec["reason"]] + ["-"] * (len(COLUMNS) - 5)
     if rec["status"] == "failed":

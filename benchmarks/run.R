@@ -177,8 +177,12 @@ run_variant <- function(built, v) {
     final_scale <- scale_of(scaler)
     skipped <- if (is.null(final_scale)) NULL else
       py_to_r(bench$skipped_from_scale(final_scale, built$total_steps()))
+    py_step <- attr(step, "py")  # amp_train_step(): the Python TrainStep
+    captured <- if (is.null(py_step)) NULL else py_to_r(reticulate::py_get_attr(py_step, "captured"))
+    note <- if (is.null(py_step)) NULL else py_to_r(reticulate::py_get_attr(py_step, "reason"))
     do.call(bench$make_record, c(common, list(
       status = "ok", samples_ms = as.list(samples), final_loss = final_loss,
+      graph_captured = captured, reason = note,
       peak_memory_bytes = bench$peak_memory(device), final_scale = final_scale,
       skipped_steps = skipped, wall_s = now() - t_start)))
   }, error = function(e) {

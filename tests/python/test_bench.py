@@ -98,6 +98,10 @@ def test_every_case_and_variant_runs_and_validates(tiny_records, case, variant):
     assert len(rec["samples"]) == rec["repeats"] and all(s > 0 for s in rec["samples"])
     assert rec["min"] <= rec["median"] <= rec["max"]
     assert rec["dtype"] == (None if variant == "fp32" else "bfloat16")
+    if rec["runner"] == "train_step":  # on the CPU the step runs eagerly, and says why
+        assert rec["graph_captured"] is False and "cpu" in rec["reason"]
+    else:
+        assert rec["graph_captured"] is None and rec["reason"] is None
     if rec["scaler"] != "none":
         assert rec["skipped_steps"] == 0 and rec["final_scale"] == 2.0 ** 16  # bf16: no overflow
     fp32 = next(r for r in tiny_records if (r["case"], r["variant"]) == (case, "fp32"))
@@ -214,7 +218,8 @@ def test_the_report_turns_a_fixture_into_the_expected_table(tiny_records):
     rows = {tuple(c.strip() for c in line.strip("|").split("|"))[:3]: [c.strip() for c in line.strip("|").split("|")]
             for line in lines[2:]}
     for rec in doc["records"]:
-        cells = rows[(rec["case"], rec["variant"], "python")]
+        variant = rec["variant"] + {None: "", True: " (graph)", False: " (eager)"}[rec["graph_captured"]]
+        cells = rows[(rec["case"], variant, "python")]
         if rec["status"] == "skipped":
             assert cells[4] == "skipped: " + rec["reason"]
             continue

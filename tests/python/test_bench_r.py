@@ -80,7 +80,7 @@ def test_python_and_r_records_carry_the_same_fields(both):
     for r in r_doc["records"]:
         p = by_key[(r["case"], r["variant"])]
         assert list(r) == list(p)
-        for field in ("profile", "device", "status", "autocast", "scaler", "dtype", "tf32", "runner", "sizes",
+        for field in ("profile", "device", "status", "autocast", "scaler", "dtype", "tf32", "runner", "graph_captured", "sizes",
                       "num_batches", "warmup_steps", "repeats", "unit", "skipped_steps"):
             assert r[field] == p[field], field
 

@@ -173,7 +173,7 @@ def _num(x):
 def make_record(case, variant, language: str, profile: str, device: str, *, status: str = "ok",
                 samples_ms=None, final_loss=None, peak_memory_bytes=None, final_scale=None,
                 skipped_steps=None, reason=None, error=None, torch_threads=None, wall_s=None,
-                repeats=None) -> dict:
+                repeats=None, graph_captured=None) -> dict:
     """One record, the same fields from either language. `case` is a BuiltCase (or Case with
     `repeats`), `variant` a Variant; samples_ms holds one ms/step value per timed repeat."""
     import torch
@@ -203,6 +203,7 @@ def make_record(case, variant, language: str, profile: str, device: str, *, stat
         "dtype": variant.resolved_dtype(device),
         "tf32": bool(variant.tf32),
         "runner": variant.runner,
+        "graph_captured": None if graph_captured is None else bool(graph_captured),
         "sizes": prof["sizes"],
         "num_batches": prof["num_batches"],
         "warmup_steps": prof["warmup_steps"],

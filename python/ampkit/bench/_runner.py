@@ -163,7 +163,10 @@ def run_variant(built: BuiltCase, variant: Variant, language: str = "python") ->
                 samples.append((time.perf_counter() - t0) * 1000.0 / n)
             final_loss = built.mean_loss(losses)
             final_scale = float(scaler.get_scale()) if scaler is not None else None
+            captured = getattr(step, "captured", None) if variant.runner == "train_step" else None
+            note = getattr(step, "reason", None) if variant.runner == "train_step" else None
         return make_record(status="ok", samples_ms=samples, final_loss=final_loss,
+                           graph_captured=captured, reason=note,
                            peak_memory_bytes=peak_memory(device), final_scale=final_scale,
                            skipped_steps=skipped_from_scale(final_scale, built.total_steps()),
                            wall_s=time.perf_counter() - t_start, **common)
