@@ -39,3 +39,14 @@ py_try <- function(expr, context = NULL) {
     if (is_py_error(e)) stop(py_error_condition(e, context))
   })
 }
+
+# Call a Python function; its Python warnings become R warnings of class
+# ampkit_python_warning (used where warnings matter, off the hot path).
+py_call_warn <- function(fn, args, context) {
+  res <- py_try(do.call(.h$call_warn, c(list(fn), args)), context)
+  for (msg in unlist(res[[2]])) {
+    warning(structure(class = c("ampkit_python_warning", "warning", "condition"),
+                      list(message = paste0(context, ": ", msg), call = NULL)))
+  }
+  res[[1]]
+}

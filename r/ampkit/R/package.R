@@ -114,6 +114,7 @@ py_ready <- function() {
   .h$exit_autocast <- helpers$exit_autocast
   .h$trace_rows <- helpers$trace_rows
   .h$plain <- helpers$plain
+  .h$call_warn <- helpers$call_warn
   .h$open_regions <- helpers$open_regions
   .h$is_method <- helpers$is_method
   .h$call_method <- helpers$call_method
@@ -159,6 +160,13 @@ def _plain(v):
     return str(v)
 
 import inspect as _inspect
+import warnings as _warnings
+
+def call_warn(fn, *args, **kwargs):
+    with _warnings.catch_warnings(record=True) as caught:
+        _warnings.simplefilter('always')
+        out = fn(*args, **kwargs)
+    return [out, [str(w.message) for w in caught]]
 
 def is_method(obj, name):
     return _inspect.isroutine(getattr(type(obj), name, None)) and name not in getattr(obj, '__dict__', ())

@@ -29,7 +29,9 @@
 #'   \item{`$py`}{The Python `GradScaler`.}
 #' }
 #' Misuse (a non-tensor to `$scale()`, `$step()` twice without `$update()`)
-#' raises an R condition of class `ampkit_error`.
+#' raises an R condition of class `ampkit_error`. A scaler for `"cuda"` on a
+#' machine without CUDA is disabled by the core, with a warning of class
+#' `ampkit_python_warning`.
 #'
 #' @param device `"cuda"` or `"cpu"`: where the scaled tensors live.
 #' @param init_scale The initial scale.
@@ -68,10 +70,10 @@ amp_grad_scaler <- function(device = "cuda", init_scale = 2^16, growth_factor = 
   enabled <- as_py_bool(enabled)
   extra <- scaler_options(...)
   py_ready()
-  py <- py_try(do.call(py_ampkit$GradScaler, c(list(
+  py <- py_call_warn(py_ampkit$GradScaler, c(list(
     device = device, init_scale = init_scale, growth_factor = growth_factor,
     backoff_factor = backoff_factor, growth_interval = growth_interval,
-    enabled = enabled), extra)), "amp_grad_scaler()")
+    enabled = enabled), extra), "amp_grad_scaler()")
   GradScalerR6$new(py)
 }
 

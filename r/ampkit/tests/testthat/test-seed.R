@@ -17,7 +17,9 @@ test_that("the seed walkthrough runs on the CPU with only device strings and siz
       ampkit_cuda_unavailable = function(w) {
         moved <<- moved + 1
         invokeRestart("muffleWarning")
-      })
+      },
+      # cuda_amp_grad_scaler() on the CPU: disabled by the core, with a warning
+      ampkit_python_warning = function(w) invokeRestart("muffleWarning"))
   }
   losses <- numeric()
   for (name in c("setup", "data", "model", "fp32", "autocast", "scaler")) {
@@ -33,7 +35,8 @@ test_that("the seed walkthrough runs on the CPU with only device strings and siz
   for (v in list(c(FALSE, FALSE), c(TRUE, FALSE), c(TRUE, TRUE))) {
     losses[[paste0("run_", v[1], "_", v[2])]] <-
       withCallingHandlers(env$run(autocast = v[1], scale = v[2]),
-                          ampkit_cuda_unavailable = function(w) invokeRestart("muffleWarning"))
+                          ampkit_cuda_unavailable = function(w) invokeRestart("muffleWarning"),
+                          ampkit_python_warning = function(w) invokeRestart("muffleWarning"))
   }
   if (!cuda_is_available()) expect_gt(moved, 0)
   expect_type(losses, "double")
