@@ -51,11 +51,16 @@ KNOWN_GAPS_BY_DTYPE = {
 }
 
 
+# On cuda (torch's cuda lists cover the rnn cells and the matmul family).
+KNOWN_GAPS_CUDA = {
+    "linalg.pinv": KNOWN_GAPS["linalg.pinv"],
+}
+
+
 def known_gap(op, device, dtype, probe):
     """The reason a probe of ``op`` is a known gap, or None."""
-    if device != "cpu":
-        return None
-    for table in (KNOWN_GAPS, KNOWN_GAPS_BY_DTYPE.get(dtype, {})):
+    tables = (KNOWN_GAPS, KNOWN_GAPS_BY_DTYPE.get(dtype, {})) if device == "cpu" else (KNOWN_GAPS_CUDA,)
+    for table in tables:
         probes, why = table.get(op, ((), None))
         if probe in probes:
             return why
