@@ -216,3 +216,9 @@ def test_drift_check_reports_a_wrong_table(tmp_path):
 def test_drift_check_command_line_errors(capsys):
     assert drift.main(["check", "--policy", "nope"]) == 2
     assert "no shipped policy named 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")
+def test_drift_check_cuda_without_gpu_says_so(capsys):
+    assert drift.main(["check", "--device", "cuda"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
