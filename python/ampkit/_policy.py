@@ -118,6 +118,13 @@ class Policy:
             object.__setattr__(self, "_hash", h)
         return h
 
+    def __getstate__(self):  # string hashes differ between processes: never pickle the cache
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
+    def __setstate__(self, state):
+        for k, v in state.items():
+            object.__setattr__(self, k, v)
+
     # -- reading --------------------------------------------------------------
     def device_types(self) -> tuple:
         return tuple(d for d, _ in self.devices)

@@ -75,6 +75,16 @@ def test_with_ops_moves_an_op_and_leaves_the_original():
     assert DEFAULT.with_ops("cpu", banned=["mm"]).rules("cpu").ban_message("mm").startswith("mm is banned")
 
 
+def test_policy_pickles_and_copies():
+    import copy
+    import pickle
+
+    hash(DEFAULT)
+    again = pickle.loads(pickle.dumps(DEFAULT))
+    assert again == DEFAULT and "_hash" not in again.__dict__ and hash(again) == hash(DEFAULT)
+    assert copy.deepcopy(DEFAULT) == DEFAULT
+
+
 def test_with_dtype_and_name():
     p = DEFAULT.with_dtype("cpu", "float16").with_name("half_cpu", "cpu in float16")
     assert p.rules("cpu").lower_precision_dtype == torch.float16 and p.name == "half_cpu"
