@@ -4,11 +4,12 @@
         [--cases seed_mlp,transformer] [--variants fp32,torch_amp,ampkit_amp] [--repeats 5] \
         [--device auto|cpu|cuda] [--threads N] [--rscript "Rscript"]
 
-`make bench` calls this. Each language runs in its own process, one after the other
-(the Python runner is `python -m ampkit.bench`, the R runner `Rscript benchmarks/run.R`),
-so each gets the whole machine with the same number of torch threads. Writes, under
---out: raw-python.json and raw-r.json (each runner's document), results.json (merged,
-with the comparisons filled in), report.md and report.png; prints the table. A runner
+`make bench` calls this. Each language runs in its own process (the Python runner is
+`python -m ampkit.bench`, the R runner `Rscript benchmarks/run.R`), never two at once,
+so each gets the whole machine with the same number of torch threads; case by case,
+the two languages one after the other in alternating order. Writes, under --out:
+raw-<language>-<case>.json (each runner's document), results.json (merged, with the
+comparisons filled in), report.md and report.png; prints the table. A runner
 that cannot start (no R, no R package) is recorded as failed runs, with its error.
 """
 
@@ -62,7 +63,7 @@ def runner_env(threads: int | None) -> dict:
 
 def common_args(a, device: str, threads) -> list:
     args = ["--profile", a.profile, "--device", device, "--seed", str(a.seed)]
-    for flag, value in (("--cases", a.cases), ("--variants", a.variants), ("--repeats", a.repeats),
+    for flag, value in (("--variants", a.variants), ("--repeats", a.repeats),
                         ("--threads", threads)):
         if value not in (None, ""):
             args += [flag, str(value)]
@@ -127,20 +128,26 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     env = runner_env(threads)
     docs = []
-    for lang in langs:
-        raw = out / ("raw-%s.json" % lang)
-        if lang == "python":
-            cmd = [sys.executable, "-m", "ampkit.bench"]
-        else:
-            cmd = shlex.split(a.rscript) + [str(REPO / "benchmarks" / "run.R")]
-            if shutil.which(cmd[0]) is None:
-                err = "R is not available (%r not found); run `make setup-r`" % cmd[0]
-                docs.append(failed_document(lang, err, a, device, cases, variants))
-                print("== r runner: " + err, file=sys.stderr)
-                continue
-        err = run_runner(lang, cmd + common_args(a, device, threads) + ["--out", str(raw)], env, raw)
-        docs.append(bench.read_document(raw) if err is None else
-                    failed_document(lang, err, a, device, cases, variants))
+    # Case by case, the languages one after the other, their order alternating: the
+    # R / Python comparison of a case is then made minutes apart, not the whole suite
+    # apart, and a drift of the machine's load does not favour one language.
+    for k, case in enumerate(cases):
+        print("== case %d/%d: %s" % (k + 1, len(cases), case.name), file=sys.stderr, flush=True)
+        for lang in (langs if k % 2 == 0 else langs[::-1]):
+            raw = out / ("raw-%s-%s.json" % (lang, case.name))
+            if lang == "python":
+                cmd = [sys.executable, "-m", "ampkit.bench"]
+            else:
+                cmd = shlex.split(a.rscript) + [str(REPO / "benchmarks" / "run.R")]
+                if shutil.which(cmd[0]) is None:
+                    err = "R is not available (%r not found); run `make setup-r`" % cmd[0]
+                    docs.append(failed_document(lang, err, a, device, [case], variants))
+                    print("== r runner: " + err, file=sys.stderr)
+                    continue
+            args = common_args(a, device, threads) + ["--cases", case.name, "--out", str(raw)]
+            err = run_runner(lang, cmd + args, env, raw)
+            docs.append(bench.read_document(raw) if err is None else
+                        failed_document(lang, err, a, device, [case], variants))
     doc = bench.merge(docs)
     results = out / "results.json"
     bench.write_document(results, doc["context"], doc["records"])

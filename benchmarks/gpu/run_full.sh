@@ -4,7 +4,7 @@
 # On the device machine, from the repository root (the lead's call; see docs/bench.md):
 #   bash benchmarks/gpu/run_full.sh "$OUT/gpu"
 # with .device-carry/ holding r-runtime.tar.xz and run-r.sh (../shared/tools/r-on-device).
-# Writes raw-python.json, raw-r.json, results.json, report.md (and report.png where
+# Writes raw-<language>-<case>.json, results.json, report.md (and report.png where
 # matplotlib is installed) under the folder given (default benchmarks/results/gpu).
 # Extra arguments go to benchmarks/run.py (e.g. --repeats 5, --cases seed_mlp).
 set -euo pipefail

@@ -326,4 +326,5 @@ def test_run_py_end_to_end_and_a_missing_r_is_a_failure_not_a_gap(tmp_path):
     assert doc["context"]["torch_threads"] == 1
     assert "| seed_mlp | torch_amp | python | bfloat16 |" in p.stdout
     assert (tmp_path / "report.md").exists() and (tmp_path / "report.png").exists()
+    assert (tmp_path / "raw-python-seed_mlp.json").exists()  # one runner call per case and language
     assert "[python  1/3] seed_mlp / fp32:" in p.stderr  # progress while it runs

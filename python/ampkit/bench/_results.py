@@ -285,6 +285,8 @@ def merge(documents: list) -> dict:
                 raise ValueError("cannot merge runs of different %s: %r and %r" % (k, ctx.get(k), d["context"].get(k)))
     ctx["languages"] = langs
     records = [dict(r) for d in documents for r in d["records"]]
+    cases = list(dict.fromkeys(r["case"] for r in records))
+    records.sort(key=lambda r: (cases.index(r["case"]), r["language"] != "python"))  # stable: variants keep their order
     return check({"context": ctx, "records": derive(records)})
 
 
