@@ -1,6 +1,7 @@
 """Turn a results document (benchmarks/schema.json) into a markdown report and a PNG chart.
 
     python benchmarks/report.py benchmarks/results/results.json [--out-dir DIR]
+    python benchmarks/report.py part1/results.json part2/results.json --out-dir DIR   # merge runs
 
 Writes DIR/report.md (the context, one table row per case x variant x language, and
 where we stand on the issue's goals) and DIR/report.png (speedup against fp32 per case,
@@ -205,16 +206,20 @@ def write(doc: dict, out_dir) -> Path:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("results", help="a results JSON file")
-    p.add_argument("--out-dir", default=None, help="where report.md and report.png go (default: beside the results)")
+    p.add_argument("results", nargs="+", help="results JSON files (several are merged into results.json)")
+    p.add_argument("--out-dir", default=None, help="where report.md and report.png go (default: beside the first results)")
     a = p.parse_args(argv)
-    from ampkit.bench import read_document
+    from ampkit.bench import merge, read_document, write_document
+    out_dir = Path(a.out_dir or Path(a.results[0]).parent)
     try:
-        doc = read_document(a.results)
+        docs = [read_document(f) for f in a.results]
+        doc = docs[0] if len(docs) == 1 else merge(docs)
     except (OSError, ValueError) as e:
         print("error: %s" % e, file=sys.stderr)
         return 2
-    md = write(doc, a.out_dir or Path(a.results).parent)
+    if len(docs) > 1:
+        write_document(out_dir / "results.json", doc["context"], doc["records"])
+    md = write(doc, out_dir)
     print(table(doc))
     print("\n" + goals(doc))
     print("\nreport: %s" % md)

@@ -328,3 +328,16 @@ def test_run_py_end_to_end_and_a_missing_r_is_a_failure_not_a_gap(tmp_path):
     assert (tmp_path / "report.md").exists() and (tmp_path / "report.png").exists()
     assert (tmp_path / "raw-python-seed_mlp.json").exists()  # one runner call per case and language
     assert "[python  1/3] seed_mlp / fp32:" in p.stderr  # progress while it runs
+
+
+def test_report_merges_runs_made_apart(tmp_path, tiny_records):
+    """Two device calls (say Python, then R) become one results.json and one report."""
+    py = [dict(r) for r in tiny_records if r["case"] == "seed_mlp"]
+    bench.write_document(tmp_path / "a.json", bench.context("tiny", "cpu"), py)
+    bench.write_document(tmp_path / "b.json", bench.context("tiny", "cpu", "r", r_version="4.2.2"),
+                         [dict(r, language="r") for r in py])
+    assert report.main([str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--out-dir", str(tmp_path / "m")]) == 0
+    doc = bench.read_document(tmp_path / "m" / "results.json")
+    assert doc["context"]["languages"] == ["python", "r"] and len(doc["records"]) == 2 * len(py)
+    assert "| seed_mlp | torch_amp | r | bfloat16 |" in (tmp_path / "m" / "report.md").read_text()
+    assert report.main([str(tmp_path / "missing.json")]) == 2
