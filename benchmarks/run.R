@@ -41,15 +41,7 @@ for (pkg in c("reticulate", "ampkit")) {
 }
 library(ampkit)
 
-# On the CPU, R has already loaded its own libblas.so.3 (Debian's reference BLAS) when
-# Python starts, and torch's float32 matmuls then bind to R's sgemm instead of MKL's:
-# 15-20x slower than from Python, with different rounding. Loading torch with
-# RTLD_DEEPBIND keeps torch's own symbols. Measured here: a 512x1024x1024 matmul took
-# 917 ms in R against 54 ms in Python, and 61 ms in R with this. (It belongs in the
-# ampkit R package's Python start-up; AMPKIT_R_DEEPBIND=0 turns it off to see the effect.)
-if (opts$device != "cuda" && Sys.getenv("AMPKIT_R_DEEPBIND", "1") != "0") {
-  reticulate::py_run_string("import os, sys; sys.setdlopenflags(os.RTLD_NOW | os.RTLD_DEEPBIND)")
-}
+# (The ampkit R package loads torch so that it keeps its own BLAS: see keep_torch_blas().)
 
 # Values may come back converted or not (objects inherit the convert flag): read both.
 py_to_r <- function(x) if (inherits(x, "python.builtin.object")) reticulate::py_to_r(x) else x
