@@ -14,6 +14,9 @@ How a call is handled inside an ampkit region (this is the whole algorithm)::
             fp32_output        : call with dtype=float32 unless a dtype is given
             promote            : cast them to the widest floating input dtype
             banned             : raise RuntimeError(message)
+            decompose          : run ampkit._decompositions' Python version of the C++
+                                 composite with the mode re-pushed, so each part is
+                                 cast by its own rule (cross_entropy on cuda)
         Python function of torch that can reach a listed op (F.multi_head_attention_forward,
         torch.functional.einsum ...): run a clone of it whose has_torch_function guards
         return False, with the mode re-pushed, so the calls in its body are seen (native
@@ -44,7 +47,7 @@ import types
 import torch
 from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_function
 
-from ampkit import _ops
+from ampkit import _decompositions, _ops
 from ampkit._policy import CATEGORIES, Policy, PolicyError, load_policy
 
 Tensor = torch.Tensor
@@ -312,6 +315,9 @@ def _rule(engine, name, category, device_type, dtype, cache_enabled, message):
             cast_all = casts[_widest((*args, *kwargs.values()), on, dtype)]
             return func(*cast_all(args), **dict(zip(kwargs, cast_all(kwargs.values()))))
 
+    elif category == "decompose":
+        act = _decomposer(engine, name, on)
+
     elif category == "banned":
 
         def act(func, args, kwargs):
@@ -325,6 +331,24 @@ def _rule(engine, name, category, device_type, dtype, cache_enabled, message):
     act.rule = category
     act.op = name
     act.on = on
+    return act
+
+
+def _decomposer(engine, name, on):
+    """Action of an op under ``decompose``: its ATen decomposition, parts seen by the handler."""
+    mode = engine.mode
+    dec = _decompositions.DECOMPOSITIONS[name]
+
+    def act(func, args, kwargs):
+        t = _first_tensor(args, kwargs)
+        if t is None or not on(t) or kwargs.get("out") is not None:
+            return func(*args, **kwargs)
+        mode.__enter__()  # torch popped the mode for this handler: push it for the parts
+        try:
+            return dec.for_callable(func)(*args, **kwargs)
+        finally:
+            mode.__exit__(None, None, None)
+
     return act
 
 
@@ -365,6 +389,13 @@ def _compile(engine, frame) -> dict:
                     if not isinstance(func, types.FunctionType):  # builtins: ATen-style names
                         names.add(getattr(func, "__name__", name))
                 names.add(name.rsplit(".", 1)[-1])
+        for name in rules.decompose:
+            act = _rule(engine, name, "decompose", device_type, dtype, cache_enabled, None)
+            for func in _ops.resolve(name):
+                per_func.setdefault(func, []).append(act)
+                if not isinstance(func, types.FunctionType):
+                    names.add(getattr(func, "__name__", name))
+            names.add(name)
     table = {f: _dispatch(acts) for f, acts in per_func.items()}
     table[_NAMES_KEY] = frozenset(names)
     table[_REACH_KEY] = {}

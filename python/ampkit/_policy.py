@@ -12,7 +12,12 @@ autocast, written as data):
 ``banned``              calling the op in a region raises (with a message)
 =====================  ===================================================
 
-Ops in no category run untouched. Policies are values: comparable, hashable,
+Ops in no category run untouched. Besides the categories, a device may list
+ops under ``decompose``: C++ composites that ampkit runs through their ATen
+decomposition written in Python (``ampkit._decompositions``), so that each
+part is cast by its own rule, as native autocast does (``cross_entropy`` on
+cuda: log_softmax in the input's dtype, nll_loss in float32). ``decompose`` is
+not a category: an op is either in one category or decomposed. Policies are values: comparable, hashable,
 printable; ``with_*`` methods return changed copies.
 
 >>> import ampkit
@@ -41,7 +46,8 @@ SCHEMA_VERSION = 1
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 _TOP_KEYS = ("schema_version", "name", "description", "devices")
-_DEVICE_KEYS = ("lower_precision_dtype",) + CATEGORIES
+_DEVICE_KEYS = ("lower_precision_dtype",) + CATEGORIES  # required
+_OPTIONAL_DEVICE_KEYS = ("decompose",)  # optional, [] when absent
 DEFAULT_BAN_MESSAGE = "{op} is banned in ampkit autocast regions by the active policy."
 SPEC_DIR = Path(__file__).resolve().parents[2] / "shared_specs" / "policies"
 
@@ -68,6 +74,7 @@ class DeviceRules:
     fp32_output: tuple = ()
     promote: tuple = ()
     banned: tuple = ()  # ((op, message), ...)
+    decompose: tuple = ()  # ops run through their ATen decomposition (not a category)
 
     def ops(self, category: str) -> tuple:
         """Op names of ``category`` (sorted)."""
@@ -82,6 +89,10 @@ class DeviceRules:
                 return cat
         return None
 
+    def decomposes(self, op: str) -> bool:
+        """Whether ``op`` is run through its decomposition (its parts cast by their own rules)."""
+        return op in self.decompose
+
     def ban_message(self, op: str) -> str:
         return dict(self.banned)[op]
 
@@ -90,6 +101,7 @@ class DeviceRules:
         for cat in CATEGORIES[:-1]:
             d[cat] = list(getattr(self, cat))
         d["banned"] = dict(self.banned)
+        d["decompose"] = list(self.decompose)
         return d
 
 
@@ -140,8 +152,18 @@ class Policy:
         )
 
     def category(self, device_type: str, op: str):
-        """The category of ``op`` on ``device_type`` or None when unlisted."""
+        """The category of ``op`` on ``device_type`` or None when unlisted (or decomposed)."""
         return self.rules(device_type).category(op)
+
+    def decomposes(self, device_type: str, op: str) -> bool:
+        """Whether ``op`` on ``device_type`` runs through its ATen decomposition.
+
+        >>> import ampkit
+        >>> p = ampkit.load_policy("torch_default")
+        >>> p.decomposes("cuda", "cross_entropy"), p.category("cuda", "cross_entropy")
+        (True, None)
+        """
+        return self.rules(device_type).decomposes(op)
 
     def to_dict(self) -> dict:
         """A plain dict in the YAML schema (``yaml.safe_dump`` writes it back)."""
@@ -163,6 +185,7 @@ class Policy:
                 names = r.ops(cat)
                 shown = ", ".join(names[:8]) + (f", ... ({len(names)} ops)" if len(names) > 8 else "")
                 lines.append(f"    {cat:<18} {shown or '-'}")
+            lines.append(f"    {'decompose':<18} {', '.join(r.decompose) or '-'}")
         return "\n".join(lines)
 
     # -- changing -------------------------------------------------------------
@@ -180,7 +203,9 @@ class Policy:
 
         ``device``: a device type, a sequence of them, or None for all.
         Each keyword is a category; its value a list of op names (for
-        ``banned``: a list or a dict ``{op: message}``).
+        ``banned``: a list or a dict ``{op: message}``). ``decompose=[...]``
+        moves ops out of their category to run through their ATen
+        decomposition (only ops of ``ampkit._decompositions`` for the device).
 
         >>> import ampkit
         >>> p = ampkit.load_policy("torch_default").with_ops("cpu", fp32=["matmul"])
@@ -189,7 +214,8 @@ class Policy:
         """
         moves = {}
         for cat, names in categories.items():
-            _check_category(cat, "with_ops")
+            if cat != "decompose":
+                _check_category(cat, "with_ops")
             if isinstance(names, str):
                 raise PolicyError(f"with_ops: {cat}= must be a list of op names, got the string {names!r}")
             if cat == "banned" and isinstance(names, dict):
@@ -216,12 +242,13 @@ class Policy:
             if d in targets:
                 tables = {c: dict.fromkeys(r.ops(c)) for c in CATEGORIES}
                 tables["banned"] = dict(r.banned)
+                tables["decompose"] = dict.fromkeys(r.decompose)
                 for n, (cat, msg) in moves.items():
                     for t in tables.values():
                         t.pop(n, None)
                     if cat is not None:
                         tables[cat][n] = (msg or DEFAULT_BAN_MESSAGE.format(op=n)) if cat == "banned" else None
-                r = _make_rules(r.lower_precision_dtype, tables)
+                r = _make_rules(r.lower_precision_dtype, tables, d, "with_ops")
             out.append((d, r))
         return dataclasses.replace(self, devices=tuple(out), source="")
 
@@ -244,10 +271,26 @@ def _ops_mod():
     return _ops
 
 
-def _make_rules(dtype, tables) -> DeviceRules:
+def _make_rules(dtype, tables, device, where) -> DeviceRules:
     kw = {c: tuple(sorted(tables[c])) for c in CATEGORIES[:-1]}
     kw["banned"] = tuple(sorted(tables["banned"].items()))
+    kw["decompose"] = tuple(sorted(tables.get("decompose", ())))
+    for n in kw["decompose"]:
+        _check_decomposable(n, device, where)
     return DeviceRules(lower_precision_dtype=dtype, **kw)
+
+
+def _check_decomposable(op, device, where):
+    from ampkit import _decompositions
+
+    known = _decompositions.known(device)
+    if op not in known:
+        d = _decompositions.DECOMPOSITIONS.get(op)
+        why = f"its decomposition is ATen's only on {', '.join(d.devices)}" if d else "ampkit has no decomposition of it"
+        raise PolicyError(
+            f"{where}: op {op!r} cannot be decomposed on {device} ({why}); "
+            f"decomposable on {device}: {', '.join(known) or 'none'}"
+        )
 
 
 # -- loading -----------------------------------------------------------------
@@ -362,9 +405,11 @@ def _parse_device(dev, body, where) -> DeviceRules:
     if not isinstance(body, dict):
         raise PolicyError(f"{where('devices', dev)}: rules must be a mapping with keys {', '.join(_DEVICE_KEYS)}, got {body!r}")
     for k in body:
-        if k not in _DEVICE_KEYS:
+        if k not in _DEVICE_KEYS + _OPTIONAL_DEVICE_KEYS:
             kind = "category" if k not in ("dtype",) else "key"
-            raise PolicyError(f"{where('devices', dev, k)}: unknown {kind} {k!r}; valid: {', '.join(_DEVICE_KEYS)}")
+            raise PolicyError(
+                f"{where('devices', dev, k)}: unknown {kind} {k!r}; valid: {', '.join(_DEVICE_KEYS + _OPTIONAL_DEVICE_KEYS)}"
+            )
     for k in _DEVICE_KEYS:
         if k not in body:
             raise PolicyError(f"{where('devices', dev)}: missing key {k!r} (write every category out, [] or {{}} when empty)")
@@ -395,4 +440,18 @@ def _parse_device(dev, body, where) -> DeviceRules:
             seen[n] = cat
             table[n] = msg
         tables[cat] = table
-    return _make_rules(dtype, tables)
+    dec = body.get("decompose")
+    dec = [] if dec is None else dec
+    if not isinstance(dec, list):
+        raise PolicyError(f"{where('devices', dev, 'decompose')}: decompose must be a list of op names, got {dec!r}")
+    tables["decompose"] = {}
+    for n in dec:
+        w = where("devices", dev, "decompose", n) if isinstance(n, str) else where("devices", dev, "decompose")
+        _ops_mod().check_name(n, w)
+        if n in seen:
+            twice = "twice under decompose" if seen[n] == "decompose" else f"in {seen[n]!r} and under decompose"
+            raise PolicyError(f"{w}: op {n!r} is listed {twice}; an op is either in one category or decomposed")
+        seen[n] = "decompose"
+        _check_decomposable(n, dev, w)
+        tables["decompose"][n] = None
+    return _make_rules(dtype, tables, dev, where("devices", dev))

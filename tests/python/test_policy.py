@@ -46,7 +46,7 @@ def test_shipped_spec_writes_every_category_for_both_devices():
     raw = yaml.safe_load((SPEC_DIR / "torch_default.yaml").read_text())
     assert raw["schema_version"] == 1
     for dev in ("cpu", "cuda"):
-        assert set(raw["devices"][dev]) == {"lower_precision_dtype", *ampkit.CATEGORIES}
+        assert set(raw["devices"][dev]) == {"lower_precision_dtype", *ampkit.CATEGORIES, "decompose"}
     assert DEFAULT.rules("cpu").lower_precision_dtype == torch.bfloat16
     assert DEFAULT.rules("cuda").lower_precision_dtype == torch.float16
     assert DEFAULT.category("cuda", "binary_cross_entropy") == "banned"
@@ -157,6 +157,19 @@ BAD = {
     "banned_message": (GOOD.replace('"use the logits version"', "3"), "message of banned op 'binary_cross_entropy' must be a string, got 3"),
     "name": (GOOD.replace("name: mine", "name: ''"), "name must be a non-empty string"),
     "op_not_string": (GOOD.replace("[linear, matmul]", "[linear, 3]"), "op name must be a non-empty string, got 3"),
+    "decompose_not_list": (GOOD + "    decompose: cross_entropy\n", r"key 'devices.cpu.decompose'.*decompose must be a list of op names"),
+    "decompose_unknown_op": (GOOD + "    decompose: [cross_entropyy]\n", r"unknown op 'cross_entropyy'.*did you mean 'cross_entropy'"),
+    "decompose_no_decomposition": (
+        GOOD + "    decompose: [softmax]\n",
+        r"line 12, key 'devices.cpu.decompose.softmax'.*'softmax' cannot be decomposed on cpu \(ampkit has no "
+        r"decomposition of it\); decomposable on cpu: cross_entropy, pairwise_distance",
+    ),
+    "decompose_wrong_device": (GOOD + "    decompose: [trace]\n", r"'trace' cannot be decomposed on cpu \(its decomposition is ATen's only on cuda\)"),
+    "decompose_and_listed": (
+        GOOD.replace("fp32: [mse_loss]", "fp32: [mse_loss, cross_entropy]") + "    decompose: [cross_entropy]\n",
+        r"'cross_entropy' is listed in 'fp32' and under decompose; an op is either in one category or decomposed",
+    ),
+    "decompose_twice": (GOOD + "    decompose: [cross_entropy, cross_entropy]\n", "listed twice under decompose"),
 }
 
 
@@ -192,6 +205,30 @@ def test_bad_with_calls():
         DEFAULT.with_ops("xpu", fp32=["linear"])
     with pytest.raises(ampkit.PolicyError, match="unknown lower-precision dtype torch.float32"):
         DEFAULT.with_dtype("cpu", torch.float32)
+
+
+def test_decompose_is_shown_overridable_and_round_trips():
+    assert DEFAULT.rules("cuda").decompose == ("cross_entropy", "pairwise_distance", "trace")
+    assert DEFAULT.decomposes("cuda", "cross_entropy") and DEFAULT.category("cuda", "cross_entropy") is None
+    assert not DEFAULT.decomposes("cpu", "cross_entropy") and DEFAULT.category("cpu", "cross_entropy") == "fp32"
+    assert DEFAULT.to_dict()["devices"]["cuda"]["decompose"] == ["cross_entropy", "pairwise_distance", "trace"]
+    assert DEFAULT.to_dict()["devices"]["cpu"]["decompose"] == []
+    assert "decompose          cross_entropy, pairwise_distance, trace" in str(DEFAULT)
+    assert "decompose=('cross_entropy', 'pairwise_distance', 'trace')" in repr(DEFAULT)
+    p = DEFAULT.with_ops("cpu", decompose=["cross_entropy"])  # moved out of fp32
+    assert p.decomposes("cpu", "cross_entropy") and p.category("cpu", "cross_entropy") is None
+    assert p != DEFAULT and parse_policy(p.to_yaml()) == p
+    q = p.with_ops("cpu", fp32=["cross_entropy"])  # and back into a category
+    assert not q.decomposes("cpu", "cross_entropy") and q.rules("cpu") == DEFAULT.rules("cpu")
+    assert not DEFAULT.without_ops("trace", device="cuda").decomposes("cuda", "trace")
+    old = textwrap.dedent(GOOD)  # a spec without the optional decompose key loads
+    assert parse_policy(old).rules("cpu").decompose == ()
+    with pytest.raises(ampkit.PolicyError, match=r"with_ops: op 'linear' cannot be decomposed on cuda"):
+        DEFAULT.with_ops("cuda", decompose=["linear"])
+    with pytest.raises(ampkit.PolicyError, match=r"'trace' cannot be decomposed on cpu"):
+        DEFAULT.with_ops(decompose=["trace"])  # all devices: cpu has no trace decomposition
+    with pytest.raises(ampkit.PolicyError, match="given for both 'fp32' and 'decompose'"):
+        DEFAULT.with_ops(fp32=["cross_entropy"], decompose=["cross_entropy"])
 
 
 def test_nothing_half_loaded(tmp_path):
