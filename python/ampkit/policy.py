@@ -11,7 +11,9 @@ raise / no raise) differs is drift. The native category is inferred from the
 probes (float32 in -> low out: lower_precision_fp; low in -> float32 out:
 fp32 or fp32_output, which dtypes cannot tell apart; mixed -> float32 while
 low -> low: promote; raises only under autocast: banned) so the table says
-where to move the op in the YAML. Exit status 1 on drift, 0 otherwise.
+where to move the op in the YAML. An op under ``decompose`` must agree with
+native in dtype and, since its decomposition runs native's own ops, in values
+bit for bit (a value mismatch is drift too). Exit status 1 on drift, 0 otherwise.
 """
 
 from __future__ import annotations
@@ -54,12 +56,30 @@ KNOWN_GAPS_BY_DTYPE = {
 # On cuda (torch's cuda lists cover the rnn cells and the matmul family).
 KNOWN_GAPS_CUDA = {
     "linalg.pinv": KNOWN_GAPS["linalg.pinv"],
+    "pinverse": (("f32",), "pinverse is linalg.pinv in C++: " + KNOWN_GAPS["linalg.pinv"][1]),
+    "_native_multi_head_attention": (
+        ("f32",),
+        "native raises for float32 inputs (the CUDA kernel's general path casts only its inner "
+        "projection and then mixes dtypes); ampkit casts all inputs and runs it. nn.MultiheadAttention "
+        "never calls it in a cuda region (its fast path is off under autocast and under ampkit)",
+    ),
+}
+_CUDNN_RNN_HALF = (
+    ("f32", "low", "mixed"),
+    "native's cuDNN RNN autocast (aten/src/ATen/cudnn/AutocastRNN.cpp) always casts to float16, "
+    "even in a bfloat16 region; ampkit casts to the region's dtype",
+)
+KNOWN_GAPS_CUDA_BY_DTYPE = {
+    torch.bfloat16: {op: _CUDNN_RNN_HALF for op in ("lstm", "gru", "rnn_tanh", "rnn_relu")},
 }
 
 
 def known_gap(op, device, dtype, probe):
     """The reason a probe of ``op`` is a known gap, or None."""
-    tables = (KNOWN_GAPS, KNOWN_GAPS_BY_DTYPE.get(dtype, {})) if device == "cpu" else (KNOWN_GAPS_CUDA,)
+    if device == "cpu":
+        tables = (KNOWN_GAPS, KNOWN_GAPS_BY_DTYPE.get(dtype, {}))
+    else:
+        tables = (KNOWN_GAPS_CUDA, KNOWN_GAPS_CUDA_BY_DTYPE.get(dtype, {}))
     for table in tables:
         probes, why = table.get(op, ((), None))
         if probe in probes:
@@ -71,7 +91,7 @@ def _short(d):
     return {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16", torch.float64: "f64"}.get(d, str(d).replace("torch.", ""))
 
 
-def _outcome(fn):
+def _outcome(fn, keep=None):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -80,8 +100,14 @@ def _outcome(fn):
         return f"error:{type(e).__name__}"
     for t in out if isinstance(out, (tuple, list)) else (out,):
         if isinstance(t, torch.Tensor):
+            if keep is not None:
+                keep.append(t.detach())
             return _short(t.dtype)
     return type(out).__name__
+
+
+def _same_values(a, b) -> bool:
+    return a.shape == b.shape and torch.equal(torch.nan_to_num(a.float(), 7.0), torch.nan_to_num(b.float(), 7.0))
 
 
 def _probe_sample(op, device, kind, low):
@@ -105,8 +131,12 @@ def _probe_sample(op, device, kind, low):
     return s if seen[0] >= 2 else None
 
 
-def probe(op, device, low, policy):
-    """{probe: (plain, native, ampkit)} outcomes for one op."""
+def probe(op, device, low, policy, values=False):
+    """{probe: (plain, native, ampkit)} outcomes for one op.
+
+    ``values``: also compare the outputs bit for bit; a mismatch makes the
+    ampkit outcome read ``<dtype>, values differ``.
+    """
     res = {}
     for kind in ("f32", "low", "mixed"):
         s = _probe_sample(op, device, kind, low)
@@ -119,14 +149,18 @@ def probe(op, device, low, policy):
             with torch.autocast(device, dtype=low):
                 return s()
 
-        native = _outcome(nat)
+        kept = [] if values else None
+        native = _outcome(nat, kept)
         s = _probe_sample(op, device, kind, low)
 
         def amp(s=s):
             with _autocast.autocast(device, dtype=low, policy=policy):
                 return s()
 
-        res[kind] = (plain, native, _outcome(amp))
+        ampkit = _outcome(amp, kept)
+        if values and len(kept) == 2 and native == ampkit and not _same_values(*kept):
+            ampkit += ", values differ"
+        res[kind] = (plain, native, ampkit)
     return res
 
 
@@ -153,7 +187,7 @@ def check(device="cpu", dtype=None, policy="torch_default", ops=None, verbose=Fa
     pol = load_policy(policy)
     rules = pol.rules(device)
     low = rules.lower_precision_dtype if dtype is None else _DTYPES[dtype]
-    spec_ops = [n for c in CATEGORIES for n in rules.ops(c)]
+    spec_ops = [n for c in CATEGORIES for n in rules.ops(c)] + list(rules.decompose)
     names = sorted(set(spec_ops) | set(CANDIDATES)) if ops is None else ops
     rows, drift, unchecked = [], 0, []
     for op in names:
@@ -162,8 +196,8 @@ def check(device="cpu", dtype=None, policy="torch_default", ops=None, verbose=Fa
         except KeyError:
             unchecked.append(op)
             continue
-        cat = rules.category(op) or "-"
-        res = probe(op, device, low, pol)
+        cat = rules.category(op) or ("decompose" if rules.decomposes(op) else "-")
+        res = probe(op, device, low, pol, values=cat == "decompose")
         bad = [k for k, (_, n, a) in res.items() if n != a]
         status = "ok"
         if bad:
