@@ -1,0 +1,62 @@
+#!/bin/bash
+# Everything the GPU machine is needed for, in one device call (device time is scarce):
+#   1. the CUDA-marked pytest suite (autocast tables fp16/bf16, scaler, train step)
+#   2. the CUDA drift check of the shipped policy, fp16 and bf16
+#   3. the R package on the GPU: its testthat suite, and the R seed walkthrough verbatim
+#   4. the full benchmark profile from Python and R (benchmarks/gpu/run_full.sh)
+# Logs are written to a work folder and packed into one all.tar.gz in the folder given
+# (default $OUT), with the benchmark report beside it: the device returns at most 8 files.
+#
+# Needs .device-carry/ with r-runtime.tar.xz and run-r.sh (../shared/tools/r-on-device).
+# The lead's call:  bash benchmarks/gpu/device_all.sh "$OUT"   (carry: .device-carry)
+# Steps can be chosen: STEPS="pytest drift r seed bench" (the default is all of them).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+dest=${1:-${OUT:?give an output folder}}
+out=$(mktemp -d)
+steps=${STEPS:-pytest drift r seed bench}
+mkdir -p "$dest"
+export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+rt=.device-carry/r-runtime.tar.xz
+runr() { bash .device-carry/run-r.sh "$rt" "$@"; }
+has() { [[ " $steps " == *" $1 "* ]]; }
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c 'import torch, sys; print("torch", torch.__version__, "python", sys.version.split()[0])'
+  git rev-parse HEAD 2>/dev/null || echo "commit: ${AMPKIT_GIT_COMMIT:-unknown}"; } | tee "$out/card.txt"
+
+if has pytest; then
+  # hypothesis is not installed on the device: the property tests stay on the CPU.
+  python3 -m pytest -q -p no:cacheprovider -m cuda tests/python \
+    --ignore=tests/python/test_scaler_property.py --ignore=tests/python/test_bench_r.py \
+    > "$out/pytest_cuda.log" 2>&1
+  echo "pytest -m cuda: rc=$? $(tail -1 "$out/pytest_cuda.log")"
+fi
+if has drift; then
+  for d in float16 bfloat16; do
+    python3 -m ampkit.policy check --device cuda --dtype $d > "$out/drift_cuda_$d.txt" 2>&1
+    echo "drift check cuda $d: rc=$? $(sed -n 2p "$out/drift_cuda_$d.txt")"
+  done
+fi
+if has r || has seed; then
+  mkdir -p /tmp/rlib
+  runr -- R CMD INSTALL --no-multiarch -l /tmp/rlib r/ampkit > "$out/r_install.log" 2>&1 \
+    || { echo "R CMD INSTALL failed"; tail -20 "$out/r_install.log"; }
+  export R_LIBS=/tmp/rlib AMPKIT_REPO=$PWD
+fi
+if has r; then
+  (cd r/ampkit/tests && runr -e 'testthat::test_dir("testthat", package = "ampkit", load_package = "installed", stop_on_failure = TRUE)') \
+    > "$out/r_testthat_cuda.log" 2>&1
+  echo "R testthat on the GPU: rc=$? $(grep -E '\[ FAIL' "$out/r_testthat_cuda.log" | tail -1)"
+fi
+if has seed; then
+  # The R seed (shared/seeds/002) as written, library(ampkit) in place of library(torch).
+  runr r/ampkit/tests/testthat/fixtures/seed-walkthrough.R > "$out/r_seed_verbatim.log" 2>&1
+  echo "R seed walkthrough verbatim: rc=$?"; grep -A2 "user" "$out/r_seed_verbatim.log"
+fi
+if has bench; then
+  bash benchmarks/gpu/run_full.sh "$out/bench" 2>&1 | tail -60
+fi
+tar czf "$dest/all.tar.gz" -C "$out" .
+cp "$out/card.txt" "$dest/"; [ -f "$out/bench/report.md" ] && cp "$out/bench/report.md" "$dest/"
+ls -la "$dest"
