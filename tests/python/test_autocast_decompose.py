@@ -182,7 +182,7 @@ LOWS = pytest.mark.parametrize("low", [torch.float16, torch.bfloat16], ids=["flo
 def _both(fn, args, kw, low):
     outs = []
     for region in (torch.autocast("cuda", dtype=low), ampkit.autocast("cuda", dtype=low)):
-        a = [x.detach().clone().requires_grad_(True) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in args]
+        a = [args[0].detach().clone().requires_grad_(True), *args[1:]]  # the logits / first input
         with region:
             y = fn(*a, **kw)
         (y.float() * torch.linspace(-1, 1, y.numel(), device="cuda").reshape(y.shape)).sum().backward()

@@ -77,8 +77,8 @@ def first_tensor(out):
     return None
 
 
-def run(op, device, probe, low, region):
-    """(output, input grads) or the exception type raised."""
+def run(op, device, probe, low, region, backward=True):
+    """(output, input grads) or the exception type raised (``backward=False``: forward only)."""
     s = make(op, device, probe, low)
     if s is None:
         return None
@@ -91,7 +91,7 @@ def run(op, device, probe, low, region):
         return type(e)
     t = first_tensor(out)
     grads = None
-    if t is not None and t.requires_grad:
+    if backward and t is not None and t.requires_grad:
         try:
             r = torch.view_as_real(t) if t.is_complex() else t
             w = torch.linspace(-1, 1, r.numel(), device=r.device).reshape(r.shape)
@@ -144,11 +144,11 @@ def check_probe(op, device, probe, low, ampkit_region, native_region):
 
 
 def check_gap(op, device, probe, low):
-    """A known gap must still show: native and ampkit outcomes (raise, dtype) differ."""
-    nat = run(op, device, probe, low, lambda: torch.autocast(device, dtype=low))
+    """A known gap must still show: native and ampkit forward outcomes (raise, dtype) differ."""
+    nat = run(op, device, probe, low, lambda: torch.autocast(device, dtype=low), backward=False)
     if nat is None:
         return
-    amp = run(op, device, probe, low, lambda: ampkit.autocast(device, dtype=low))
+    amp = run(op, device, probe, low, lambda: ampkit.autocast(device, dtype=low), backward=False)
     kind = [x if isinstance(x, type) else getattr(x[0], "dtype", type(x[0])) for x in (nat, amp)]
     assert kind[0] != kind[1], (
         f"{op} [{probe}]: the known gap ({known_gap(op, device, low, probe)}) no longer shows "
