@@ -25,6 +25,8 @@ py_error_condition <- function(e, context = NULL, call = NULL) {
   msg <- trimws(sub("\\n *Detailed traceback:.*$", "", full))
   # "pkg.module.TypeName: text" -> "TypeName: text"
   msg <- paste0(type, ": ", sub(paste0("^[A-Za-z0-9_.]*", type, ": "), "", msg))
+  # A CUDA out-of-memory error: free what R garbage holds first (memory.R).
+  if (is_oom(type)) msg <- paste(c(msg, oom_note()), collapse = "\n")
   ampkit_condition(
     paste0(if (!is.null(context)) paste0(context, ": "), "Python raised ", msg),
     class = c(paste0("ampkit_py_", type), "ampkit_python_error"),
@@ -38,6 +40,15 @@ py_try <- function(expr, context = NULL) {
   withCallingHandlers(expr, error = function(e) {
     if (is_py_error(e)) stop(py_error_condition(e, context))
   })
+}
+
+# For calls not wrapped in py_try() (tensor and optimizer methods): only a
+# CUDA out-of-memory error becomes an ampkit_error (after collecting R's
+# garbage); other errors pass as they are.
+py_oom_error <- function(e) {
+  if (!is_py_error(e)) return()
+  err <- tryCatch(reticulate::py_last_error(), error = function(e) NULL)
+  if (!is.null(err) && !is.null(err$type) && is_oom(err$type)) stop(py_error_condition(e))
 }
 
 # Call a Python function; its Python warnings become R warnings of class

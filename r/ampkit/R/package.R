@@ -136,6 +136,10 @@ py_ready <- function() {
   .h$open_regions <- helpers$open_regions
   .h$is_method <- helpers$is_method
   .h$call_method <- helpers$call_method
+  .h$zero_grad <- helpers$zero_grad
+  .h$scaler_update <- helpers$scaler_update
+  .h$memory_allocated <- helpers$memory_allocated
+  .h$set_memory_reader <- helpers$set_memory_reader
   .h$named_parameters <- reticulate::py_eval("lambda m: dict(m.named_parameters())")
   .h$cuda_is_available <- py_torch$cuda$is_available
   .h$ready <- TRUE
@@ -191,6 +195,33 @@ def is_method(obj, name):
 
 def call_method(obj, name, *args, **kwargs):
     return getattr(obj, name)(*args, **kwargs)
+
+# CUDA memory allocated by tensors, returned by the calls a loop makes once a
+# step (memory.R): the nested stats skip torch.cuda.memory_allocated()'s
+# flatten and sort. 0 before CUDA is used. Tests replace memory_reader[0].
+def _cuda_allocated():
+    if not _torch.cuda.is_initialized():
+        return 0
+    stats = getattr(_torch._C, '_cuda_memoryStats', None)
+    if stats is None:
+        return _torch.cuda.memory_allocated()
+    return stats(_torch.cuda.current_device())['allocated_bytes']['all']['current']
+
+memory_reader = [_cuda_allocated]
+
+def set_memory_reader(fn=None):
+    memory_reader[0] = _cuda_allocated if fn is None else fn
+
+def memory_allocated():
+    return memory_reader[0]()
+
+def zero_grad(opt, *args, **kwargs):
+    opt.zero_grad(*args, **kwargs)
+    return memory_reader[0]()
+
+def scaler_update(scaler, new_scale=None):
+    scaler.update(new_scale)
+    return memory_reader[0]()
 
 def plain(obj):
     if _dc.is_dataclass(obj):

@@ -17,7 +17,9 @@
 #'   \item{`$step(optimizer)`}{Unscales the gradients (unless `$unscale_()`
 #'     did) and steps the optimizer unless they hold `Inf`/`NaN`.}
 #'   \item{`$update(new_scale = NULL)`}{Updates the scale after a step;
-#'     `new_scale` sets it instead.}
+#'     `new_scale` sets it instead. The same Python call reads the CUDA
+#'     memory allocated, and R's garbage is collected when it has grown past
+#'     `ampkit.gc_threshold_mb` (see [amp_gc()]).}
 #'   \item{`$unscale_(optimizer)`}{Divides the optimizer's gradients by the
 #'     scale now (for gradient clipping before `$step()`).}
 #'   \item{`$get_scale()`}{The current scale, an R number.}
@@ -45,7 +47,7 @@
 #'   `hysteresis` (how many overflowing steps before the scale backs off),
 #'   `min_scale`, `max_scale`.
 #' @return An object of class `ampkit_grad_scaler` (an R6 object).
-#' @seealso [with_autocast()]
+#' @seealso [with_autocast()], [amp_gc()]
 #' @export
 #' @examples
 #' if (ampkit_available()) {
@@ -133,7 +135,7 @@ GradScalerR6 <- R6::R6Class("ampkit_grad_scaler",
       if (!is.null(new_scale) && !inherits(new_scale, "torch.Tensor")) {
         new_scale <- as_py_num(new_scale, "new_scale")
       }
-      invisible(py_try(private$f$update(new_scale), "$update()"))
+      watch_memory(py_try(.h$scaler_update(self$py, new_scale), "$update()"))
     },
     unscale_ = function(optimizer) {
       invisible(py_try(private$f$unscale_(optimizer), "$unscale_()"))

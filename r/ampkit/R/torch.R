@@ -13,6 +13,14 @@
 #' methods (`loss$backward()`, `loss$item()`, which returns an R number).
 #' Optimizers keep theirs (`opt$step()`, `opt$zero_grad()`).
 #'
+#' GPU memory: a tensor returned to R (`output <- net(x)`) is freed when R
+#' collects the object holding it. `opt$zero_grad()`, which a training loop
+#' calls once a step, also reads the CUDA memory allocated in the same Python
+#' call, and R's garbage is collected when it has grown past the option
+#' `ampkit.gc_threshold_mb` (1024 MiB by default); see [amp_gc()]. A CUDA
+#' out-of-memory error from a tensor or optimizer method collects R's garbage
+#' before it is raised (as an `ampkit_error`).
+#'
 #' On a machine without CUDA, a module's `$cuda()` leaves the module on the
 #' CPU with a warning of class `ampkit_cuda_unavailable`, so that a
 #' walkthrough written for the GPU runs on the CPU with only its device strings
@@ -204,11 +212,29 @@ optim_adamw <- function(params, lr = 0.001, betas = c(0.9, 0.999), eps = 1e-8,
 
 #' @export
 `$.torch.Tensor` <- function(x, name) {
-  if (is_py_method(x, name)) function(...) .h$call_method(x, name, ...) else NextMethod()
+  if (is_py_method(x, name)) {
+    function(...) withCallingHandlers(.h$call_method(x, name, ...), error = py_oom_error)
+  } else {
+    NextMethod()
+  }
 }
 
+# `opt$zero_grad()`, once a step in every training loop, also returns the CUDA
+# memory allocated, for the garbage watch of memory.R.
 #' @export
-`$.torch.optim.optimizer.Optimizer` <- `$.torch.Tensor`
+`$.torch.optim.optimizer.Optimizer` <- function(x, name) {
+  if (identical(name, "zero_grad")) {
+    if (is.null(.h$ready)) py_ready()
+    return(function(...) {
+      watch_memory(withCallingHandlers(.h$zero_grad(x, ...), error = py_oom_error))
+    })
+  }
+  if (is_py_method(x, name)) {
+    function(...) withCallingHandlers(.h$call_method(x, name, ...), error = py_oom_error)
+  } else {
+    NextMethod()
+  }
+}
 
 is_py_method <- function(x, name) {
   key <- paste0(class(x)[[1L]], "$", name)

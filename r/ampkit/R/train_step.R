@@ -19,6 +19,10 @@
 #' @param capture `"auto"`, `TRUE` or `FALSE`: whether to capture the step in
 #'   a CUDA graph.
 #' @param warmup Eager steps before the capture.
+#'
+#' R holds only the returned loss, so the step leaves no large tensors to R's
+#' garbage collector; a CUDA out-of-memory error in a step collects R's
+#' garbage (from other code) before it is raised (see [amp_gc()]).
 #' @return A function `step(inputs, targets)` of class `ampkit_train_step`;
 #'   `inputs` and `targets` are tensors or lists of tensors. The Python
 #'   `TrainStep` is in `attr(step, "py")`.

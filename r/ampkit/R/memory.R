@@ -1,0 +1,139 @@
+# GPU memory held by R garbage. A Python tensor returned to R (`output <-
+# net(x)`) is freed when the R object that points to it is collected, and R
+# collects when *its own* heap grows, which a training loop barely does: each
+# step's outputs stay on the GPU (a 1 GiB logits tensor a step, in the
+# benchmark's transformer) until R happens to collect. So the calls a loop
+# makes once a step anyway (`opt$zero_grad()`, `scaler$update()`) return the
+# CUDA memory allocated, and R collects when it has grown past
+# `ampkit.gc_threshold_mb` since the last collection (mlverse torch calls gc()
+# past `torch.threshold_call_gc`). No extra Python call a step.
+
+.mem <- new.env(parent = emptyenv())
+.mem$base <- NA_real_   # bytes allocated after the last collection (or the lowest since)
+.mem$collections <- 0L  # automatic collections so far
+.mem$floor <- NA_real_  # bytes allocated after the last full collection
+
+#' Free the GPU memory held by R garbage
+#'
+#' Python tensors returned to R (such as `output` in `output <- net(x)`) stay
+#' allocated on the GPU until R's garbage collector frees the R objects that
+#' hold them, and R collects only when its own heap grows, which a training
+#' loop barely does. ampkit therefore watches CUDA memory at the calls a loop
+#' makes once a step anyway, `opt$zero_grad()` on an optimizer and
+#' `$update()` on an [amp_grad_scaler()] (no extra call to Python): when the
+#' memory allocated by tensors has grown by more than
+#' `getOption("ampkit.gc_threshold_mb", 1024)` MiB since the last collection,
+#' it runs a young-generation `gc(full = FALSE)` (about a millisecond). That
+#' frees every output the loop dropped except the one still live at the
+#' previous collection, which R has promoted to an older generation; when
+#' such leftovers have grown past `getOption("ampkit.gc_full_threshold_mb",
+#' 8192)` MiB since the last full collection, a full `gc()` (tens of
+#' milliseconds, more with a large R heap) frees them. So R holds at most
+#' about the sum of the two thresholds of dead tensors (9 GiB by default; it
+#' used to be whatever R's own collector left, tens of GiB in a transformer
+#' loop), and a loop that drops one 512 MiB output a step pays a
+#' young-generation collection every other step and a full one every few
+#' dozen steps.
+#'
+#' Options:
+#' \describe{
+#'   \item{`ampkit.gc_threshold_mb`}{Growth of CUDA memory allocated by
+#'     tensors, in MiB, that triggers a young-generation collection (default
+#'     1024). Lower it to keep R's peak memory closer to Python's, at the
+#'     cost of more collections; `Inf` turns the automatic collection off.}
+#'   \item{`ampkit.gc_full_threshold_mb`}{Growth since the last full
+#'     collection, in MiB, that a young-generation collection could not free
+#'     and that triggers a full one (default 8192).}
+#' }
+#'
+#' A CUDA out-of-memory error raised by a Python call that ampkit wraps (a
+#' call in a [with_autocast()] region, a tensor or optimizer method such as
+#' `loss$backward()`, a scaler method, an [amp_train_step()] step) also
+#' collects R's garbage before the error reaches you, so that running the
+#' step again finds that memory free. The call is not retried: forward,
+#' backward and optimizer steps change state (running statistics,
+#' gradients, parameters) before they fail. A module called directly outside
+#' a region (`net(x)`) is reticulate's own call and is not watched.
+#'
+#' On the CPU (or before CUDA is used) the memory reading is 0 and nothing is
+#' collected. `amp_gc()` collects now.
+#'
+#' @return `amp_gc()` (a full collection now) returns, invisibly, a list:
+#'   `allocated_before_mb` and `allocated_after_mb` (CUDA memory allocated by
+#'   tensors before and after it, in MiB) and `collections` (how many
+#'   automatic collections ampkit has run in this session).
+#' @seealso [amp_grad_scaler()], [torch_layer]
+#' @export
+#' @examples
+#' if (ampkit_available()) {
+#'   old <- options(ampkit.gc_threshold_mb = 512)  # collect more often
+#'   amp_gc()$collections
+#'   options(old)
+#' }
+amp_gc <- function() {
+  py_ready()
+  before <- memory_allocated()
+  after <- collect_memory(before, full = TRUE, automatic = FALSE)
+  invisible(list(allocated_before_mb = before / 2^20, allocated_after_mb = after / 2^20,
+                 collections = .mem$collections))
+}
+
+memory_allocated <- function() .h$memory_allocated()
+
+gc_threshold_bytes <- function(option = "ampkit.gc_threshold_mb", default = 1024) {
+  thr <- getOption(option, default)
+  if (!is.numeric(thr) || length(thr) != 1L || is.na(thr) || thr < 0) {
+    abort(sprintf("Option `%s` must be a number of MiB >= 0 (or Inf to turn it off), not %s.",
+                  option, describe(thr)), class = "ampkit_bad_argument", call = NULL)
+  }
+  thr * 2^20
+}
+
+# Called with the reading returned by the hooked per-step calls: one
+# comparison on the hot path.
+watch_memory <- function(bytes) {
+  base <- .mem$base
+  if (is.na(base) || bytes < base) {
+    .mem$base <- bytes  # growth is measured from the lowest reading since the last collection
+  } else if (bytes - base > gc_threshold_bytes()) {
+    collect_memory(bytes)
+  }
+  invisible(NULL)
+}
+
+# A young-generation gc() (about a millisecond) frees what the loop dropped
+# since the last collection, except the output that was still live at that
+# collection: R promoted it to an older generation, which only a full gc()
+# (tens of milliseconds) frees. So a full one runs when those leftovers have
+# grown past `ampkit.gc_full_threshold_mb` since the last full one (one
+# output a collection: rarely). Returns the reading afterwards.
+collect_memory <- function(bytes, full = FALSE, automatic = TRUE) {
+  after <- bytes
+  if (!full) {
+    gc(full = FALSE)
+    after <- memory_allocated()
+    floor <- if (is.na(.mem$floor)) 0 else .mem$floor
+    full <- after - floor > gc_threshold_bytes("ampkit.gc_full_threshold_mb", 8192)
+  }
+  if (full) {
+    gc(full = TRUE)
+    after <- memory_allocated()
+    .mem$floor <- after
+  }
+  if (automatic) .mem$collections <- .mem$collections + 1L
+  .mem$base <- after
+  after
+}
+
+# After a CUDA out-of-memory error from Python: collect, and say so.
+is_oom <- function(type) grepl("OutOfMemoryError$", type)
+
+oom_note <- function() {
+  res <- tryCatch({
+    before <- memory_allocated()
+    after <- collect_memory(before, full = TRUE)
+    sprintf("ampkit ran R's gc() after this error, which freed %.0f MiB of CUDA memory held by R objects; the call was not retried (it may have changed state): run the step again, or lower options(ampkit.gc_threshold_mb).",
+            (before - after) / 2^20)
+  }, error = function(e) NULL)
+  res
+}

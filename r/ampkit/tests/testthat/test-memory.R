@@ -1,0 +1,135 @@
+# The garbage watch (R/memory.R), on the CPU: the CUDA memory reading is
+# simulated by the bytes of the model outputs still alive in Python, counted
+# by a forward hook with weakref finalizers. A loop that writes
+# `output <- net(x)` each step leaks those outputs until R collects.
+
+sim_py <- "
+import weakref
+live = {'n': 0, 'bytes': 0, 'max_n': 0}
+def track(module, inputs, out):
+    n = out.numel() * out.element_size()
+    live['n'] += 1
+    live['bytes'] += n
+    live['max_n'] = max(live['max_n'], live['n'])
+    def gone(n=n):
+        live['n'] -= 1
+        live['bytes'] -= n
+    weakref.finalize(out, gone)
+def reading():
+    return live['bytes']
+"
+
+out_mb <- 16 * 256 * 4 / 2^20  # one fp32 output
+
+# The simulation's namespace (functions defined there see its globals).
+py_ns <- function(code) {
+  ns <- reticulate::py_dict(list(), list(), convert = FALSE)
+  reticulate::import_builtins(convert = FALSE)$exec(code, ns)
+  ns
+}
+
+# The seed's hand-written loop (fp32, or AMP with a scaler), `steps` steps.
+run_loop <- function(steps, threshold_mb, amp = FALSE, full_mb = 3 * out_mb) {
+  sim <- py_ns(sim_py)
+  torch_manual_seed(3)
+  net <- nn_sequential(nn_linear(64, 256), nn_relu(), nn_linear(256, 256))  # output: 16 x 256 x 4 = 16 KiB
+  hook <- net$register_forward_hook(sim$track)
+  x <- torch_randn(16, 64)
+  y <- torch_randn(16, 256)
+  loss_fn <- nn_mse_loss()
+  opt <- optim_sgd(net$parameters, lr = 0.01)
+  scaler <- if (amp) amp_grad_scaler("cpu", init_scale = 2^8)
+  ampkit:::.h$set_memory_reader(sim$reading)
+  withr::defer(ampkit:::.h$set_memory_reader(NULL))
+  withr::local_options(ampkit.gc_threshold_mb = threshold_mb, ampkit.gc_full_threshold_mb = full_mb)
+  amp_gc()  # a fresh start: nothing of earlier tests in the reading
+  before <- amp_gc()$collections
+  for (i in seq_len(steps)) {
+    if (amp) {
+      with_autocast(device_type = "cpu", {
+        output <- net(x)
+        loss <- loss_fn(output, y)
+      })
+      scaler$scale(loss)$backward()
+      scaler$step(opt)
+      scaler$update()
+    } else {
+      output <- net(x)
+      loss <- loss_fn(output, y)
+      loss$backward()
+      opt$step()
+    }
+    opt$zero_grad()
+  }
+  live <- reticulate::py_to_r(sim$live)
+  list(max_live = live$max_n, live = live$n,
+       collections = amp_gc()$collections - before)
+}
+
+
+test_that("a loop that drops its outputs keeps at most a threshold of them alive", {
+  skip_if_no_ampkit()
+  # Control: with the watch off, every output of the loop is still alive.
+  off <- run_loop(40, threshold_mb = Inf)
+  expect_equal(off$collections, 0L)
+  expect_gt(off$max_live, 30)
+  # A young-generation gc() after 4.5 outputs of growth, a full one after 3
+  # outputs of leftovers (each collection leaves the output live at it).
+  on <- run_loop(40, threshold_mb = 4.5 * out_mb)
+  expect_gte(on$collections, 5L)
+  expect_lte(on$max_live, 10)
+  # Without the full collections, the leftovers pile up.
+  young <- run_loop(80, threshold_mb = 4.5 * out_mb, full_mb = Inf)
+  expect_gt(young$max_live, 10)
+})
+
+test_that("scaler$update() watches memory in an AMP loop too", {
+  skip_if_no_ampkit()
+  # bfloat16 outputs: 8 KiB each; zero_grad and update both read each step.
+  on <- run_loop(30, threshold_mb = 4.5 * out_mb / 2, amp = TRUE, full_mb = 3 * out_mb / 2)
+  expect_gte(on$collections, 4L)
+  expect_lte(on$max_live, 10)
+})
+
+test_that("the reading is 0 on the CPU, so nothing is collected there", {
+  skip_if_no_ampkit()
+  skip_if(cuda_is_available(), "CUDA is available")
+  expect_equal(ampkit:::memory_allocated(), 0)
+  res <- amp_gc()
+  expect_equal(res$allocated_before_mb, 0)
+  expect_equal(res$allocated_after_mb, 0)
+})
+
+test_that("a bad gc threshold is an ampkit_error naming the option", {
+  skip_if_no_ampkit()
+  ampkit:::.h$set_memory_reader(reticulate::py_eval("lambda: 2**40"))
+  withr::defer(ampkit:::.h$set_memory_reader(NULL))
+  withr::local_options(ampkit.gc_threshold_mb = "big")
+  opt <- optim_sgd(nn_linear(2, 2)$parameters, lr = 0.1)
+  assign("base", 0, envir = ampkit:::.mem)
+  expect_error(opt$zero_grad(), class = "ampkit_bad_argument", regexp = "ampkit.gc_threshold_mb")
+})
+
+test_that("a CUDA out-of-memory error collects R's garbage and says so", {
+  skip_if_no_ampkit()
+  sim <- py_ns(paste(sim_py, "
+import torch
+def oom(x):
+    raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')
+", sep = "\n"))
+  net <- nn_linear(64, 256)
+  net$register_forward_hook(sim$track)
+  ampkit:::.h$set_memory_reader(sim$reading)
+  withr::defer(ampkit:::.h$set_memory_reader(NULL))
+  withr::local_options(ampkit.gc_threshold_mb = Inf)
+  x <- torch_randn(4, 64)
+  for (i in 1:5) output <- net(x)
+  output <- NULL
+  expect_equal(reticulate::py_to_r(sim$live)$n, 5)  # held by R garbage
+  oom <- sim$oom
+  err <- expect_error(with_autocast(device_type = "cpu", oom(x)),
+                      class = "ampkit_py_OutOfMemoryError")
+  expect_match(conditionMessage(err), "ran R's gc\\(\\).*not retried")
+  expect_equal(reticulate::py_to_r(sim$live)$n, 0)
+  expect_false(is_autocast_enabled("cpu"))
+})
