@@ -244,6 +244,46 @@ def test_the_report_writes_markdown_and_a_chart(tmp_path, tiny_records):
     assert (tmp_path / "report.png").stat().st_size > 1000
 
 
+def _goal_doc(fp32_ms, amp_ms, rival_ms, amp_peak, rival_peak, amp_loss=1.0, r_ms=None):
+    """seed_mlp records with the given medians (3 equal samples), peaks and losses."""
+    def rec(variant, ms, lang="python", peak=None, loss=1.0):
+        return {"case": "seed_mlp", "variant": variant, "language": lang, "status": "ok", "dtype": None
+                if variant == "fp32" else "float16", "median": ms, "min": ms, "max": ms,
+                "final_loss": loss, "peak_memory_bytes": peak}
+    recs = [rec("fp32", fp32_ms), rec("torch_amp", rival_ms, peak=rival_peak),
+            rec("ampkit_amp", amp_ms, peak=amp_peak, loss=amp_loss)]
+    if r_ms is not None:
+        recs.append(rec("ampkit_amp", r_ms, "r", loss=amp_loss))
+    return {"context": {"languages": ["python", "r"]}, "records": bench.derive(recs)}
+
+
+def _goal(doc, start):
+    return next(line for line in report.goals(doc).splitlines() if start in line)
+
+
+def test_goal_bounds_are_inclusive():
+    """At the bound itself each goal is met; a hair past it, not, and the line shows why."""
+    mib = 2 ** 20
+    doc = _goal_doc(10.0, 5.0, 5.0 / 1.05, 1681 * mib, 1681 * mib, amp_loss=1.01, r_ms=5.0 * 1.15)
+    assert _goal(doc, ">= 2x fp32 on seed_mlp").startswith("- met ")
+    assert _goal(doc, "within 5% of torch_amp on seed_mlp (python)").startswith("- met ")
+    assert _goal(doc, "R within 15% of Python on seed_mlp / ampkit_amp").startswith("- met ")
+    assert _goal(doc, "within 1% of fp32").startswith("- met ")
+    line = _goal(doc, "peak memory of ampkit_amp no higher")
+    assert line.startswith("- met ") and "1681.0 MiB vs 1681.0 MiB (+0.0 KiB)" in line
+    # the scaler's few scalar state tensors (tens of KiB) are within the stated 1 MiB
+    doc = _goal_doc(10.0, 5.0, 5.0, 1681 * mib + 13824, 1681 * mib)
+    assert _goal(doc, "peak memory").startswith("- met ") and "(+13.5 KiB)" in _goal(doc, "peak memory")
+    # past the bounds: not met, and a ratio that would round onto the bound shows 4 decimals
+    doc = _goal_doc(10.0, 5.003, 5.0 / 1.0504, 1681 * mib + report.MEMORY_TOLERANCE_BYTES + 1, 1681 * mib,
+                    amp_loss=1.01004)
+    assert _goal(doc, ">= 2x fp32").startswith("- NOT met ") and "1.9988x" in _goal(doc, ">= 2x fp32")
+    assert _goal(doc, "within 5% of torch_amp on seed_mlp (python)").startswith("- NOT met ")
+    assert "1.0510" in _goal(doc, "within 5% of torch_amp on seed_mlp (python)")
+    assert _goal(doc, "within 1% of fp32").startswith("- NOT met ") and "1.0040%" in _goal(doc, "within 1% of fp32")
+    assert _goal(doc, "peak memory").startswith("- NOT met ") and "(+1.0 MiB)" in _goal(doc, "peak memory")
+
+
 # --- bad input ------------------------------------------------------------------------------
 
 def test_unknown_names_list_the_valid_ones():
