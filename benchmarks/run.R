@@ -135,6 +135,9 @@ run_variant <- function(built, v) {
   reason <- py_to_r(v$skip_reason(device))
   if (!is.null(reason)) return(do.call(bench$make_record, c(common, status = "skipped", reason = reason)))
   t_start <- now()
+  # The earlier variant's tensors are freed when R collects the objects that held
+  # them: collect first, then reset the peak, so that each record's peak is its own.
+  amp_gc()
   bench$reset_peak_memory(device)
   flags <- bench$`_runner`$precision_flags(v, device)
   flags$`__enter__`()
@@ -181,7 +184,8 @@ run_variant <- function(built, v) {
     msg <- substr(gsub("\\s+", " ", conditionMessage(e)), 1, 600)
     do.call(bench$make_record, c(common, list(status = "failed", error = msg, wall_s = now() - t_start)))
   }, finally = {
-    model <- opt <- scaler <- step <- NULL
+    model <- opt <- scaler <- step <- losses <- NULL
+    amp_gc()
     bench$reset_peak_memory(device)
   })
 }
@@ -197,6 +201,7 @@ for (case in cases) {
     bench$progress("r", length(records), total, rec)
   }
   rm(built)
+  amp_gc()
 }
 
 ctx <- bench$context(opts$profile, device, "r", seed = seed,

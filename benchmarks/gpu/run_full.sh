@@ -5,7 +5,8 @@
 #   bash benchmarks/gpu/run_full.sh "$OUT/gpu"
 # with .device-carry/ holding r-runtime.tar.xz and run-r.sh (../shared/tools/r-on-device).
 # Writes raw-<language>-<case>.json, results.json, report.md (and report.png where
-# matplotlib is installed) under the folder given (default benchmarks/results/gpu).
+# matplotlib is installed), run.log and r-install.log under the folder given (default
+# benchmarks/results/gpu), and the whole folder as <folder>.tar.gz beside it.
 # Extra arguments go to benchmarks/run.py (e.g. --repeats 5, --cases seed_mlp).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -15,6 +16,16 @@ python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "no 
 python3 -c 'import yaml' || { echo "PyYAML is missing: carry its wheel (.whl, see the device README)"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv || true
 mkdir -p "$out"
+# The device returns at most 8 files a call, and this folder holds more: the whole
+# folder also goes into one archive beside it, written on any exit (a failed or
+# interrupted run included). Back here: tar xzf gpu.tar.gz, then
+#   python benchmarks/report.py gpu/results.json --out-dir gpu   (report.md and the PNG again)
+archive() {
+  tar -czf "$out.tar.gz" -C "$(dirname "$out")" "$(basename "$out")" \
+    && echo "archive: $out.tar.gz ($(du -h "$out.tar.gz" | cut -f1))"
+}
+trap archive EXIT
+trap 'exit 143' TERM INT
 runtime=.device-carry/r-runtime.tar.xz
 langs=python,r
 if [ -f "$runtime" ] && [ -f .device-carry/run-r.sh ]; then
