@@ -199,6 +199,7 @@ def call_method(obj, name, *args, **kwargs):
 # CUDA memory allocated by tensors, returned by the calls a loop makes once a
 # step (memory.R): the nested stats skip torch.cuda.memory_allocated()'s
 # flatten and sort. 0 before CUDA is used. Tests replace memory_reader[0].
+# A float: reticulate 1.28 wraps a Python int past 2^31 into a negative R integer.
 def _cuda_allocated():
     if not _torch.cuda.is_initialized():
         return 0
@@ -213,15 +214,15 @@ def set_memory_reader(fn=None):
     memory_reader[0] = _cuda_allocated if fn is None else fn
 
 def memory_allocated():
-    return memory_reader[0]()
+    return float(memory_reader[0]())
 
 def zero_grad(opt, *args, **kwargs):
     opt.zero_grad(*args, **kwargs)
-    return memory_reader[0]()
+    return float(memory_reader[0]())
 
 def scaler_update(scaler, new_scale=None):
     scaler.update(new_scale)
-    return memory_reader[0]()
+    return float(memory_reader[0]())
 
 def plain(obj):
     if _dc.is_dataclass(obj):

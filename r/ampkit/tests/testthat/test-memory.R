@@ -16,7 +16,7 @@ def track(module, inputs, out):
         live['bytes'] -= n
     weakref.finalize(out, gone)
 def reading():
-    return live['bytes']
+    return live['bytes'] + 3 * 2**30  # past 2^31, as on a GPU: reticulate wraps such ints
 "
 
 out_mb <- 16 * 256 * 4 / 2^20  # one fp32 output
@@ -98,6 +98,19 @@ test_that("the reading is 0 on the CPU, so nothing is collected there", {
   res <- amp_gc()
   expect_equal(res$allocated_before_mb, 0)
   expect_equal(res$allocated_after_mb, 0)
+})
+
+test_that("readings past 2^31 bytes reach R exactly", {
+  skip_if_no_ampkit()
+  # reticulate 1.28 wraps a Python int past 2^31 into an R integer (2**33 -> 0)
+  ampkit:::.h$set_memory_reader(reticulate::py_eval("lambda: 5 * 2**30 + 512"))
+  withr::defer(ampkit:::.h$set_memory_reader(NULL))
+  expect_identical(ampkit:::memory_allocated(), 5 * 2^30 + 512)
+  opt <- optim_sgd(nn_linear(2, 2)$parameters, lr = 0.1)
+  withr::local_options(ampkit.gc_threshold_mb = Inf)
+  assign("base", NA_real_, envir = ampkit:::.mem)
+  opt$zero_grad()
+  expect_identical(ampkit:::.mem$base, 5 * 2^30 + 512)
 })
 
 test_that("a bad gc threshold is an ampkit_error naming the option", {
