@@ -164,6 +164,21 @@ def _from_device_counters(values: list[int]) -> list[int]:
     return [steps, skipped, steps - 1 - gap if skipped else -1]
 
 
+def _finite_probes(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Scalars, read from ``grads`` without writing them, non-finite iff a grad holds inf/NaN.
+
+    max |g| (the inf-norm, NaN-propagating) of every non-empty gradient: one multi-tensor
+    kernel on CUDA. The CPU's ``_foreach_norm`` is a scalar loop (about 20x slower than
+    torch's check), so there it is (min, max) per gradient, vectorized and NaN-propagating.
+    """
+    grads = [g for g in grads if g.numel()]  # an empty gradient holds nothing to check
+    if not grads:
+        return []
+    if grads[0].device.type != "cpu":
+        return list(torch._foreach_norm(grads, math.inf))
+    return [m for g in grads for m in torch.aminmax(g)]
+
+
 # --------------------------------------------------------------------------- the scaler
 
 
@@ -204,10 +219,11 @@ class GradScaler:
 
     Host-device syncs: none in ``scale``, ``unscale_``, ``update`` (hysteresis, clamps and
     stats included) and in ``step`` for optimizers that take ``grad_scale``/``found_inf``
-    themselves (fused SGD/Adam/AdamW/Adagrad: ``_step_supports_amp_scaling``). ``step`` with
-    any other optimizer reads ``found_inf`` on the host (one ``.item()`` per device) to
-    decide whether to call ``optimizer.step()``. ``get_scale``, ``state_dict`` and
-    ``stats`` sync once each.
+    themselves (fused SGD/Adam/AdamW/Adagrad: ``is_sync_free(optimizer)`` is True); for
+    those, ``step`` only *reads* the gradients to check them, and the optimizer unscales
+    them inside its kernel. ``step`` with any other optimizer reads ``found_inf`` on the
+    host (one ``.item()`` per device) to decide whether to call ``optimizer.step()``.
+    ``get_scale``, ``state_dict`` and ``stats`` sync once each.
 
     Args:
         device: device type of the scaler state, ``"cuda"`` (default) or ``"cpu"``.
@@ -361,6 +377,25 @@ class GradScaler:
         record = self._per_optimizer.get(id(optimizer))
         return OptState.READY if record is None else record.stage
 
+    def is_sync_free(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``step(optimizer)`` and ``update()`` run without a host-device sync.
+
+        True when the optimizer takes ``grad_scale`` and ``found_inf`` itself
+        (``_step_supports_amp_scaling``: fused SGD, Adam, AdamW), so that its kernel skips
+        the step on the device, and when the scaler is disabled (a pass-through). False for
+        every other optimizer: the host reads the inf flag to decide whether to call
+        ``optimizer.step()``. ``make_train_step`` captures a CUDA graph only when True.
+
+        >>> import torch, ampkit
+        >>> params = [torch.nn.Parameter(torch.zeros(2))]
+        >>> scaler = ampkit.GradScaler("cpu")
+        >>> scaler.is_sync_free(torch.optim.SGD(params, lr=0.1, fused=True))
+        True
+        >>> scaler.is_sync_free(torch.optim.SGD(params, lr=0.1))
+        False
+        """
+        return not self._enabled or bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
     def reset_iteration(self) -> None:
         """Forget this iteration's per-optimizer stages (all back to ``READY``).
 
@@ -472,19 +507,35 @@ class GradScaler:
             grouped.setdefault((grad.device, grad.dtype), []).append(grad)
         return grouped
 
-    @staticmethod
-    def _unscale_grouped(grouped, inv_scale: torch.Tensor) -> dict:
+    def _found_inf(self, grouped: dict, unscale: bool) -> dict:
+        """One float32 flag per device: 1.0 when some gradient holds an inf or NaN, else 0.0.
+
+        ``unscale``: the gradients are also multiplied by 1/scale in place (torch's own
+        kernel, as ``torch.amp.GradScaler`` does). Otherwise they are only read (the fused
+        path, whose optimizer unscales inside its kernel): each gradient is reduced to
+        scalars that are non-finite exactly when it holds an inf or NaN, and torch's kernel
+        checks those scalars. No sync either way; capturable in a CUDA graph.
+        """
         found_per_device: dict[torch.device, torch.Tensor] = {}
+        inv_scale = self._scale.double().reciprocal().float() if unscale else None
         with torch.no_grad():
             for (device, _), grads in grouped.items():
                 found = found_per_device.get(device)
                 if found is None:
-                    found = found_per_device[device] = torch.zeros(
-                        (), dtype=torch.float32, device=device
-                    )
-                inv = inv_scale if inv_scale.device == device else inv_scale.to(device)
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+                    found = found_per_device[device] = torch.zeros((), device=device)
+                if inv_scale is None:
+                    grads, inv = _finite_probes(grads), self._one(device)
+                else:
+                    inv = inv_scale if inv_scale.device == device else inv_scale.to(device)
+                if grads:
+                    torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
         return found_per_device
+
+    def _one(self, device: torch.device) -> torch.Tensor:
+        one = self._ones.get(device)
+        if one is None:
+            one = self._ones[device] = torch.ones((), device=device)
+        return one
 
     def _check_ready_for_unscale(self, optimizer) -> None:
         stage = self.stage(optimizer)
@@ -509,11 +560,10 @@ class GradScaler:
         """
         if not self._enabled:
             return
-        scale = self._require_scale("unscale_")
+        self._require_scale("unscale_")
         self._check_ready_for_unscale(optimizer)
         grouped = self._collect_grads(optimizer, allow_fp16=False)
-        inv_scale = scale.double().reciprocal().float()
-        found = self._unscale_grouped(grouped, inv_scale)
+        found = self._found_inf(grouped, unscale=True)
         self._per_optimizer[id(optimizer)] = _OptRecord(OptState.UNSCALED, found)
 
     # ------------------------------------------------------------------ step
@@ -522,9 +572,10 @@ class GradScaler:
         """Unscale (unless ``unscale_`` ran) and step, skipping the step on inf/NaN gradients.
 
         ``args``/``kwargs`` go to ``optimizer.step``; its return value is returned (``None``
-        when skipped). Optimizers with ``_step_supports_amp_scaling`` (fused SGD/Adam/AdamW)
-        get ``grad_scale`` and ``found_inf`` tensors and skip on the device: no sync. Other
-        optimizers: one host read of the inf flag.
+        when skipped). Sync-free optimizers (``is_sync_free``: fused SGD/Adam/AdamW) get
+        ``grad_scale`` and ``found_inf`` tensors, unscale and skip on the device; the check
+        before them reads the gradients without writing them. Other optimizers: gradients
+        unscaled in place, then one host read of the inf flag.
         """
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
@@ -542,43 +593,29 @@ class GradScaler:
                 f"order is {_ORDER}. Call scaler.update() once per iteration after stepping "
                 "every optimizer, before the next step()."
             )
-        no_grads = _NoGrads
-        if getattr(optimizer, "_step_supports_amp_scaling", False):
-            return self._fused_step(optimizer, stage, scale, no_grads, args, kwargs)
+        fused = self.is_sync_free(optimizer)
         if stage is OptState.READY:
-            grouped = self._collect_grads(optimizer, allow_fp16=False)
+            grouped = self._collect_grads(optimizer, allow_fp16=fused)
             if not grouped:
-                raise no_grads
-            found = self._unscale_grouped(grouped, scale.double().reciprocal().float())
-            record = self._per_optimizer[id(optimizer)] = _OptRecord(OptState.UNSCALED, found)
-        else:
-            record = self._per_optimizer[id(optimizer)]
-        if not record.found_inf_per_device:
-            raise no_grads
-        retval = None
-        # The one sync of the plain path: the host must know whether to call step().
-        found_any = bool(sum(v.item() for v in record.found_inf_per_device.values()))
-        if not found_any:
-            retval = optimizer.step(*args, **kwargs)
-        record.stage = OptState.STEPPED
-        record.host_found = found_any  # lets update() skip the device-side flag
-        return retval
-
-    def _fused_step(self, optimizer, stage, scale, no_grads, args, kwargs):
-        if stage is OptState.READY:
-            # Check only (inv scale 1.0 leaves the grads bitwise unchanged); the optimizer
-            # unscales inside its fused kernel with grad_scale.
-            grouped = self._collect_grads(optimizer, allow_fp16=True)
-            if not grouped:
-                raise no_grads
-            one = self._ones.get(scale.device)
-            if one is None:
-                one = self._ones[scale.device] = torch.ones((), device=scale.device)
-            found = self._unscale_grouped(grouped, one)
+                raise _NoGrads()
+            # Fused: only read the gradients; the optimizer unscales them in its kernel.
+            found = self._found_inf(grouped, unscale=not fused)
+            if not fused:  # as unscale_() records it: a failing step() won't unscale twice
+                self._per_optimizer[id(optimizer)] = _OptRecord(OptState.UNSCALED, found)
         else:
             found = self._per_optimizer[id(optimizer)].found_inf_per_device
             if not found:
-                raise no_grads
+                raise _NoGrads()
+        if fused:
+            return self._fused_step(optimizer, stage, scale, found, args, kwargs)
+        # The one sync of the plain path: the host must know whether to call step().
+        found_any = bool(sum(v.item() for v in found.values()))
+        retval = None if found_any else optimizer.step(*args, **kwargs)
+        # host_found lets update() skip the device-side pick of the stats step.
+        self._per_optimizer[id(optimizer)] = _OptRecord(OptState.STEPPED, found, found_any)
+        return retval
+
+    def _fused_step(self, optimizer, stage, scale, found, args, kwargs):
         if len(found) == 1 and scale.device in found:  # one device: no extra kernel
             found_inf = found[scale.device]
         else:

@@ -13,6 +13,8 @@ import math
 import pytest
 import torch
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 import ampkit
 from ampkit._scaler import HISTORY_SIZE, OptState
 
@@ -841,3 +843,98 @@ def test_reset_iteration_forgets_stages_but_keeps_the_scale_state():
         scaler.update()  # nothing recorded any more
     toy.iterate(False)  # and the next iteration runs normally
     assert scaler.stats().steps == 2
+
+
+# --------------------------------------------------------------------------- sync-free, read-only check
+
+
+@pytest.mark.parametrize(
+    "make, enabled",
+    [
+        (lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), True),
+        (lambda p: torch.optim.SGD(p, lr=0.05, foreach=True), True),
+        (lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, fused=True), True),
+        (lambda p: torch.optim.Adam(p, lr=1e-2, fused=True), True),
+        (lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True), True),
+        (lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), False),
+    ],
+    ids=["sgd", "sgd_foreach", "sgd_fused", "adam_fused", "adamw_fused", "sgd_disabled"],
+)
+def test_is_sync_free_says_whether_step_and_update_read_the_device(make, enabled, monkeypatch):
+    """is_sync_free(opt) == "step() + update() never call .item()" (the plain path's sync)."""
+    model = make_model()
+    try:
+        opt = make(model.parameters())
+    except (RuntimeError, TypeError, ValueError):
+        pytest.skip("this torch has no fused CPU optimizer of this kind")
+    scaler = ampkit.GradScaler("cpu", init_scale=2.0**8, growth_interval=1, enabled=enabled)
+    reads = []
+    real_item = torch.Tensor.item
+    for i, (x, y) in enumerate(DATA[:3]):
+        opt.zero_grad()
+        scaler.scale(forward_loss(model, x, y)).backward()
+        if i == 1:
+            poison_grad(model, NAN)
+        monkeypatch.setattr(torch.Tensor, "item", lambda t: reads.append(1) or real_item(t))
+        scaler.step(opt)
+        scaler.update()
+        monkeypatch.setattr(torch.Tensor, "item", real_item)
+    assert scaler.is_sync_free(opt) == (not reads)
+    if enabled:
+        assert scaler.stats().skipped == 1
+
+
+class _Writes(TorchDispatchMode):
+    """Records every op that writes into one of ``watched`` (by its schema's alias info)."""
+
+    def __init__(self, watched):
+        super().__init__()
+        self.ptrs = {t.data_ptr() for t in watched if t.numel()}
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        named = dict(zip((a.name for a in func._schema.arguments), args), **kwargs)
+        for arg in func._schema.arguments:
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = named.get(arg.name)
+            values = value if isinstance(value, (list, tuple)) else [value]
+            if any(isinstance(v, torch.Tensor) and v.data_ptr() in self.ptrs for v in values):
+                self.ops.append(str(func))
+        return func(*args, **kwargs)
+
+
+CHECK_CASES = {
+    "clean": (torch.float32, [(7,), (3, 5), (1,)], []),
+    "nan_fp32": (torch.float32, [(7,), (3, 5)], [(1, 14, NAN)]),
+    "inf_fp16": (torch.float16, [(65,), (3, 5)], [(0, 64, INF)]),
+    "neg_inf_bf16": (torch.bfloat16, [(33,), (2,)], [(0, 0, -INF)]),
+    "nan_fp64": (torch.float64, [(5,)], [(0, 2, NAN)]),
+    "largest_finite_fp16": (torch.float16, [(9,)], [(0, 1, 65504.0), (0, 2, -65504.0)]),
+    "largest_finite_fp32": (torch.float32, [(9,), (4,)], [(0, 1, 3.4e38), (1, 0, 3.4e38)]),
+    "empty_among_others": (torch.float32, [(0,), (4,), (0, 3)], [(1, 3, -INF)]),
+    "only_empty": (torch.float16, [(0,), (2, 0)], []),
+    "transposed": (torch.float32, [(4, 6)], [(0, 23, INF)]),
+}
+
+
+@pytest.mark.parametrize("case", list(CHECK_CASES))
+def test_fused_check_reads_gradients_only_and_flags_like_torch(case):
+    """The fused path's check: the same flag as torch's check-and-multiply-by-1.0 kernel,
+    and no op that writes into a gradient (per the ops' schemas) runs."""
+    dtype, shapes, pokes = CHECK_CASES[case]
+    gen = torch.Generator().manual_seed(3)
+    grads = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+    for i, pos, value in pokes:
+        grads[i].view(-1)[pos] = value
+    if case == "transposed":
+        grads = [g.t() for g in grads]
+    saved = [g.clone() for g in grads]
+    with _Writes(grads) as writes:
+        ours = ampkit.GradScaler("cpu")._found_inf({(torch.device("cpu"), dtype): grads}, unscale=False)
+    theirs = torch.zeros(())
+    torch._amp_foreach_non_finite_check_and_unscale_([g.clone() for g in grads], theirs, torch.ones(()))
+    assert list(ours) == [torch.device("cpu")] and bits_equal(ours[torch.device("cpu")], theirs)
+    assert theirs.item() == (1.0 if any(v != v or abs(v) == INF for _, _, v in pokes) else 0.0)
+    assert writes.ops == [] and all(bits_equal(g, c) for g, c in zip(grads, saved))

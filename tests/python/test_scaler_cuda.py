@@ -13,7 +13,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 F = torch.nn.functional
-INF = float("inf")
+INF, NAN = float("inf"), float("nan")
 
 OPTS = {
     "sgd_fused": lambda p, **k: torch.optim.SGD(p, lr=0.05, momentum=0.9, fused=True),
@@ -152,3 +152,62 @@ def test_captured_step_skips_an_injected_inf(opt_name):
     x.copy_(good)
     graph.replay()
     assert any(not torch.equal(a, p) for a, p in zip(params, m.parameters()))
+
+
+def _torch_check(grads):
+    found = torch.zeros((), device="cuda")
+    torch._amp_foreach_non_finite_check_and_unscale_(
+        [g.clone() for g in grads], found, torch.ones((), device="cuda"))
+    return found
+
+
+def _bits(t):
+    return t.reshape(-1).view(torch.uint8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_fused_check_flags_like_torch_reads_only_and_captures(dtype):
+    """The read-only check of the fused path (max |g| per tensor, one multi-tensor kernel) on
+    CUDA: the same flag as torch's check-and-multiply-by-1.0 for NaN, inf and -inf anywhere
+    (the tail of a multi-chunk tensor, a non-contiguous one, one of > 400 tensors), with empty
+    tensors; the gradients are bitwise untouched; no sync, and it replays in a CUDA graph."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    bases = ([torch.randn(300_001, device=dev, generator=g).to(dtype),
+              torch.randn(64, 96, device=dev, generator=g).to(dtype),
+              torch.empty(0, device=dev, dtype=dtype)]
+             + [torch.randn(17, device=dev, generator=g).to(dtype) for _ in range(450)])
+    grads = [b.t() if b.dim() == 2 else b for b in bases]  # grads[1] is not contiguous
+    key = {(dev, dtype): grads}
+    scaler = ampkit.GradScaler("cuda")
+    big = torch.finfo(dtype).max
+    pokes = [(0, 0, None), (0, 300_000, NAN), (0, 123_456, INF), (1, 5000, -INF),
+             (452, 16, NAN), (100, 0, -INF), (0, 7, big), (1, 8, -big)]
+    for i, pos, value in pokes:
+        flat = bases[i].view(-1)
+        saved = flat[pos].clone()
+        if value is not None:
+            flat[pos] = value
+        before = [_bits(b).clone() for b in bases]
+        torch.cuda.synchronize()
+        with SyncError():
+            ours = scaler._found_inf(key, unscale=False)[dev]
+        theirs = _torch_check(grads)
+        assert torch.equal(ours, theirs), (i, pos, value)
+        assert bool(theirs) == (value is not None and (value != value or abs(value) == INF))
+        assert all(torch.equal(a, _bits(b)) for a, b in zip(before, bases))
+        flat[pos] = saved
+    # Captured: the flag follows the data on every replay.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        scaler._found_inf(key, unscale=False)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        flag = scaler._found_inf(key, unscale=False)[dev]
+    for value in (1.0, NAN, 2.0, -INF, 3.0):
+        bases[0][-1] = value
+        graph.replay()
+        assert torch.equal(flag, _torch_check(grads)), value
+        assert bool(flag) == (value != value or value == -INF), value

@@ -159,3 +159,37 @@ def test_skipped_optimizers_are_refused_clearly(name):
     scaler.scale(p.sum()).backward()
     with pytest.raises(RuntimeError, match="closure"):
         scaler.step(opt, closure=lambda: p.sum())
+
+
+_BIG = {torch.float16: 65504.0, torch.bfloat16: 3.3895e38, torch.float32: 3.4028e38, torch.float64: 1.7e308}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dtype=st.sampled_from(list(_BIG)),
+    sizes=st.lists(st.integers(0, 300), min_size=1, max_size=6),
+    pokes=st.lists(
+        st.tuples(st.integers(0, 10**6), st.integers(0, 10**6),
+                  st.sampled_from(["inf", "-inf", "nan", "big", "-big", "tiny"])),
+        max_size=3,
+    ),
+    transpose=st.booleans(),
+)
+def test_the_fused_check_flags_exactly_what_torchs_check_flags(dtype, sizes, pokes, transpose):
+    """The fused path's read-only check against torch's check-and-multiply-by-1.0, for any
+    mix of sizes (empty ones too), layouts, dtypes and inf/-inf/NaN/extreme finite values."""
+    values = {"inf": float("inf"), "-inf": float("-inf"), "nan": float("nan"),
+              "big": _BIG[dtype], "-big": -_BIG[dtype], "tiny": 1e-45}
+    gen = torch.Generator().manual_seed(len(sizes))
+    bases = [torch.randn(2, n, generator=gen).to(dtype) for n in sizes]
+    for i, j, what in pokes:
+        b = bases[i % len(bases)]
+        if b.numel():
+            b.view(-1)[j % b.numel()] = values[what]
+    grads = [b.t() if transpose else b for b in bases]
+    cpu = torch.device("cpu")
+    ours = ampkit.GradScaler("cpu")._found_inf({(cpu, dtype): grads}, unscale=False)[cpu]
+    theirs = torch.zeros(())
+    torch._amp_foreach_non_finite_check_and_unscale_([g.clone() for g in grads], theirs, torch.ones(()))
+    assert _bits(ours, theirs), (ours, theirs)
+    assert bool(theirs) == any(not torch.isfinite(g).all() for g in grads)  # the oracle is right
