@@ -137,13 +137,14 @@ class TrainStep:
         self._autocast = _autocast_kwargs(autocast, model)
         device_type = self._autocast["device_type"]
         if scaler is None:
-            half = self._autocast.get("dtype", _default_dtype(device_type)) == torch.float16
+            half = self._autocast["dtype"] == torch.float16
             scaler = ampkit.GradScaler(device_type, enabled=half and
                                        self._autocast.get("enabled", True))
         elif not isinstance(scaler, ampkit.GradScaler):
             raise TypeError(
                 f"scaler must be an ampkit.GradScaler (or None for a default one), got "
-                f"{type(scaler).__module__}.{type(scaler).__name__}")
+                f"{type(scaler).__module__}.{type(scaler).__name__} ({scaler!r:.80}): the step "
+                "hands it the optimizer's skip decision and resets it after a failed capture")
         self.scaler = scaler
         self.warmup = warmup
         self._capture = capture
@@ -179,8 +180,8 @@ class TrainStep:
         flat_tg = _as_tensors("targets", targets)
         self.calls += 1
         self._last_replayed = False
-        if not self._eligible:
-            return self._eager(flat_in, flat_tg, keep_grads=self._graph is not None)
+        if not self._eligible:  # (a step that gave up has dropped its graph)
+            return self._eager(flat_in, flat_tg)
         if self._graph is not None:
             sig = _signature(flat_in, flat_tg)
             if sig != self._sig:
@@ -202,7 +203,7 @@ class TrainStep:
                 return self._capture_and_replay(flat_in, flat_tg)
             return self._replay(flat_in, flat_tg)
         if self.calls <= self.warmup:
-            return self._side_stream(lambda: self._eager(flat_in, flat_tg))
+            return self._warmup(flat_in, flat_tg)
         return self._capture_and_replay(flat_in, flat_tg)
 
     def __repr__(self) -> str:
@@ -237,28 +238,27 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=not keep_grads)
         return self._body(flat_in, flat_tg)
 
-    def _side_stream(self, fn):
-        cur = torch.cuda.current_stream()
+    def _side_stream(self):
         if self._stream is None:
             self._stream = torch.cuda.Stream()
-        self._stream.wait_stream(cur)
-        with torch.cuda.stream(self._stream):
-            out = fn()
-        cur.wait_stream(self._stream)
+        self._stream.wait_stream(torch.cuda.current_stream())
+        return self._stream
+
+    def _warmup(self, flat_in, flat_tg):
+        with torch.cuda.stream(self._side_stream()):
+            out = self._eager(flat_in, flat_tg)
+        torch.cuda.current_stream().wait_stream(self._stream)
         return out
 
     def _capture_and_replay(self, flat_in, flat_tg) -> torch.Tensor:
         self._static_in = [t.detach().clone() for t in flat_in]
         self._static_tg = [t.detach().clone() for t in flat_tg]
         n_state = len(self.optimizer.state)
-        scale_before = _scale_tensor(self.scaler)
+        scale_before = self.scaler._scale
         self.optimizer.zero_grad(set_to_none=True)
         graph = torch.cuda.CUDAGraph()
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
         try:
-            self._stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.graph(graph, stream=self._stream):
+            with torch.cuda.graph(graph, stream=self._side_stream()):
                 static_loss = self._body(self._static_in, self._static_tg,
                                          cache_enabled=False)
             torch.cuda.current_stream().wait_stream(self._stream)
@@ -273,7 +273,7 @@ class TrainStep:
         if len(self.optimizer.state) != n_state:
             why = ("the optimizer created state during the capture (raise warmup so "
                    "that every parameter has taken a step first)")
-        elif _scale_tensor(self.scaler) is not scale_before:
+        elif self.scaler._scale is not scale_before:
             why = "the scaler created its scale during the capture (raise warmup)"
         if why is not None:
             self._drop_graph()
@@ -317,9 +317,7 @@ class TrainStep:
         except Exception:  # noqa: BLE001 - the eager step will surface a broken context
             pass
         self.optimizer.zero_grad(set_to_none=True)  # grads from the aborted capture
-        # The aborted iteration's stage records (no public reset yet; see docs/train_step.md).
-        if isinstance(getattr(self.scaler, "_per_optimizer", None), dict):
-            self.scaler._per_optimizer = {}
+        self.scaler.reset_iteration()  # forget the aborted iteration's stages
 
     def _drop_graph(self):
         self._graph = None
@@ -412,22 +410,19 @@ def _static_refusals(capture, device_type, model, optimizer, scaler):
     elif devices and next(iter(devices)) != torch.device("cuda", torch.cuda.current_device()):
         reasons.append(f"parameters are on {next(iter(devices))} but the current device is "
                        f"cuda:{torch.cuda.current_device()} (use torch.cuda.set_device)")
-    reasons += _optimizer_refusals(optimizer, scaler.is_enabled())
-    why = _scaler_refusal(scaler, optimizer)
-    if why:
-        reasons.append(why)
-    return reasons
+    return reasons + _optimizer_refusals(optimizer, scaler)
 
 
-def _optimizer_refusals(optimizer, scaling):
+def _optimizer_refusals(optimizer, scaler):
+    """Why this optimizer, with this scaler, cannot run inside a CUDA graph."""
     name = type(optimizer).__name__
     groups = optimizer.param_groups
-    if scaling and not getattr(optimizer, "_step_supports_amp_scaling", False):
+    scaling = scaler.is_enabled()
+    if not scaler.is_sync_free(optimizer):
         return [f"{name} has no fused path that takes the loss scale and the inf flag on "
                 f"the device, so skipping a step would need a host sync (construct it with "
                 f"fused=True: SGD, Adam and AdamW have one)"]
-    has_key = ["capturable" in g for g in groups]
-    if any(has_key):
+    if any("capturable" in g for g in groups):
         if not all(g.get("capturable", False) for g in groups):
             return [f"{name} was built with capturable=False (construct it with "
                     f"capturable=True{', fused=True' if scaling else ''})"]
@@ -435,20 +430,6 @@ def _optimizer_refusals(optimizer, scaling):
     if isinstance(optimizer, torch.optim.SGD):
         return []
     return [f"{name} has no capturable path (use SGD, or Adam/AdamW with capturable=True)"]
-
-
-def _scaler_refusal(scaler, optimizer):
-    """The scaler must make no host decision in step()/update() for this optimizer."""
-    ask = getattr(scaler, "is_sync_free", None)
-    if callable(ask):
-        if not ask(optimizer):
-            return (f"the scaler's step() syncs with the host for {type(optimizer).__name__} "
-                    "(it is sync-free only with fused optimizers)")
-    return None
-
-
-def _scale_tensor(scaler):
-    return getattr(scaler, "_scale", None)
 
 
 def _as_tensors(what, value):

@@ -244,7 +244,7 @@ def _params():
         "adamw_capturable_scaled", "adamw_capturable_unscaled", "adamw_plain_unscaled",
         "adagrad"])
 def test_optimizer_refusal_reasons(make, scaling, expected):
-    reasons = _optimizer_refusals(make(), scaling)
+    reasons = _optimizer_refusals(make(), ampkit.GradScaler("cpu", enabled=scaling))
     if expected is None:
         assert reasons == []
     else:
@@ -300,3 +300,21 @@ def test_non_scalar_loss_raises():
                                   autocast=AC, capture=False)
     with pytest.raises(ValueError, match=r"scalar tensor, got shape \(12, 8\)"):
         step(*make_batches(n=1, poison=False)[0])
+
+
+def test_an_aborted_capture_leaves_the_scaler_ready_for_the_eager_step():
+    """After a failed capture the iteration's half-done scaler stages are forgotten through
+    the scaler's public reset, and the eager step that follows runs as a first step would."""
+    model, loss_fn, opt = _parts()
+    step = ampkit.make_train_step(model, loss_fn, opt, scaler=make_scaler(), autocast=AC,
+                                  capture=False)
+    x, y = make_batches(n=1, poison=False)[0]
+    with ampkit.autocast(**AC):  # an iteration abandoned after step(), before update()
+        step.scaler.scale(loss_fn(model(x), y)).backward()
+    step.scaler.step(opt)
+    assert step.scaler.stage(opt) is ampkit._scaler.OptState.STEPPED
+    step._after_failed_capture()
+    assert step.scaler.stage(opt) is ampkit._scaler.OptState.READY
+    assert all(p.grad is None for p in model.parameters())
+    step(x, y)  # would raise "step() was already called" without the reset
+    assert step.scaler.stats().steps == 1
