@@ -10,6 +10,9 @@ built by ampkit.bench with the same seeds as ``make bench``. Variants:
   ampkit_amp         ampkit.autocast + ampkit.GradScaler hand-written loop, case's optimizer
   ampkit_step_eager  ampkit.make_train_step(capture=False), fused optimizer
   ampkit_step        ampkit.make_train_step(capture="auto"), fused optimizer: one CUDA graph
+  ampkit_step_rw_check  the same, but the scaler checks gradients as torch's does before a
+                     fused optimizer (multiplies each by 1.0: reads and writes them), for an
+                     A/B of ampkit's read-only check in the same run
 
 The floor of a step is its matmul FLOPs at the card's fp16 rate (measured here with a large
 fp16 matmul) plus the parameter traffic that AMP cannot avoid at the measured device-to-
@@ -41,7 +44,8 @@ import ampkit
 
 DTYPE = torch.float16
 DEVICE = "cuda"  # --device cpu: a smoke run of the script itself (tiny profile), no figures
-VARIANTS = ("torch_amp", "torch_amp_fused", "ampkit_amp", "ampkit_step_eager", "ampkit_step")
+VARIANTS = ("torch_amp", "torch_amp_fused", "ampkit_amp", "ampkit_step_eager", "ampkit_step",
+            "ampkit_step_rw_check")
 TOP = 12  # kernels listed per profiled variant (--top)
 WARMUP = 8  # > make_train_step's 3 warm-up steps + the capture
 
@@ -76,11 +80,29 @@ def make_variant(name, built):
             return loss.detach()
     else:
         scaler = ampkit.GradScaler(DEVICE)
+        if name == "ampkit_step_rw_check":
+            use_read_write_check(scaler)
         step = ampkit.make_train_step(
             model, loss_fn, opt, scaler=scaler,
             autocast=dict(device_type=DEVICE, dtype=DTYPE),
-            capture="auto" if name == "ampkit_step" else False)
+            capture=False if name == "ampkit_step_eager" else "auto")
     return model, opt, scaler, step
+
+
+def use_read_write_check(scaler):
+    """This scaler's fused path checks the gradients as torch.amp.GradScaler does (torch's
+    kernel with inv_scale 1.0: every gradient read and written back) instead of ampkit's
+    read-only check; the flags are the same, only the memory traffic differs."""
+    def found_inf(grouped, unscale):
+        if unscale:
+            return type(scaler)._found_inf(scaler, grouped, unscale)
+        found = {}
+        with torch.no_grad():
+            for (device, _), grads in grouped.items():
+                flag = found.setdefault(device, torch.zeros((), device=device))
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, scaler._one(device))
+        return found
+    scaler._found_inf = found_inf
 
 
 def time_variant(name, built, repeats):
@@ -110,7 +132,7 @@ def time_variant(name, built, repeats):
     if hasattr(step, "captured"):
         rec.update(captured=step.captured, reason=step.reason)
     breakdown = None
-    if name in ("ampkit_step", "ampkit_step_eager", "torch_amp_fused"):
+    if name in ("ampkit_step", "ampkit_step_eager", "ampkit_step_rw_check", "torch_amp_fused"):
         try:
             breakdown = kernel_breakdown(step, batches)
         except Exception as e:  # noqa: BLE001 - the timing stands without it
@@ -176,11 +198,17 @@ def param_bytes(n_params, optimizer):
 KINDS = (
     ("matmul", ("gemm", "xmma", "cutlass", "nvjet", "cublas", "sm90_", "sm80_", "ampere_")),
     ("attention", ("flash", "fmha", "attention", "efficient")),
-    ("scaler", ("non_finite", "update_scale", "unscale")),
+    # torch's check (and ampkit's before a plain optimizer) is an _amp_foreach_non_finite_
+    # kernel; ampkit's read-only check before a fused one is _foreach_norm (LpNormFunctor +
+    # lpnorm_cleanup) and the same kernel on the per-tensor norms.
+    ("scaler", ("non_finite", "lpnorm", "update_scale", "unscale")),
     ("optimizer", ("sgd", "adam", "multi_tensor")),
     ("norm/reduce", ("norm", "reduce", "softmax", "nll", "cross_entropy")),
     ("elementwise/cast", ("elementwise", "copy", "cast", "fill", "gelu", "relu", "add", "mul")),
 )
+
+
+INF_CHECK = ("non_finite", "lpnorm")  # the kernels of the inf/NaN check of the gradients
 
 
 def _kind(name):
@@ -200,7 +228,7 @@ def kernel_breakdown(step, batches, steps=3):
         for i in range(steps):
             step(*batches[i % len(batches)])
         sync()
-    totals, n, top = {}, 0, []
+    totals, n, top, check = {}, 0, [], 0.0
     for evt in prof.key_averages():
         us = getattr(evt, "self_device_time_total", None)
         if us is None:
@@ -211,11 +239,14 @@ def kernel_breakdown(step, batches, steps=3):
             continue
         k = _kind(evt.key)
         totals[k] = totals.get(k, 0.0) + us / 1e3 / steps
+        if any(key in evt.key.lower() for key in INF_CHECK):
+            check += us / 1e3 / steps
         n += evt.count
         top.append((round(us / 1e3 / steps, 4), evt.count // steps, k, evt.key[:110]))
     out = {k: round(v, 4) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
     out["_total_ms"] = round(sum(totals.values()), 4)
     out["_kernels_per_step"] = n / steps
+    out["_inf_check_ms"] = round(check, 4)
     out["_top"] = sorted(top, reverse=True)[:TOP]
     return out
 
@@ -259,17 +290,22 @@ def print_case(res):
     print(f"\n{res['case']} ({res['profile']}: {res['sizes']}, {res['n_params'] / 1e6:.1f}M params)")
     print(f"  floor {f['floor_ms']:.3f} ms = matmul {f['matmul_tflop']:.3f} TFLOP in "
           f"{f['matmul_ms']:.3f} ms + params {f['param_gb']:.2f} GB in {f['bytes_ms']:.3f} ms")
-    print(f"  {'variant':<18}{'ms/step':>9}{'[min,max]':>17}{'steps/s':>9}{'vs torch':>9}"
+    print(f"  {'variant':<21}{'ms/step':>9}{'[min,max]':>17}{'steps/s':>9}{'vs torch':>9}"
           f"{'x floor':>9}{'peak MiB':>9}  loss")
     for r in res["records"]:
         if "error" in r:
-            print(f"  {r['variant']:<18} FAILED: {r['error']}")
+            print(f"  {r['variant']:<21} FAILED: {r['error']}")
             continue
         spread = f"[{r['ms_min']:.3f},{r['ms_max']:.3f}]"
-        print(f"  {r['variant']:<18}{r['ms_per_step']:>9.3f}{spread:>17}{r['steps_per_s']:>9.1f}"
+        print(f"  {r['variant']:<21}{r['ms_per_step']:>9.3f}{spread:>17}{r['steps_per_s']:>9.1f}"
               f"{r.get('speedup_vs_torch_amp', float('nan')):>8.2f}x{r['x_floor']:>9.2f}"
               f"{r['peak_mem_mib']:>9.0f}  {r['final_loss']:.5g}"
               + ("" if r.get("captured", True) else f"  (eager: {r.get('reason')})"))
+    checks = [(r["variant"], r["gpu_time_by_kind"]["_inf_check_ms"]) for r in res["records"]
+              if "_inf_check_ms" in (r.get("gpu_time_by_kind") or {})]
+    if checks:
+        print("  inf/NaN check of the gradients, GPU ms/step: "
+              + ", ".join(f"{v} {ms:.4f}" for v, ms in checks))
     for r in res["records"]:
         kinds = dict(r.get("gpu_time_by_kind") or {})
         top = kinds.pop("_top", [])
