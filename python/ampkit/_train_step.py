@@ -143,8 +143,8 @@ class TrainStep:
         elif not isinstance(scaler, ampkit.GradScaler):
             raise TypeError(
                 f"scaler must be an ampkit.GradScaler (or None for a default one), got "
-                f"{type(scaler).__module__}.{type(scaler).__name__} ({scaler!r:.80}): the step "
-                "hands it the optimizer's skip decision and resets it after a failed capture")
+                f"{type(scaler).__module__}.{type(scaler).__name__}; the step asks it whether "
+                "its skips are sync-free (is_sync_free) and resets it after a failed capture")
         self.scaler = scaler
         self.warmup = warmup
         self._capture = capture
