@@ -3,18 +3,19 @@
 #   1. the CUDA-marked pytest suite (autocast tables fp16/bf16, scaler, train step)
 #   2. the CUDA drift check of the shipped policy, fp16 and bf16
 #   3. the R package on the GPU: its testthat suite, and the R seed walkthrough verbatim
-#   4. the full benchmark profile from Python and R (benchmarks/gpu/run_full.sh)
+#   4. the scaler proof (no sync, captured skip, steps/s) and the train-step benchmark
+#   5. the full benchmark profile from Python and R (benchmarks/gpu/run_full.sh)
 # Logs are written to a work folder and packed into one all.tar.gz in the folder given
 # (default $OUT), with the benchmark report beside it: the device returns at most 8 files.
 #
 # Needs .device-carry/ with r-runtime.tar.xz and run-r.sh (../shared/tools/r-on-device).
 # The lead's call:  bash benchmarks/gpu/device_all.sh "$OUT"   (carry: .device-carry)
-# Steps can be chosen: STEPS="pytest drift r seed bench" (the default is all of them).
+# Steps can be chosen: STEPS="pytest drift r seed proof stepbench bench" (default: all).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 dest=${1:-${OUT:?give an output folder}}
 out=$(mktemp -d)
-steps=${STEPS:-pytest drift r seed bench}
+steps=${STEPS:-pytest drift r seed proof stepbench bench}
 mkdir -p "$dest"
 export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 rt=.device-carry/r-runtime.tar.xz
@@ -53,6 +54,14 @@ if has seed; then
   # The R seed (shared/seeds/002) as written, library(ampkit) in place of library(torch).
   runr r/ampkit/tests/testthat/fixtures/seed-walkthrough.R > "$out/r_seed_verbatim.log" 2>&1
   echo "R seed walkthrough verbatim: rc=$?"; grep -A2 "user" "$out/r_seed_verbatim.log"
+fi
+if has proof; then
+  OUT=$out python3 benchmarks/gpu/scaler_proof.py > "$out/scaler_proof.log" 2>&1
+  echo "scaler proof: rc=$?"; tail -30 "$out/scaler_proof.log"
+fi
+if has stepbench; then
+  OUT=$out python3 benchmarks/gpu/train_step_bench.py --repeats 5 > "$out/train_step_bench.log" 2>&1
+  echo "train step bench: rc=$?"; grep -v ' \.\.\.$' "$out/train_step_bench.log" | tail -60
 fi
 if has bench; then
   bash benchmarks/gpu/run_full.sh "$out/bench" 2>&1 | tail -60
