@@ -95,6 +95,7 @@ watch_memory <- function(bytes) {
   base <- .mem$base
   if (is.na(base) || bytes < base) {
     .mem$base <- bytes  # growth is measured from the lowest reading since the last collection
+    if (!is.na(.mem$floor) && bytes < .mem$floor) .mem$floor <- bytes
   } else if (bytes - base > gc_threshold_bytes()) {
     collect_memory(bytes)
   }
