@@ -18,8 +18,8 @@ out=$(mktemp -d)
 steps=${STEPS:-pytest drift r seed proof stepbench bench}
 mkdir -p "$dest"
 export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-rt=.device-carry/r-runtime.tar.xz
-runr() { bash .device-carry/run-r.sh "$rt" "$@"; }
+root=$PWD
+runr() { bash "$root/.device-carry/run-r.sh" "$root/.device-carry/r-runtime.tar.xz" "$@"; }
 has() { [[ " $steps " == *" $1 "* ]]; }
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader

@@ -175,7 +175,9 @@ def _finite_probes(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     if not grads:
         return []
     if grads[0].device.type != "cpu":
-        return list(torch._foreach_norm(grads, math.inf))
+        probes = list(torch._foreach_norm(grads, math.inf))
+        # torch's check kernel has no bfloat16 on CUDA; widening keeps inf and NaN.
+        return [p.float() for p in probes] if grads[0].dtype == torch.bfloat16 else probes
     return [m for g in grads for m in torch.aminmax(g)]
 
 

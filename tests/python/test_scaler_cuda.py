@@ -155,9 +155,11 @@ def test_captured_step_skips_an_injected_inf(opt_name):
 
 
 def _torch_check(grads):
+    """torch's check-and-multiply-by-1.0 (on float32 copies for bfloat16, which its CUDA
+    kernel lacks: widening keeps every inf and NaN, so the flag is the same)."""
     found = torch.zeros((), device="cuda")
-    torch._amp_foreach_non_finite_check_and_unscale_(
-        [g.clone() for g in grads], found, torch.ones((), device="cuda"))
+    copies = [g.float() if g.dtype == torch.bfloat16 else g.clone() for g in grads]
+    torch._amp_foreach_non_finite_check_and_unscale_(copies, found, torch.ones((), device="cuda"))
     return found
 
 
