@@ -3,6 +3,9 @@
 # equals the same walkthrough driven from Python.
 test_that("the seed walkthrough runs on the CPU with only device strings and sizes changed", {
   skip_if_no_ampkit()
+  # With a GPU, the seed's $cuda() moves the model there while the data stays on the CPU;
+  # the next test runs the walkthrough on that GPU instead.
+  skip_if(cuda_is_available(), "CUDA is available: the GPU walkthrough test covers this machine")
   sizes <- c(batch_size = 8, in_size = 16, out_size = 16, num_layers = 3, num_batches = 3, epochs = 2)
   chunks <- seed_chunks("cpu", sizes)
   expect_equal(names(chunks), c("setup", "data", "model", "fp32", "autocast", "scaler", "benchmark"))
