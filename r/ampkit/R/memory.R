@@ -26,14 +26,16 @@
 #' it runs a young-generation `gc(full = FALSE)` (about a millisecond). That
 #' frees every output the loop dropped except the one still live at the
 #' previous collection, which R has promoted to an older generation; when
-#' such leftovers have grown past `getOption("ampkit.gc_full_threshold_mb",
-#' 8192)` MiB since the last full collection, a full `gc()` (tens of
-#' milliseconds, more with a large R heap) frees them. So R holds at most
-#' about the sum of the two thresholds of dead tensors (9 GiB by default; it
-#' used to be whatever R's own collector left, tens of GiB in a transformer
-#' loop), and a loop that drops one 512 MiB output a step pays a
-#' young-generation collection every other step and a full one every few
-#' dozen steps.
+#' such leftovers have grown past `getOption("ampkit.gc_full_threshold_mb")`
+#' MiB since the last full collection (by default a quarter of the card's
+#' memory), a full `gc()` frees them. A full `gc()` is slow with reticulate's
+#' large R heap (117 ms measured on an H200 machine, against 0.8 ms for a
+#' young one), so it must be rare: with a threshold of 8 GiB, R's AMP step of
+#' the benchmark's transformer took 29.4 ms against 23.6 ms with full
+#' collections left to R (Python: 21.0 ms). So R holds at most about the sum
+#' of the two thresholds of dead tensors (it used to be whatever R's own
+#' collector left: 39.5 GiB in that transformer loop, against 17.5 GiB with
+#' the watch).
 #'
 #' Options:
 #' \describe{
@@ -43,7 +45,8 @@
 #'     cost of more collections; `Inf` turns the automatic collection off.}
 #'   \item{`ampkit.gc_full_threshold_mb`}{Growth since the last full
 #'     collection, in MiB, that a young-generation collection could not free
-#'     and that triggers a full one (default 8192).}
+#'     and that triggers a full one (default: a quarter of the CUDA device's
+#'     memory, read once; 8192 where it cannot be read).}
 #' }
 #'
 #' A CUDA out-of-memory error raised by a Python call that ampkit wraps (a
@@ -81,7 +84,8 @@ amp_gc <- function() {
 memory_allocated <- function() .h$memory_allocated()
 
 gc_threshold_bytes <- function(option = "ampkit.gc_threshold_mb", default = 1024) {
-  thr <- getOption(option, default)
+  thr <- getOption(option)
+  if (is.null(thr)) thr <- if (is.function(default)) default() else default
   if (!is.numeric(thr) || length(thr) != 1L || is.na(thr) || thr < 0) {
     abort(sprintf("Option `%s` must be a number of MiB >= 0 (or Inf to turn it off), not %s.",
                   option, describe(thr)), class = "ampkit_bad_argument", call = NULL)
@@ -114,7 +118,7 @@ collect_memory <- function(bytes, full = FALSE, automatic = TRUE) {
     gc(full = FALSE)
     after <- memory_allocated()
     floor <- if (is.na(.mem$floor)) 0 else .mem$floor
-    full <- after - floor > gc_threshold_bytes("ampkit.gc_full_threshold_mb", 8192)
+    full <- after - floor > gc_threshold_bytes("ampkit.gc_full_threshold_mb", full_threshold_default_mb)
   }
   if (full) {
     gc(full = TRUE)
@@ -124,6 +128,15 @@ collect_memory <- function(bytes, full = FALSE, automatic = TRUE) {
   if (automatic) .mem$collections <- .mem$collections + 1L
   .mem$base <- after
   after
+}
+
+# A quarter of the card's memory (read once), 8192 MiB where it cannot be read.
+full_threshold_default_mb <- function() {
+  if (is.null(.mem$full_default_mb)) {
+    total <- tryCatch(.h$cuda_total_memory(), error = function(e) 0)
+    .mem$full_default_mb <- if (is.numeric(total) && total > 0) total / 4 / 2^20 else 8192
+  }
+  .mem$full_default_mb
 }
 
 # After a CUDA out-of-memory error from Python: collect, and say so.

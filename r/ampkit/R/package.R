@@ -139,6 +139,7 @@ py_ready <- function() {
   .h$zero_grad <- helpers$zero_grad
   .h$scaler_update <- helpers$scaler_update
   .h$memory_allocated <- helpers$memory_allocated
+  .h$cuda_total_memory <- helpers$cuda_total_memory
   .h$set_memory_reader <- helpers$set_memory_reader
   .h$named_parameters <- reticulate::py_eval("lambda m: dict(m.named_parameters())")
   .h$cuda_is_available <- py_torch$cuda$is_available
@@ -215,6 +216,12 @@ def set_memory_reader(fn=None):
 
 def memory_allocated():
     return float(memory_reader[0]())
+
+# The current CUDA device's memory in bytes (a float), 0.0 without CUDA.
+def cuda_total_memory():
+    if not _torch.cuda.is_available():
+        return 0.0
+    return float(_torch.cuda.get_device_properties(_torch.cuda.current_device()).total_memory)
 
 def zero_grad(opt, *args, **kwargs):
     opt.zero_grad(*args, **kwargs)
