@@ -41,7 +41,12 @@ for (pkg in c("reticulate", "ampkit")) {
 }
 library(ampkit)
 
-# (The ampkit R package loads torch so that it keeps its own BLAS: see keep_torch_blas().)
+# Start Python through the package before any reticulate::import(): it loads torch so
+# that torch keeps its own BLAS (keep_torch_blas()); a torch imported by reticulate
+# first binds R's reference sgemm (fp32 matmuls 15-20x slower on the CPU).
+if (!ampkit_available()) {
+  stop_usage("Python with torch and ampkit was not found: run `make setup` and set RETICULATE_PYTHON=<repo>/.venv/bin/python")
+}
 
 # Values may come back converted or not (objects inherit the convert flag): read both.
 py_to_r <- function(x) if (inherits(x, "python.builtin.object")) reticulate::py_to_r(x) else x

@@ -23,3 +23,13 @@ test_that("ampkit_config() names the Python and the versions in use", {
   expect_type(cfg$ampkit, "character")
   expect_type(cfg$cuda, "logical")
 })
+
+test_that("torch is loaded with its own BLAS, not R's (RTLD_DEEPBIND before the first import)", {
+  skip_if_no_ampkit()
+  skip_if(Sys.getenv("AMPKIT_R_DEEPBIND") == "0", "AMPKIT_R_DEEPBIND=0 turns it off")
+  skip_if_not(reticulate::py_eval("hasattr(__import__('os'), 'RTLD_DEEPBIND')"), "no RTLD_DEEPBIND here")
+  # R's reference BLAS is loaded before Python starts; without the flag torch's float32
+  # matmuls bind to its sgemm (15-20x slower on the CPU).
+  flags <- reticulate::py_eval("__import__('sys').getdlopenflags() & __import__('os').RTLD_DEEPBIND")
+  expect_true(flags > 0)
+})
