@@ -784,15 +784,6 @@ def test_cuda_amp_grad_scaler():
         assert not scaler.is_enabled()
 
 
-def test_docstring_examples_run():
-    import doctest
-
-    import ampkit._scaler as mod
-
-    result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
-    assert result.attempted >= 3 and result.failed == 0
-
-
 @pytest.mark.skipif(not _fused_supported("sgd_fused"), reason="this torch has no fused CPU SGD")
 def test_fused_sgd_skipped_first_step_leaves_no_garbage():
     """Fused SGD allocates its momentum buffer with empty_like before it sees found_inf, so
