@@ -56,23 +56,14 @@ def make_variant(name, built):
     fused = name not in ("torch_amp", "ampkit_amp")
     opt = built.new_optimizer(model, fused=fused)
     loss_fn = built.loss_fn
-    if name.startswith("torch_amp"):
-        scaler = torch.amp.GradScaler(DEVICE)
+    if name.startswith("torch_amp") or name == "ampkit_amp":
+        # The hand-written eager loop, with the rival's autocast and scaler or ours.
+        lib = torch if name.startswith("torch_amp") else ampkit
+        scaler = (torch.amp.GradScaler if lib is torch else ampkit.GradScaler)(DEVICE)
 
         def step(x, y):
             opt.zero_grad(set_to_none=True)
-            with torch.autocast(DEVICE, dtype=DTYPE):
-                loss = loss_fn(model(x), y)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            return loss.detach()
-    elif name == "ampkit_amp":
-        scaler = ampkit.GradScaler(DEVICE)
-
-        def step(x, y):
-            opt.zero_grad(set_to_none=True)
-            with ampkit.autocast(DEVICE, dtype=DTYPE):
+            with lib.autocast(DEVICE, dtype=DTYPE):
                 loss = loss_fn(model(x), y)
             scaler.scale(loss).backward()
             scaler.step(opt)

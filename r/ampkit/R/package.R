@@ -128,19 +128,11 @@ py_ready <- function() {
   }, error = function(e) {
     stop(ampkit_condition(missing_python_message(conditionMessage(e)), class = "ampkit_python_missing"))
   })
-  .h$enter_autocast <- helpers$enter_autocast
-  .h$exit_autocast <- helpers$exit_autocast
-  .h$trace_rows <- helpers$trace_rows
-  .h$plain <- helpers$plain
-  .h$call_warn <- helpers$call_warn
-  .h$open_regions <- helpers$open_regions
-  .h$is_method <- helpers$is_method
-  .h$call_method <- helpers$call_method
-  .h$zero_grad <- helpers$zero_grad
-  .h$scaler_update <- helpers$scaler_update
-  .h$memory_allocated <- helpers$memory_allocated
-  .h$cuda_total_memory <- helpers$cuda_total_memory
-  .h$set_memory_reader <- helpers$set_memory_reader
+  for (name in c("enter_autocast", "exit_autocast", "trace_rows", "plain", "call_warn",
+                 "open_regions", "is_method", "call_method", "zero_grad", "scaler_update",
+                 "memory_allocated", "cuda_total_memory", "set_memory_reader")) {
+    assign(name, helpers[[name]], envir = .h)
+  }
   .h$named_parameters <- reticulate::py_eval("lambda m: dict(m.named_parameters())")
   .h$cuda_is_available <- py_torch$cuda$is_available
   .h$ready <- TRUE

@@ -41,27 +41,32 @@ def py_loop(net, loss_fn, opt, scaler, data, targets, steps, autocast):
 ")
 py_loop <- reticulate::py_eval("py_loop")
 
-r_loop <- function(net, loss_fn, opt, scaler, data, targets, steps, autocast) {
-  n <- length(data)
-  t0 <- cpu_wall()
-  for (s in seq_len(steps)) {
-    i <- (s - 1L) %% n + 1L
-    with_autocast(enabled = autocast, device_type = "cpu", {
-      output <- net(data[[i]])
-      loss <- loss_fn(output, targets[[i]])
-    })
-    if (is.null(scaler)) {
-      loss$backward()
-      opt$step()
-    } else {
-      scaler$scale(loss)$backward()
-      scaler$step(opt)
-      scaler$update()
+# The seed's loop from R; `region(autocast, code)` enters the autocast region.
+seed_loop <- function(region) {
+  function(net, loss_fn, opt, scaler, data, targets, steps, autocast) {
+    n <- length(data)
+    t0 <- cpu_wall()
+    for (s in seq_len(steps)) {
+      i <- (s - 1L) %% n + 1L
+      region(autocast, {
+        output <- net(data[[i]])
+        loss <- loss_fn(output, targets[[i]])
+      })
+      if (is.null(scaler)) {
+        loss$backward()
+        opt$step()
+      } else {
+        scaler$scale(loss)$backward()
+        scaler$step(opt)
+        scaler$update()
+      }
+      opt$zero_grad()
     }
-    opt$zero_grad()
+    (cpu_wall() - t0) / steps
   }
-  (cpu_wall() - t0) / steps
 }
+
+r_loop <- seed_loop(function(autocast, code) with_autocast(code, enabled = autocast, device_type = "cpu"))
 
 cpu_wall <- function() {
   p <- proc.time()
@@ -71,27 +76,7 @@ cpu_wall <- function() {
 # The same loop written against the Python objects through reticulate alone
 # (reticulate's `with()` and `$` on the Python scaler): what the R layer saves.
 ak <- reticulate::import("ampkit")
-direct_loop <- function(net, loss_fn, opt, scaler, data, targets, steps, autocast) {
-  n <- length(data)
-  t0 <- cpu_wall()
-  for (s in seq_len(steps)) {
-    i <- (s - 1L) %% n + 1L
-    with(ak$autocast("cpu", enabled = autocast), {
-      output <- net(data[[i]])
-      loss <- loss_fn(output, targets[[i]])
-    })
-    if (is.null(scaler)) {
-      loss$backward()
-      opt$step()
-    } else {
-      scaler$scale(loss)$backward()
-      scaler$step(opt)
-      scaler$update()
-    }
-    opt$zero_grad()
-  }
-  (cpu_wall() - t0) / steps
-}
+direct_loop <- seed_loop(function(autocast, code) with(ak$autocast("cpu", enabled = autocast), code))
 
 make_model <- function(in_size, out_size, num_layers) {
   layers <- list()
