@@ -10,7 +10,8 @@ How a call is handled inside an ampkit region (this is the whole algorithm)::
                                 region is enabled, apply that device's category:
             lower_precision_fp : cast floating non-float64 tensors on the device to the
                                  region dtype (fp32 leaf params requiring grad: cached)
-            fp32               : cast them to float32
+            fp32               : cast them to float32 (nll_loss on a large input: only
+                                 the elements it reads, ampkit._narrow_casts)
             fp32_output        : call with dtype=float32 unless a dtype is given
             promote            : cast them to the widest floating input dtype
             banned             : raise RuntimeError(message)
@@ -47,7 +48,7 @@ import types
 import torch
 from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_function
 
-from ampkit import _decompositions, _ops
+from ampkit import _decompositions, _narrow_casts, _ops
 from ampkit._policy import CATEGORIES, Policy, PolicyError, load_policy
 
 Tensor = torch.Tensor
@@ -282,6 +283,18 @@ def _rule(engine, name, category, device_type, dtype, cache_enabled, message):
             if kwargs.get("out") is not None:
                 return func(*args, **kwargs)
             return func(*cast_all(args), **dict(zip(kwargs, cast_all(kwargs.values()))))
+
+        if category == "fp32" and name in _narrow_casts.NARROWED:
+            cast_everything = act
+            narrowed = _narrow_casts.NARROWED
+
+            def act(func, args, kwargs):
+                t = _first_tensor(args, kwargs)
+                if t is not None and on(t):
+                    out = narrowed[name](func, args, kwargs)
+                    if out is not _narrow_casts.NOT_NARROWED:
+                        return out
+                return cast_everything(func, args, kwargs)
 
     elif category == "fp32_output":
 
