@@ -10,7 +10,9 @@
 #
 # Needs .device-carry/ with r-runtime.tar.xz and run-r.sh (../shared/tools/r-on-device).
 # The lead's call:  bash benchmarks/gpu/device_all.sh "$OUT"   (carry: .device-carry)
-# Steps can be chosen: STEPS="pytest drift r seed proof stepbench bench" (default: all).
+# Steps can be chosen: STEPS="pytest drift r seed proof stepbench bench" (default: all);
+# STEPBENCH_ARGS go to train_step_bench.py (default --repeats 5), BENCH_ARGS to
+# run_full.sh (e.g. "--cases transformer").
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 dest=${1:-${OUT:?give an output folder}}
@@ -60,11 +62,11 @@ if has proof; then
   echo "scaler proof: rc=$?"; tail -30 "$out/scaler_proof.log"
 fi
 if has stepbench; then
-  OUT=$out python3 benchmarks/gpu/train_step_bench.py --repeats 5 > "$out/train_step_bench.log" 2>&1
+  OUT=$out python3 benchmarks/gpu/train_step_bench.py ${STEPBENCH_ARGS:---repeats 5} > "$out/train_step_bench.log" 2>&1
   echo "train step bench: rc=$?"; grep -v ' \.\.\.$' "$out/train_step_bench.log" | tail -60
 fi
 if has bench; then
-  bash benchmarks/gpu/run_full.sh "$out/bench" 2>&1 | tail -60
+  bash benchmarks/gpu/run_full.sh "$out/bench" ${BENCH_ARGS:-} 2>&1 | tail -60
 fi
 tar czf "$dest/all.tar.gz" -C "$out" .
 cp "$out/card.txt" "$dest/"; [ -f "$out/bench/report.md" ] && cp "$out/bench/report.md" "$dest/"
