@@ -26,7 +26,13 @@ has() { [[ " $steps " == *" $1 "* ]]; }
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c 'import torch, sys; print("torch", torch.__version__, "python", sys.version.split()[0])'
-  git rev-parse HEAD 2>/dev/null || echo "commit: ${AMPKIT_GIT_COMMIT:-unknown}"; } | tee "$out/card.txt"
+  # The device's copy of the tree may carry a stale .git: the caller's AMPKIT_GIT_COMMIT wins.
+  echo "commit: ${AMPKIT_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"; } | tee "$out/card.txt"
+# Whatever ran comes back, also when a step fails or the call's time limit stops the script.
+pack() { tar czf "$dest/all.tar.gz" -C "$out" .; cp "$out/card.txt" "$dest/"
+         [ -f "$out/bench/report.md" ] && cp "$out/bench/report.md" "$dest/"; ls -la "$dest"; }
+trap pack EXIT
+trap 'exit 143' TERM INT
 
 if has pytest; then
   # hypothesis is not installed on the device: the property tests stay on the CPU.
@@ -68,6 +74,3 @@ fi
 if has bench; then
   bash benchmarks/gpu/run_full.sh "$out/bench" ${BENCH_ARGS:-} 2>&1 | tail -60
 fi
-tar czf "$dest/all.tar.gz" -C "$out" .
-cp "$out/card.txt" "$dest/"; [ -f "$out/bench/report.md" ] && cp "$out/bench/report.md" "$dest/"
-ls -la "$dest"

@@ -215,8 +215,12 @@ def test_cuda_pairwise_distance_and_trace_match_native_bit_for_bit(low):
 
 
 @pytest.mark.cuda
-def test_cuda_cross_entropy_keeps_no_float32_copy_of_the_logits():
-    """The logits stay float16 up to nll_loss: peak memory as native's, not + a float32 copy."""
+def test_cuda_cross_entropy_keeps_no_float32_copy_of_the_log_probs():
+    """The log-probs stay float16; nll_loss casts only the elements it reads (narrow cast).
+
+    Native autocast holds the float16 log-probs and a float32 copy of them for
+    nll_loss; ampkit holds the float16 log-probs alone, plus small tensors.
+    """
     x = torch.randn(1024, 8192, device="cuda", dtype=torch.float16)
     tgt = torch.randint(0, 8192, (1024,), device="cuda")
     peaks = []
@@ -227,6 +231,6 @@ def test_cuda_cross_entropy_keeps_no_float32_copy_of_the_logits():
         with region:
             F.cross_entropy(x, tgt)
         peaks.append(torch.cuda.max_memory_allocated() - base)
-    assert peaks[1] == peaks[0], peaks
-    # casting the logits to float32 first would hold a float32 copy and float32 log-probs
-    assert peaks[1] < x.numel() * 4 * 2, peaks
+    fp16_logp, fp32_copy = x.numel() * 2, x.numel() * 4
+    assert peaks[0] >= fp16_logp + fp32_copy, peaks  # the native baseline this saves
+    assert fp16_logp <= peaks[1] < fp16_logp + (1 << 20), peaks
