@@ -18,7 +18,10 @@ gradient is exactly zero, a target element gets +0.0 where native gets -0.0.
 Used where it pays and is exact: a 2-D input of a dtype the fp32 rule would
 cast, at least ``MIN_ELEMENTS`` elements, int64 targets, no class weights (the
 kernel reads ``weight[target]``, which a (batch, 1) input cannot express).
-Everything else takes the ordinary fp32 rule.
+Everything else takes the ordinary fp32 rule. A target out of range still
+fails as natively: on the CPU the call falls back to the full cast, so the
+error is nll_loss's own; on CUDA the gather's device-side assert fires where
+nll_loss's would (checking first would cost a host sync every step).
 
 >>> import torch
 >>> logp = torch.randn(256, 300).log_softmax(1).to(torch.bfloat16)
