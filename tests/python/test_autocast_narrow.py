@@ -170,3 +170,18 @@ def test_narrow_nll_loss_equals_native_autocast_cuda(narrowed):
     x = torch.randn(ROWS, CLASSES, generator=torch.Generator().manual_seed(4)).cuda()
     t = _targets("cuda", ROWS, CLASSES, -100)
     _check("cuda", torch.float16, lambda h: F.nll_loss(h, t), x, narrowed, expect_narrow=True)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_every_row_ignored_gives_the_native_result(reduction, narrowed):
+    """Natively a mean over no rows is NaN (0 / 0) and a sum is 0; the narrow path keeps both."""
+    x = torch.randn(ROWS, CLASSES, generator=torch.Generator().manual_seed(5))
+    t = torch.full((ROWS,), -100)
+    call = lambda h: F.nll_loss(h, t, reduction=reduction)  # noqa: E731
+    want, want_grad = _run("torch", "cpu", torch.bfloat16, x, call)
+    narrowed.clear()
+    got, got_grad = _run("ampkit", "cpu", torch.bfloat16, x, call)
+    assert narrowed == [True]
+    assert want.isnan().item() == (reduction == "mean")
+    assert torch.equal(got, want) or (got.isnan().item() and want.isnan().item())
+    assert torch.equal(got_grad, want_grad)
