@@ -289,8 +289,8 @@ def _rule(engine, name, category, device_type, dtype, cache_enabled, message):
             narrowed = _narrow_casts.NARROWED
 
             def act(func, args, kwargs):
-                t = _first_tensor(args, kwargs)
-                if t is not None and on(t):
+                t = _first_tensor(args, kwargs)  # the input: too small to pay -> skip the parse
+                if t is not None and on(t) and t.numel() >= _narrow_casts.MIN_ELEMENTS:
                     out = narrowed[name](func, args, kwargs)
                     if out is not _narrow_casts.NOT_NARROWED:
                         return out

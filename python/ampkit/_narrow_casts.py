@@ -72,7 +72,8 @@ def nll_loss(func, args, kwargs):
     """``nll_loss`` on float32 copies of the elements it reads, or NOT_NARROWED.
 
     ``func``: the callable (``F.nll_loss`` or ``torch._C._nn.nll_loss``); the
-    caller has decided that the op's inputs are to be cast to float32.
+    caller has decided that the op's inputs are to be cast to float32, and that
+    the input is large enough to pay (the engine asks for ``MIN_ELEMENTS``).
     """
     parsed = _nll_args(func, args, kwargs)
     if parsed is None:
@@ -82,7 +83,7 @@ def nll_loss(func, args, kwargs):
         weight is not None or not isinstance(inp, torch.Tensor) or not isinstance(target, torch.Tensor)
         or inp.dim() != 2 or target.dim() != 1 or target.dtype != torch.int64
         or inp.dtype == torch.float32 or not inp.is_floating_point() or inp.dtype == torch.float64
-        or inp.numel() < MIN_ELEMENTS or target.shape[0] != inp.shape[0] or target.device != inp.device
+        or target.shape[0] != inp.shape[0] or target.device != inp.device
     ):
         return NOT_NARROWED
     kept = target != ignore_index
