@@ -299,7 +299,7 @@ def _rule(engine, name, category, device_type, dtype, cache_enabled, message):
     elif category == "fp32_output":
 
         def act(func, args, kwargs):
-            t = _first_tensor(args, None)
+            t = _first_tensor(args, kwargs)  # torch.sum(input=x) names its tensor
             if (
                 t is None or kwargs.get("dtype") is not None or kwargs.get("out") is not None or t.dtype not in _CASTABLE or not on(t)
                 or any(isinstance(a, torch.dtype) for a in args)

@@ -84,6 +84,8 @@ def test_cuda_model_matches_native(name, low, request):
         pytest.param(lambda: F.softmax(torch.randn(3, 4, device="cuda").half(), -1), id="fp32_output_softmax"),
         pytest.param(lambda: torch.randn(3, 4, device="cuda").half().sum(), id="fp32_output_sum"),
         pytest.param(lambda: torch.randn(3, 4, device="cuda").half().sum(dtype=torch.float16), id="explicit_dtype_kept"),
+        pytest.param(lambda: torch.sum(input=torch.randn(3, 4, device="cuda").half()), id="fp32_output_sum_keyword"),
+        pytest.param(lambda: torch.cumsum(input=torch.randn(3, 4, device="cuda").half(), dim=1), id="fp32_output_cumsum_keyword"),
         pytest.param(lambda: torch.addcmul(torch.randn(3, device="cuda"), torch.randn(3, device="cuda").half(), torch.randn(3, device="cuda").half()), id="promote"),
         pytest.param(lambda: F.cross_entropy(torch.randn(4, 5, device="cuda").half(), torch.randint(0, 5, (4,), device="cuda")), id="cross_entropy"),
         pytest.param(lambda: F.interpolate(torch.randn(1, 2, 3, 3, device="cuda").half(), scale_factor=2, mode="bilinear"), id="interpolate_composite"),

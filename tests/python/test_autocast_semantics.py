@@ -367,6 +367,23 @@ def test_custom_policy_softmax_fp32_and_my_attention_low():
         assert torch.softmax(q.to(BF16), dim=-1).dtype == BF16
 
 
+@pytest.mark.parametrize("by_keyword, positional", [
+    (lambda x: torch.sum(input=x), lambda x: torch.sum(x)),
+    (lambda x: torch.cumsum(input=x, dim=0), lambda x: torch.cumsum(x, 0)),
+    (lambda x: torch.softmax(input=x, dim=0), lambda x: torch.softmax(x, 0)),
+], ids=["sum", "cumsum", "softmax"])
+def test_fp32_output_sees_a_tensor_passed_by_keyword(by_keyword, positional):
+    """A keyword call gets the positional call's float32 output (native does the same on cuda,
+    where these ops are fp32_output; the cpu table has none, so a policy lists them here)."""
+    policy = ampkit.load_policy("torch_default").with_ops(
+        "cpu", fp32_output=["sum", "cumsum", "softmax"])
+    x = torch.randn(6, 4).to(torch.bfloat16)
+    with ampkit.autocast("cpu", policy=policy):
+        got, want = by_keyword(x), positional(x)
+    assert want.dtype == got.dtype == torch.float32
+    assert torch.equal(got, want)
+
+
 def test_unlisted_user_op_body_is_seen():
     x, w = torch.randn(2, 4), torch.randn(3, 4)
     with ampkit.autocast("cpu"):
