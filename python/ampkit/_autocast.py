@@ -289,9 +289,10 @@ def _rule(engine, name, category, device_type, dtype, cache_enabled, message):
             narrowed = _narrow_casts.NARROWED
 
             def act(func, args, kwargs):
-                t = _first_tensor(args, kwargs)  # the input: too small to pay -> skip the parse
-                if t is not None and on(t) and t.numel() >= _narrow_casts.MIN_ELEMENTS:
-                    out = narrowed[name](func, args, kwargs)
+                t = _first_tensor(args, kwargs)
+                n = narrowed[name]  # (looked up per call: tests swap it)
+                if t is not None and on(t) and n.pays(t):
+                    out = n.run(func, args, kwargs)
                     if out is not _narrow_casts.NOT_NARROWED:
                         return out
                 return cast_everything(func, args, kwargs)

@@ -73,7 +73,7 @@ def nll_loss(func, args, kwargs):
 
     ``func``: the callable (``F.nll_loss`` or ``torch._C._nn.nll_loss``); the
     caller has decided that the op's inputs are to be cast to float32, and that
-    the input is large enough to pay (the engine asks for ``MIN_ELEMENTS``).
+    the input is large enough to pay (``NARROWED["nll_loss"].pays``).
     """
     parsed = _nll_args(func, args, kwargs)
     if parsed is None:
@@ -96,4 +96,17 @@ def nll_loss(func, args, kwargs):
     return torch._C._nn.nll_loss(picked, inner_target, None, red, _INNER_IGNORE)
 
 
-NARROWED = {"nll_loss": nll_loss}
+class Narrowing:
+    """One op's narrow cast: ``pays(input)`` (cheap, checked first), then ``run(func, args, kwargs)``."""
+
+    __slots__ = ("pays", "run")
+
+    def __init__(self, pays, run):
+        self.pays, self.run = pays, run
+
+
+def _large(t) -> bool:
+    return t.numel() >= MIN_ELEMENTS
+
+
+NARROWED = {"nll_loss": Narrowing(_large, nll_loss)}
