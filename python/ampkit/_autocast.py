@@ -469,6 +469,21 @@ def _cell_ok(cell):
         return False
 
 
+class _GuardFreeGlobals(dict):
+    """A module's globals seen through: the has_torch_function* guards return False,
+    every other name is read from the module at call time (never a stale copy)."""
+
+    __slots__ = ("module_globals",)
+
+    def __init__(self, module_globals):
+        super().__init__({n: _never for n in _GUARDS if n in module_globals})
+        self["__builtins__"] = module_globals.get("__builtins__", __builtins__)
+        self.module_globals = module_globals
+
+    def __missing__(self, name):
+        return self.module_globals[name]
+
+
 _guardfree_globals: dict = {}
 
 
@@ -476,12 +491,8 @@ def _guardfree(func):
     """A clone of ``func`` whose has_torch_function* guards return False."""
     key = id(func.__globals__)
     g = _guardfree_globals.get(key)
-    if g is None:
-        g = dict(func.__globals__)
-        for n in _GUARDS:
-            if n in g:
-                g[n] = _never
-        _guardfree_globals[key] = g
+    if g is None or g.module_globals is not func.__globals__:
+        g = _guardfree_globals[key] = _GuardFreeGlobals(func.__globals__)
     clone = types.FunctionType(func.__code__, g, func.__name__, func.__defaults__, func.__closure__)
     clone.__kwdefaults__ = func.__kwdefaults__
     return clone

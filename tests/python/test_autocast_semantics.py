@@ -384,6 +384,29 @@ def test_fp32_output_sees_a_tensor_passed_by_keyword(by_keyword, positional):
     assert torch.equal(got, want)
 
 
+def test_composite_bodies_see_a_module_patched_after_their_first_region(monkeypatch):
+    """ampkit runs F.multi_head_attention_forward's body through a clone; a later patch of
+    F.linear must reach that clone as it reaches the function natively."""
+    mha = torch.nn.MultiheadAttention(8, 2)
+    q = torch.randn(3, 2, 8)
+    with ampkit.autocast("cpu"):
+        mha(q, q, q)  # the clone exists now
+    calls = []
+    real = F.linear
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(F, "linear", spy)
+    mha(q, q, q)
+    native = len(calls)
+    calls.clear()
+    with ampkit.autocast("cpu"):
+        mha(q, q, q)
+    assert native > 0 and len(calls) == native
+
+
 def test_unlisted_user_op_body_is_seen():
     x, w = torch.randn(2, 4), torch.randn(3, 4)
     with ampkit.autocast("cpu"):
