@@ -646,10 +646,16 @@ class GradScaler:
         # momentum buffer with empty_like, so a skipped first step would leave garbage that
         # the next step reads (torch's scaler does). Zero state born in a skipped step: for
         # SGD (dampening=0) the next step then starts from buf = grad, as a first step does.
+        # The kernels skip on every device when any device overflowed (they get the summed
+        # found_inf), so the mask is the summed flag too, moved to each state's device.
+        skipped = {}
         for p in fresh:
             for v in state.get(p, {}).values():
                 if isinstance(v, torch.Tensor):
-                    v.masked_fill_(found.get(v.device, found_inf).to(v.device) > 0, 0)
+                    mask = skipped.get(v.device)
+                    if mask is None:
+                        mask = skipped[v.device] = found_inf.to(v.device) > 0
+                    v.masked_fill_(mask, 0)
         self._per_optimizer[id(optimizer)] = _OptRecord(OptState.STEPPED, found)
         return retval
 
