@@ -18,8 +18,9 @@ from Python. The state machine of one step object:
     GRAPH: a batch of the captured shapes/dtypes        -> copy into static buffers, replay
            a batch of other shapes/dtypes               -> this call runs eagerly (warn once)
            optimizer hyperparameters, optimizer.load_state_dict(),
-           train/eval mode or requires_grad changed     -> capture again (twice at most,
-                                                           then EAGER with a warning)
+           train/eval mode or requires_grad changed     -> one eager step, then capture
+                                                           again (twice at most, then
+                                                           EAGER with a warning)
     EAGER: every call runs the loop above; ``step.reason`` says why.
 
 Exact skips inside the graph: the graph contains no host decision. The scaler hands the
@@ -147,6 +148,7 @@ class TrainStep:
                 "its skips are sync-free (is_sync_free) and resets it after a failed capture")
         self.scaler = scaler
         self.warmup = warmup
+        self._warm_left = warmup  # eager steps to run before the next capture
         self._capture = capture
         self.calls = 0
         self.replays = 0
@@ -200,9 +202,13 @@ class TrainStep:
                         f"changed after {self.captures} captures (a learning-rate schedule "
                         "with a float lr, say: give the optimizer a tensor lr to keep the "
                         "graph)", flat_in, flat_tg)
-                return self._capture_and_replay(flat_in, flat_tg)
-            return self._replay(flat_in, flat_tg)
-        if self.calls <= self.warmup:
+                # One eager step first: a parameter that now requires grad gets its
+                # optimizer state there, not inside the capture (where it is never run).
+                self._warm_left = 1
+            else:
+                return self._replay(flat_in, flat_tg)
+        if self._warm_left > 0:
+            self._warm_left -= 1
             return self._warmup(flat_in, flat_tg)
         return self._capture_and_replay(flat_in, flat_tg)
 
@@ -253,7 +259,7 @@ class TrainStep:
     def _capture_and_replay(self, flat_in, flat_tg) -> torch.Tensor:
         self._static_in = [t.detach().clone() for t in flat_in]
         self._static_tg = [t.detach().clone() for t in flat_tg]
-        n_state = len(self.optimizer.state)
+        state_before = set(self.optimizer.state)
         scale_before = self.scaler._scale
         self.optimizer.zero_grad(set_to_none=True)
         graph = torch.cuda.CUDAGraph()
@@ -263,16 +269,17 @@ class TrainStep:
                                          cache_enabled=False)
             torch.cuda.current_stream().wait_stream(self._stream)
         except Exception as e:  # noqa: BLE001 - reported, then eager or re-raised
-            self._after_failed_capture()
+            self._after_failed_capture(state_before)
             why = f"the capture failed: {type(e).__name__}: {e}"
             if self._capture is True:
                 raise RuntimeError(f"make_train_step(capture=True): {why}") from e
             return self._give_up(why, flat_in, flat_tg)
         # Lazily created state inside the graph would be re-created on every replay.
         why = None
-        if len(self.optimizer.state) != n_state:
+        if set(self.optimizer.state) != state_before:
             why = ("the optimizer created state during the capture (raise warmup so "
                    "that every parameter has taken a step first)")
+            self._forget_state_since(state_before)
         elif self.scaler._scale is not scale_before:
             why = "the scaler created its scale during the capture (raise warmup)"
         if why is not None:
@@ -311,13 +318,20 @@ class TrainStep:
         self._warn(why)
         return self._eager(flat_in, flat_tg)
 
-    def _after_failed_capture(self):
+    def _after_failed_capture(self, state_before):
         try:
             torch.cuda.synchronize()
         except Exception:  # noqa: BLE001 - the eager step will surface a broken context
             pass
         self.optimizer.zero_grad(set_to_none=True)  # grads from the aborted capture
         self.scaler.reset_iteration()  # forget the aborted iteration's stages
+        self._forget_state_since(state_before)
+
+    def _forget_state_since(self, state_before):
+        # State allocated during a capture was only recorded, never computed: drop it so
+        # that the next eager step creates it again.
+        for p in [p for p in self.optimizer.state if p not in state_before]:
+            del self.optimizer.state[p]
 
     def _drop_graph(self):
         self._graph = None

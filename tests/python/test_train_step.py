@@ -305,16 +305,21 @@ def test_non_scalar_loss_raises():
 def test_an_aborted_capture_leaves_the_scaler_ready_for_the_eager_step():
     """After a failed capture the iteration's half-done scaler stages are forgotten through
     the scaler's public reset, and the eager step that follows runs as a first step would."""
-    model, loss_fn, opt = _parts()
+    model, loss_fn, _ = _parts()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # it has state to forget
     step = ampkit.make_train_step(model, loss_fn, opt, scaler=make_scaler(), autocast=AC,
                                   capture=False)
     x, y = make_batches(n=1, poison=False)[0]
+    state_before = set(opt.state)
     with ampkit.autocast(**AC):  # an iteration abandoned after step(), before update()
         step.scaler.scale(loss_fn(model(x), y)).backward()
     step.scaler.step(opt)
     assert step.scaler.stage(opt) is ampkit._scaler.OptState.STEPPED
-    step._after_failed_capture()
+    assert set(opt.state) != state_before
+    step._after_failed_capture(state_before)
     assert step.scaler.stage(opt) is ampkit._scaler.OptState.READY
     assert all(p.grad is None for p in model.parameters())
+    assert set(opt.state) == state_before  # state born in the aborted capture is dropped
     step(x, y)  # would raise "step() was already called" without the reset
     assert step.scaler.stats().steps == 1
+    assert set(opt.state) == set(model.parameters())

@@ -184,6 +184,33 @@ def test_changed_lr_and_loaded_optimizer_state_recapture():
         torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+def test_unfreezing_a_layer_warms_up_then_recaptures(opt_name):
+    """A layer that starts requiring grad has no optimizer state yet: the step runs one eager
+    step (the state is computed there), then captures again, and stays a graph."""
+    batches = make_batches(n=12)
+    res = {}
+    for capture in (False, "auto"):
+        model = make_mlp()
+        model[0].requires_grad_(False)
+        opt = OPTIMIZERS[opt_name](model.parameters())
+        step = ampkit.make_train_step(model, torch.nn.functional.mse_loss, opt,
+                                      scaler=scaler(), autocast=AC, capture=capture)
+        for i, (x, y) in enumerate(batches):
+            if i == 6:
+                model[0].requires_grad_(True)
+            step(x, y)
+        res[capture] = (model, opt, step)
+    (e_model, e_opt, _), (c_model, c_opt, c_step) = res[False], res["auto"]
+    assert c_step.captures == 2 and c_step.captured and c_step.reason is None, c_step
+    assert set(c_opt.state) == set(c_model.parameters())
+    for p, q in zip(c_model.parameters(), e_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-3)
+    for p, q in zip(c_model.parameters(), e_model.parameters()):
+        for k, v in c_opt.state[p].items():
+            torch.testing.assert_close(v, e_opt.state[q][k], rtol=1e-3, atol=1e-3)
+
+
 @pytest.mark.parametrize("make, match", [
     (lambda p: torch.optim.SGD(p, lr=1e-2), "fused=True"),
     (lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True), "capturable=True"),
