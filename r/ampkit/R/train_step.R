@@ -7,6 +7,10 @@
 #' and returns the loss tensor. On CUDA the core captures the step in a CUDA
 #' graph where that is exact; elsewhere it runs eagerly.
 #'
+#' R holds only the returned loss, so the step leaves no large tensors to R's
+#' garbage collector; a CUDA out-of-memory error in a step collects R's
+#' garbage (from other code) before it is raised (see [amp_gc()]).
+#'
 #' @param model A torch module, called as `model(inputs)`.
 #' @param loss_fn A loss module or function, called as `loss_fn(output, targets)`.
 #' @param optimizer An optimizer over the model's parameters.
@@ -20,9 +24,6 @@
 #'   a CUDA graph.
 #' @param warmup Eager steps before the capture.
 #'
-#' R holds only the returned loss, so the step leaves no large tensors to R's
-#' garbage collector; a CUDA out-of-memory error in a step collects R's
-#' garbage (from other code) before it is raised (see [amp_gc()]).
 #' @return A function `step(inputs, targets)` of class `ampkit_train_step`;
 #'   `inputs` and `targets` are tensors or lists of tensors. The Python
 #'   `TrainStep` is in `attr(step, "py")`.
@@ -41,14 +42,12 @@ amp_train_step <- function(model, loss_fn, optimizer, ..., scaler = NULL,
                            cache_enabled = NULL, policy = NULL,
                            capture = "auto", warmup = 3) {
   if (...length()) check_dots_empty_(...)
-  autocast <- NULL
-  if (!is.null(device_type)) {
-    autocast <- list(device_type = as_device_type(device_type),
-                     dtype = as_py_dtype(dtype), enabled = as_py_bool(enabled),
-                     cache_enabled = as_py_bool(cache_enabled, null_ok = TRUE),
-                     policy = as_py_policy(policy))
-    autocast <- autocast[!vapply(autocast, is.null, logical(1))]
-  }
+  # NULL entries are left out: the core fills in device_type (from the parameters) and dtype.
+  autocast <- list(device_type = if (!is.null(device_type)) as_device_type(device_type),
+                   dtype = as_py_dtype(dtype), enabled = as_py_bool(enabled),
+                   cache_enabled = as_py_bool(cache_enabled, null_ok = TRUE),
+                   policy = as_py_policy(policy))
+  autocast <- autocast[!vapply(autocast, is.null, logical(1))]
   if (inherits(scaler, "ampkit_grad_scaler")) scaler <- scaler$py
   if (!(identical(capture, "auto") || isTRUE(capture) || isFALSE(capture))) {
     abort(sprintf("`capture` must be \"auto\", TRUE or FALSE, not %s.", describe(capture)),

@@ -41,3 +41,28 @@ test_that("amp_train_step() checks its arguments in R", {
   expect_error(amp_train_step(net, nn_mse_loss(), opt, capture = "yes"), class = "ampkit_bad_argument")
   expect_error(amp_train_step(net, nn_mse_loss(), opt, "cpu"), class = "ampkit_bad_argument")
 })
+
+test_that("amp_train_step() passes the region's arguments when the device comes from the model", {
+  skip_if_no_ampkit()
+  torch_manual_seed(13)
+  xs <- lapply(1:3, function(i) torch_randn(16, 4))
+  ys <- lapply(1:3, function(i) torch_randn(16, 1))
+  losses <- function(make_step) {
+    torch_manual_seed(14)
+    net <- nn_sequential(nn_linear(4, 8), nn_relu(), nn_linear(8, 1))
+    opt <- optim_sgd(net$parameters, lr = 0.05)
+    step <- make_step(net, opt)
+    vapply(1:3, function(i) step(xs[[i]], ys[[i]])$item(), numeric(1))
+  }
+  # enabled = FALSE with no device_type: the steps run in float32, as with device_type given
+  off <- losses(function(net, opt) amp_train_step(net, nn_mse_loss(), opt, enabled = FALSE,
+                                                  capture = FALSE))
+  off_cpu <- losses(function(net, opt) amp_train_step(net, nn_mse_loss(), opt, device_type = "cpu",
+                                                      enabled = FALSE, capture = FALSE))
+  on <- losses(function(net, opt) amp_train_step(net, nn_mse_loss(), opt, capture = FALSE))
+  expect_identical(off, off_cpu)
+  expect_false(identical(off, on))  # (bfloat16 by default on the cpu: other losses)
+  step <- amp_train_step(nn_linear(2, 1), nn_mse_loss(), optim_sgd(nn_linear(2, 1)$parameters, lr = 0.1),
+                         dtype = "float16", capture = FALSE)
+  expect_identical(reticulate::py_str(attr(step, "py")$`_autocast`$dtype), "torch.float16")
+})
