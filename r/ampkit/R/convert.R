@@ -79,8 +79,15 @@ as_py_dtype <- function(x, arg = "dtype", null_ok = TRUE) {
     abort(sprintf("`%s` must be a torch dtype or one of %s, not %s.", arg, fmt(DTYPES), describe(x)),
           class = "ampkit_bad_dtype")
   }
-  py_ready()
-  py_torch[[sub("^torch[._]", "", x)]]
+  # Cached with the other hot-path handles: a region that names its dtype every
+  # step would otherwise pay a ~100 us lookup in torch each time.
+  key <- paste0("dtype:", sub("^torch[._]", "", x))
+  dt <- .h[[key]]
+  if (is.null(dt)) {
+    py_ready()
+    dt <- .h[[key]] <- py_torch[[sub("^torch[._]", "", x)]]
+  }
+  dt
 }
 
 # Tensor sizes: R numbers -> a Python list of ints.
