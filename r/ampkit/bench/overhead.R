@@ -15,6 +15,9 @@ steps <- if (length(args) >= 1) args[[1]] else 200L
 repeats <- if (length(args) >= 2) args[[2]] else 7L
 
 library(ampkit)
+# Start Python through the package first: it loads torch with its own BLAS (see
+# keep_torch_blas()); a torch imported by reticulate first would use R's sgemm.
+stopifnot(ampkit_available())
 torch <- reticulate::import("torch")
 torch$set_num_threads(1L)
 
