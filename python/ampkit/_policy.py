@@ -232,7 +232,21 @@ class Policy:
         return self._edit(device, moves)
 
     def without_ops(self, *names, device=None) -> "Policy":
-        """A copy in which ``names`` are in no category (run untouched)."""
+        """A copy in which ``names`` are in no category (run untouched).
+
+        Each name must be listed (in a category or under ``decompose``) on at least
+        one of the devices: removing what is not there is most likely a typo.
+
+        >>> import ampkit
+        >>> ampkit.load_policy("torch_default").without_ops("mm", device="cpu").category("cpu", "mm")
+        """
+        targets = self._targets(device)
+        for n in names:
+            _ops_mod().check_name(n, "without_ops")
+            if not any(self.category(d, n) or self.decomposes(d, n) for d in targets):
+                raise PolicyError(
+                    f"without_ops: op {n!r} is in no category on {', '.join(targets)}, so there is "
+                    "nothing to remove; `str(policy)` lists each device's ops")
         return self._edit(device, {n: (None, None) for n in names})
 
     def _edit(self, device, moves) -> "Policy":

@@ -269,3 +269,13 @@ def test_drift_check_command_line_errors(capsys):
 def test_drift_check_cuda_without_gpu_says_so(capsys):
     assert drift.main(["check", "--device", "cuda"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("names, device, match", [
+    (("matmull",), None, "unknown op 'matmull'"),
+    (("relu",), None, "op 'relu' is in no category on cpu, cuda"),
+    (("cosh",), "cpu", "op 'cosh' is in no category on cpu"),  # fp32 on cuda only
+])
+def test_without_ops_rejects_what_is_not_listed(names, device, match):
+    with pytest.raises(ampkit.PolicyError, match=match):
+        DEFAULT.without_ops(*names, device=device)
