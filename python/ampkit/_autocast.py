@@ -523,7 +523,7 @@ def _classify(engine, func):
     """Action for a func not in the compiled table (cached by the caller)."""
     if _is_inplace(func):
         return None
-    user = _USER_WRAPPERS.get(func) if _hashable(func) else None
+    user = _USER_WRAPPERS.get(func)  # (func is hashable: _slow looked it up in a dict first)
     if user is not None:  # a registered user op that the policy does not list
         return _run_inside(engine, user, func)
     if isinstance(func, types.FunctionType) and (getattr(func, "__module__", "") or "").startswith("torch"):
@@ -532,14 +532,6 @@ def _classify(engine, func):
         if names and _reaches(func, names, table[_REACH_KEY]):
             return _run_inside(engine, _guardfree(func), func)
     return None
-
-
-def _hashable(x):
-    try:
-        hash(x)
-        return True
-    except TypeError:
-        return False
 
 
 # --------------------------------------------------------------------------- public API
