@@ -392,8 +392,9 @@ def _compile(engine, frame) -> dict:
         if not enabled:
             continue
         rules = policy.rules(device_type)
-        for cat in CATEGORIES:
-            for name in rules.ops(cat):
+        listed = [(cat, rules.ops(cat)) for cat in CATEGORIES] + [("decompose", rules.decompose)]
+        for cat, ops in listed:
+            for name in ops:
                 msg = rules.ban_message(name) if cat == "banned" else None
                 act = _rule(engine, name, cat, device_type, dtype, cache_enabled, msg)
                 for func in _ops.resolve(name):
@@ -403,13 +404,6 @@ def _compile(engine, frame) -> dict:
                     if not isinstance(func, types.FunctionType):  # builtins: ATen-style names
                         names.add(getattr(func, "__name__", name))
                 names.add(name.rsplit(".", 1)[-1])
-        for name in rules.decompose:
-            act = _rule(engine, name, "decompose", device_type, dtype, cache_enabled, None)
-            for func in _ops.resolve(name):
-                per_func.setdefault(func, []).append(act)
-                if not isinstance(func, types.FunctionType):
-                    names.add(getattr(func, "__name__", name))
-            names.add(name)
     table = {f: _dispatch(acts) for f, acts in per_func.items()}
     table[_NAMES_KEY] = frozenset(names)
     table[_REACH_KEY] = {}

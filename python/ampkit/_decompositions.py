@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn import _reduction
 
-_REDUCTIONS = ("none", "mean", "sum")  # ATen's at::Reduction enum: None=0, Mean=1, Sum=2
+REDUCTIONS = ("none", "mean", "sum")  # ATen's at::Reduction enum: None=0, Mean=1, Sum=2
 
 
 # --------------------------------------------------------------------------- cross_entropy
@@ -133,7 +133,7 @@ def _cross_entropy_aten(self, target, weight=None, reduction=1, ignore_index=-10
     """``torch._C._nn.cross_entropy_loss``'s signature (reduction as ATen's enum)."""
     if reduction not in (0, 1, 2):
         raise RuntimeError(f"Invalid reduction type encountered in cross_entropy: {reduction}")
-    return cross_entropy(self, target, weight, _REDUCTIONS[reduction], ignore_index, label_smoothing)
+    return cross_entropy(self, target, weight, REDUCTIONS[reduction], ignore_index, label_smoothing)
 
 
 # --------------------------------------------------------------------------- pairwise_distance, trace

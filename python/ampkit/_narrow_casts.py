@@ -37,8 +37,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn import _reduction
 
+from ampkit._decompositions import REDUCTIONS
+
 MIN_ELEMENTS = 1 << 16  # below this the gather's extra small kernels cost more than they save
-_REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}  # ATen's at::Reduction enum
 _INNER_IGNORE = -1  # the (batch, 1) call's ignore_index: targets there are 0 or this
 NOT_NARROWED = object()
 
@@ -62,7 +63,7 @@ def _nll_args(func, args, kwargs):
     if func is F.nll_loss:
         if a["size_average"] is not None or a["reduce"] is not None:
             red = _reduction.legacy_get_string(a["size_average"], a["reduce"], emit_warning=False)
-        red = _REDUCTIONS.get(red) if isinstance(red, str) else None
+        red = REDUCTIONS.index(red) if red in REDUCTIONS else None
     if red not in (0, 1, 2) or type(a["ignore_index"]) is not int:
         return None
     return a["input"], a["target"], a["weight"], red, a["ignore_index"]
