@@ -25,6 +25,8 @@ __all__ = ["GradScaler", "OptState", "ScalerStats", "cuda_amp_grad_scaler", "HIS
 HISTORY_SIZE = 1024
 
 _INT32_MAX = 2**31 - 1
+# The stats counters (int64 on the device) count modulo this; a loaded _steps must be below.
+_COUNT_LIMIT = 2**62
 # torch's C++ grouping of tensor lists by (device, dtype), used by its foreach optimizers.
 _GROUP = getattr(torch._C, "_group_tensors_by_device_and_dtype", None)
 _F32_MAX = float(torch.finfo(torch.float32).max)
@@ -421,7 +423,7 @@ class GradScaler:
         # Stats step: counters = (counters + delta) % modulus, elementwise, with (delta,
         # modulus) picked by the inf flag: steps+1, skipped+flag, gap+1 (mod 1 -> 0 on a
         # skip), slot+1 (mod HISTORY_SIZE). Two in-place kernels, no sync.
-        big = 2**62
+        big = _COUNT_LIMIT
         table = torch.tensor(
             [[[1, 0, 1, 1], [big, big, big, HISTORY_SIZE]], [[1, 1, 1, 1], [big, big, 1, HISTORY_SIZE]]],
             dtype=torch.int64,
@@ -757,22 +759,24 @@ class GradScaler:
                 "counters": [int(c) for c in p["counters"]],
                 "history": [float(h) for h in p["history"]],
             }
+        # One int64 buffer: the counters (up to 2**62) stay exact, which float64 would not
+        # keep past 2**53; the float fields travel as the bits of their float64 values.
         packed = torch.cat(
             (
-                self._scale.double().reshape(1),
-                self._growth_tracker.double().reshape(1),
-                self._overflow_run.double().reshape(1),
-                self._counters.double(),
-                self._history.double(),
+                self._growth_tracker.long().reshape(1),
+                self._overflow_run.long().reshape(1),
+                self._counters,
+                self._scale.double().reshape(1).view(torch.int64),
+                self._history.double().view(torch.int64),
             )
         ).cpu()
-        values = packed.tolist()
+        ints, floats = packed[:6].tolist(), packed[6:].view(torch.float64).tolist()
         return {
-            "scale": values[0],
-            "growth_tracker": int(values[1]),
-            "hysteresis_left": max(self._hysteresis - int(values[2]), 1),
-            "counters": _from_device_counters([int(v) for v in values[3:7]]),
-            "history": values[7:],
+            "scale": floats[0],
+            "growth_tracker": ints[0],
+            "hysteresis_left": max(self._hysteresis - ints[1], 1),
+            "counters": _from_device_counters(ints[2:6]),
+            "history": floats[1:],
         }
 
     def stats(self) -> ScalerStats:
@@ -902,7 +906,7 @@ class GradScaler:
             raise ValueError(
                 f"{q('scale')}={new['scale']!r} lies outside its own clamps [{lo}, {hi}]"
             )
-        steps = _int(q("_steps"), sd["_steps"], 0, 2**62)
+        steps = _int(q("_steps"), sd["_steps"], 0, _COUNT_LIMIT - 1)
         skipped = _int(q("_skipped"), sd["_skipped"], 0, steps)
         last = _int(q("_last_skipped"), sd["_last_skipped"], -1 if skipped == 0 else 0,
                     -1 if skipped == 0 else steps - 1)

@@ -565,6 +565,26 @@ def test_state_dict_round_trips_every_field_with_non_default_values():
         sd = scaler.state_dict()
 
 
+@pytest.mark.parametrize("initialized", [True, False], ids=["after-scale", "before-scale"])
+def test_state_dict_keeps_counters_past_2_to_the_53_exactly(initialized):
+    """The counters are int64 on the device; float64 would round 2**53 + 1 to 2**53."""
+    big = 2**53 + 1
+    sd = _our_sd()
+    sd.update(_steps=big + 2, _skipped=big, _last_skipped=big + 1)
+    scaler = ampkit.GradScaler("cpu", init_scale=16.0, hysteresis=2, min_scale=1.0)
+    toy = Toy(scaler)
+    if initialized:
+        toy.iterate(False)
+    scaler.load_state_dict(sd)
+    assert scaler.state_dict() == sd
+    toy.iterate(True)
+    s = scaler.stats()
+    assert (s.steps, s.skipped, s.last_skipped) == (big + 3, big + 1, big + 2)
+    assert s.history_steps[-1] == big + 2
+    sd = scaler.state_dict()
+    assert (sd["_steps"], sd["_skipped"], sd["_last_skipped"]) == (big + 3, big + 1, big + 2)
+
+
 def test_loading_a_torch_state_dict_clamps_and_refills_hysteresis():
     theirs = torch.amp.GradScaler("cpu", init_scale=2.0**30, growth_interval=5)
     Toy(theirs).iterate(False)
@@ -746,6 +766,7 @@ BAD_SD = [
     (lambda sd: sd.update(_hysteresis_left=5), ValueError, r"_hysteresis_left'\]=5"),
     (lambda sd: sd.update(min_scale=32.0), ValueError, r"lies outside its own clamps"),
     (lambda sd: sd.update(_skipped=9), ValueError, r"_skipped'\]=9"),
+    (lambda sd: sd.update(_steps=2**62), ValueError, r"_steps'\]=4611686018427387904 .*\[0, 4611686018427387903\]"),
     (lambda sd: sd.update(_scale_history=[1.0]), ValueError, r"list of 1024 floats"),
     (lambda sd: sd.update(_scale_history=[1.0] * 1023 + ["x"]), TypeError, r"_scale_history'\]\[1023\]"),
     (lambda sd: sd.clear(), ValueError, r"empty dict.*disabled"),
