@@ -166,6 +166,22 @@ def _from_device_counters(values: list[int]) -> list[int]:
     return [steps, skipped, steps - 1 - gap if skipped else -1]
 
 
+def _any_flag(flags, device: torch.device) -> torch.Tensor:
+    """One inf flag on ``device`` from several 1.0/0.0 flags (per device, per optimizer).
+
+    Their max, not their sum: it stays 1.0 or 0.0, and fused optimizers skip a step only
+    when ``found_inf == 1.0`` (two overflowing devices would sum to 2.0 and step). A lone
+    flag already on ``device`` is returned as is (no kernel); each further one costs one
+    ``maximum`` (plus a copy if it lives elsewhere). No sync.
+    """
+    total = None
+    for flag in flags:
+        if flag.device != device:
+            flag = flag.to(device, non_blocking=True)
+        total = flag if total is None else torch.maximum(total, flag)
+    return total
+
+
 def _finite_probes(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """Scalars, read from ``grads`` without writing them, non-finite iff a grad holds inf/NaN.
 
@@ -620,10 +636,7 @@ class GradScaler:
         return retval
 
     def _fused_step(self, optimizer, stage, scale, found, args, kwargs):
-        if len(found) == 1 and scale.device in found:  # one device: no extra kernel
-            found_inf = found[scale.device]
-        else:
-            found_inf = sum(t.to(scale.device, non_blocking=True) for t in found.values())
+        found_inf = _any_flag(found.values(), scale.device)
         state = optimizer.state
         fresh = [
             p for g in optimizer.param_groups for p in g["params"]
@@ -648,8 +661,8 @@ class GradScaler:
         # momentum buffer with empty_like, so a skipped first step would leave garbage that
         # the next step reads (torch's scaler does). Zero state born in a skipped step: for
         # SGD (dampening=0) the next step then starts from buf = grad, as a first step does.
-        # The kernels skip on every device when any device overflowed (they get the summed
-        # found_inf), so the mask is the summed flag too, moved to each state's device.
+        # The kernels skip on every device when any device overflowed (they get the combined
+        # found_inf), so the mask is the combined flag too, moved to each state's device.
         skipped = {}
         for p in fresh:
             for v in state.get(p, {}).values():
@@ -675,20 +688,17 @@ class GradScaler:
         if new_scale is not None:
             self._set_scale(scale, new_scale)
         else:
-            found_infs = [
-                t.to(device=scale.device, non_blocking=True)
-                for record in self._per_optimizer.values()
+            flags = [
+                t for record in self._per_optimizer.values()
                 for t in record.found_inf_per_device.values()
             ]
-            if not found_infs:
+            if not flags:
                 raise RuntimeError(
                     "update() found no inf/NaN checks: no optimizer was stepped (or unscaled) "
                     f"since the last update(); the order is {_ORDER}. Call "
                     "scaler.step(optimizer) first, or update(new_scale=...) to set the scale."
                 )
-            found = found_infs[0]
-            for f in found_infs[1:]:
-                found = found + f
+            found = _any_flag(flags, scale.device)
             host = [r.host_found for r in self._per_optimizer.values()]
             self._update_scale(found, None if None in host else any(host))
         self._per_optimizer = {}

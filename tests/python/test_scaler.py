@@ -896,6 +896,45 @@ def test_is_sync_free_says_whether_step_and_update_read_the_device(make, enabled
         assert scaler.stats().skipped == 1
 
 
+@pytest.mark.skipif(not _fused_supported("sgd_fused"), reason="this torch has no fused CPU SGD")
+def test_fused_step_skips_when_several_devices_overflow():
+    """Fused kernels skip only when found_inf == 1.0, so the per-device flags are combined
+    by max: summed, two overflowing devices gave 2.0 and the step ran on inf gradients. The
+    CPU has one device; the second GPU's flag is planted under another device key."""
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.SGD([p], lr=0.1, fused=True)
+    scaler = ampkit.GradScaler("cpu", init_scale=8.0)
+    scaler.scale(p.sum()).backward()
+    p.grad[1] = INF
+    scaler.unscale_(opt)
+    flags = scaler._per_optimizer[id(opt)].found_inf_per_device
+    flags[torch.device("cpu", 1)] = torch.ones(())
+    before = p.detach().clone()
+    scaler.step(opt)
+    assert bits_equal(p.detach(), before)
+    scaler.update()
+    s = scaler.stats()
+    assert (s.skipped, s.scale) == (1, 4.0)
+
+
+@pytest.mark.skipif(not _fused_supported("sgd_fused"), reason="this torch has no fused CPU SGD")
+def test_fused_step_on_one_device_passes_its_flag_itself():
+    """No kernel to combine a lone flag: the optimizer gets the checked flag tensor itself."""
+
+    class Spy(torch.optim.SGD):
+        def step(self, *args, **kwargs):
+            self.seen = self.found_inf
+            return super().step(*args, **kwargs)
+
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = Spy([p], lr=0.1, fused=True)
+    scaler = ampkit.GradScaler("cpu")
+    scaler.scale(p.sum()).backward()
+    scaler.step(opt)
+    assert opt.seen is scaler._per_optimizer[id(opt)].found_inf_per_device[p.device]
+    scaler.update()
+
+
 class _Writes(TorchDispatchMode):
     """Records every op that writes into one of ``watched`` (by its schema's alias info)."""
 

@@ -213,3 +213,26 @@ def test_fused_check_flags_like_torch_reads_only_and_captures(dtype):
         graph.replay()
         assert torch.equal(flag, _torch_check(grads)), value
         assert bool(flag) == (value != value or value == -INF), value
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_fused_step_skips_when_both_gpus_overflow():
+    """A model across two GPUs, an inf input: both devices' flags are 1.0, and the fused
+    kernel (which skips only on found_inf == 1.0) gets 1.0, not their sum."""
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(8, 8).to("cuda:0"), torch.nn.Linear(8, 1).to("cuda:1")
+    params = list(a.parameters()) + list(b.parameters())
+    opt = torch.optim.SGD(params, lr=0.1, fused=True)
+    scaler = ampkit.GradScaler("cuda", init_scale=2.0**16)
+    x = torch.randn(4, 8, device="cuda:0")
+    x[0, 0] = INF
+    scaler.scale(b(a(x).to("cuda:1")).pow(2).mean()).backward()
+    before = [p.detach().clone() for p in params]
+    scaler.step(opt)
+    flags = scaler._per_optimizer[id(opt)].found_inf_per_device
+    assert sorted(str(d) for d in flags) == ["cuda:0", "cuda:1"]
+    assert [float(f) for f in flags.values()] == [1.0, 1.0]
+    assert all(torch.equal(p.detach(), q) for p, q in zip(params, before))
+    scaler.update()
+    s = scaler.stats()
+    assert (s.skipped, s.scale) == (1, 2.0**15)
