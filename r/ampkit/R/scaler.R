@@ -7,8 +7,9 @@
 #' `growth_interval` clean steps it grows again. The state machine is the
 #' ampkit Python core's `GradScaler`.
 #'
-#' `cuda_amp_grad_scaler()` is `amp_grad_scaler(device = "cuda", ...)`, under
-#' the name R torch uses.
+#' `cuda_amp_grad_scaler(...)` is `amp_grad_scaler(device = "cuda", ...)`,
+#' under the name R torch uses: it takes the same arguments (but `device`) with
+#' the same defaults.
 #'
 #' The returned object has these methods:
 #' \describe{
@@ -43,9 +44,10 @@
 #' @param growth_interval How many clean steps in a row before the scale grows.
 #' @param enabled `FALSE` makes every method a pass-through (`$scale(x)`
 #'   returns `x`, `$step()` just steps), so one loop serves both cases.
-#' @param ... Further options of the Python `GradScaler`, by name:
-#'   `hysteresis` (how many overflowing steps before the scale backs off),
-#'   `min_scale`, `max_scale`.
+#' @param ... For `amp_grad_scaler()`: further options of the Python
+#'   `GradScaler`, by name: `hysteresis` (how many overflowing steps before the
+#'   scale backs off), `min_scale`, `max_scale`. For `cuda_amp_grad_scaler()`:
+#'   the arguments of `amp_grad_scaler()` after `device`.
 #' @return An object of class `ampkit_grad_scaler` (an R6 object).
 #' @seealso [with_autocast()], [amp_gc()]
 #' @export
@@ -81,12 +83,14 @@ amp_grad_scaler <- function(device = "cuda", init_scale = 2^16, growth_factor = 
 
 #' @rdname amp_grad_scaler
 #' @export
-cuda_amp_grad_scaler <- function(init_scale = 2^16, growth_factor = 2,
-                                 backoff_factor = 0.5, growth_interval = 2000,
-                                 enabled = TRUE, ...) {
-  amp_grad_scaler(device = "cuda", init_scale = init_scale,
-                  growth_factor = growth_factor, backoff_factor = backoff_factor,
-                  growth_interval = growth_interval, enabled = enabled, ...)
+cuda_amp_grad_scaler <- function(...) {
+  # The defaults live in amp_grad_scaler() alone; a `device` here would be
+  # matched twice, so it gets the package's error instead of R's.
+  if ("device" %in% names(list(...))) {
+    abort("cuda_amp_grad_scaler() is for \"cuda\"; for another device use amp_grad_scaler(device = ...).",
+          class = "ampkit_bad_argument")
+  }
+  amp_grad_scaler(device = "cuda", ...)
 }
 
 scaler_options <- function(..., hysteresis = NULL, min_scale = NULL, max_scale = NULL) {

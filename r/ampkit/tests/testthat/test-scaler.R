@@ -158,6 +158,22 @@ test_that("cuda_amp_grad_scaler() is amp_grad_scaler(device = 'cuda')", {
   expect_equal(s$is_enabled(), cuda_is_available())
 })
 
+test_that("cuda_amp_grad_scaler() takes amp_grad_scaler()'s arguments and defaults, but not `device`", {
+  skip_if_no_ampkit()
+  quiet <- function(code) withCallingHandlers(code, ampkit_python_warning = function(w) invokeRestart("muffleWarning"))
+  # the defaults: one state, field by field
+  expect_identical(quiet(cuda_amp_grad_scaler())$state_dict(),
+                   quiet(amp_grad_scaler("cuda"))$state_dict())
+  # arguments by name and by position, the extra options of `...` too
+  a <- quiet(cuda_amp_grad_scaler(2^9, 3, growth_interval = 7, hysteresis = 2))
+  b <- quiet(amp_grad_scaler("cuda", 2^9, 3, growth_interval = 7, hysteresis = 2))
+  expect_identical(a$state_dict(), b$state_dict())
+  expect_equal(a$py$`_growth_factor`, 3)
+  err <- expect_error(cuda_amp_grad_scaler(device = "cpu"), class = "ampkit_bad_argument")
+  expect_match(conditionMessage(err), "amp_grad_scaler(device = ...)", fixed = TRUE)
+  expect_error(cuda_amp_grad_scaler(growth_intervall = 5), class = "ampkit_bad_argument")
+})
+
 test_that("unscale_() divides the gradients by the scale before step(), as in Python", {
   skip_if_no_ampkit()
   torch <- pt()
