@@ -115,7 +115,9 @@ GradScalerR6 <- R6::R6Class("ampkit_grad_scaler",
     initialize = function(py) {
       self$py <- py
       f <- private$f
-      for (name in c("scale", "step", "update", "unscale_", "get_scale",
+      # `update` is not among them: $update() goes through .h$scaler_update,
+      # which also reads the CUDA memory for the garbage watch.
+      for (name in c("scale", "step", "unscale_", "get_scale",
                      "is_enabled", "state_dict", "load_state_dict", "stats")) {
         f[[name]] <- py[[name]]
       }
