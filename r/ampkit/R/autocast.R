@@ -51,7 +51,7 @@ with_autocast <- function(code, ..., device_type, dtype = NULL, enabled = TRUE,
   if (...length()) check_dots_empty_(...)
   region <- enter_autocast(device_type, dtype, enabled, cache_enabled, policy)
   on.exit(.h$exit_autocast(region), add = TRUE)
-  withCallingHandlers(code, error = py_region_error)
+  py_try(code, REGION_CONTEXT)
 }
 
 #' @rdname with_autocast
@@ -108,9 +108,8 @@ enter_autocast <- function(device_type, dtype, enabled, cache_enabled, policy) {
          "with_autocast()")
 }
 
-py_region_error <- function(e) {
-  if (is_py_error(e)) stop(py_error_condition(e, "in an autocast region"))
-}
+# The context of a Python exception raised by the code of a region (or of amp_trace()).
+REGION_CONTEXT <- "in an autocast region"
 
 check_dots_empty_ <- function(...) {
   abort(sprintf("Arguments after `...` must be named; unnamed or unknown: %s. Did you write with_autocast(\"cuda\", ...) instead of with_autocast(device_type = \"cuda\", ...)?",

@@ -117,7 +117,7 @@ amp_trace <- function(code) {
   if (inherits(entered, "python.builtin.object")) tracer <- entered
   exited <- FALSE
   on.exit(if (!exited) exit(NULL, NULL, NULL), add = TRUE)
-  value <- withCallingHandlers(code, error = py_region_error)
+  value <- py_try(code, REGION_CONTEXT)
   exit(NULL, NULL, NULL)
   exited <- TRUE
   rows <- .h$trace_rows(tracer)

@@ -62,3 +62,14 @@ test_that("amp_trace() returns the casts of a region as a data.frame", {
   # nothing traced outside amp_trace()
   expect_equal(nrow(amp_trace(NULL)), 0)
 })
+
+test_that("a Python exception in amp_trace()'s code is an ampkit_error and ends the trace", {
+  skip_if_no_ampkit()
+  net <- nn_linear(4, 2)
+  err <- expect_error(amp_trace(with_autocast(device_type = "cpu", net(torch_randn(3, 5)))),
+                      class = "ampkit_python_error")
+  expect_s3_class(err, "ampkit_error")
+  expect_match(conditionMessage(err), "^in an autocast region: Python raised RuntimeError: ")
+  expect_false(is_autocast_enabled("cpu"))
+  expect_equal(nrow(amp_trace(NULL)), 0)
+})
