@@ -48,7 +48,9 @@
 #' }
 with_autocast <- function(code, ..., device_type, dtype = NULL, enabled = TRUE,
                           cache_enabled = NULL, policy = NULL) {
-  if (...length()) check_dots_empty_(...)
+  if (...length()) {
+    check_dots_empty_(..., .hint = "Did you write with_autocast(\"cuda\", ...) instead of with_autocast(device_type = \"cuda\", ...)?")
+  }
   region <- enter_autocast(device_type, dtype, enabled, cache_enabled, policy)
   on.exit(.h$exit_autocast(region), add = TRUE)
   py_try(code, REGION_CONTEXT)
@@ -59,7 +61,9 @@ with_autocast <- function(code, ..., device_type, dtype = NULL, enabled = TRUE,
 local_autocast <- function(device_type, ..., dtype = NULL, enabled = TRUE,
                            cache_enabled = NULL, policy = NULL,
                            .env = parent.frame()) {
-  if (...length()) check_dots_empty_(...)
+  if (...length()) {
+    check_dots_empty_(..., .hint = "Name the options after `device_type`, e.g. local_autocast(\"cuda\", dtype = \"float16\").")
+  }
   region <- enter_autocast(device_type, dtype, enabled, cache_enabled, policy)
   withr::defer(.h$exit_autocast(region), envir = .env)
   invisible(NULL)
@@ -111,9 +115,14 @@ enter_autocast <- function(device_type, dtype, enabled, cache_enabled, policy) {
 # The context of a Python exception raised by the code of a region (or of amp_trace()).
 REGION_CONTEXT <- "in an autocast region"
 
-check_dots_empty_ <- function(...) {
-  abort(sprintf("Arguments after `...` must be named; unnamed or unknown: %s. Did you write with_autocast(\"cuda\", ...) instead of with_autocast(device_type = \"cuda\", ...)?",
-                paste(vapply(as.list(substitute(list(...)))[-1], function(x) paste(deparse(x), collapse = ""), ""),
-                      collapse = ", ")),
+# `...` of a function whose options come after it: anything there is an
+# unnamed or misspelled option. `.hint` says how the caller is called right.
+check_dots_empty_ <- function(..., .hint) {
+  args <- as.list(substitute(list(...)))[-1]
+  shown <- vapply(args, function(x) paste(deparse(x), collapse = ""), "")
+  nms <- names(args)
+  if (!is.null(nms)) shown[nzchar(nms)] <- paste(nms[nzchar(nms)], "=", shown[nzchar(nms)])
+  abort(sprintf("Arguments after `...` must be named; unnamed or unknown: %s. %s",
+                paste(shown, collapse = ", "), .hint),
         class = "ampkit_bad_argument", call = sys.call(-1))
 }

@@ -41,7 +41,9 @@ amp_train_step <- function(model, loss_fn, optimizer, ..., scaler = NULL,
                            device_type = NULL, dtype = NULL, enabled = TRUE,
                            cache_enabled = NULL, policy = NULL,
                            capture = "auto", warmup = 3) {
-  if (...length()) check_dots_empty_(...)
+  if (...length()) {
+    check_dots_empty_(..., .hint = "Name the options after `optimizer`, e.g. amp_train_step(model, loss_fn, optimizer, device_type = \"cuda\").")
+  }
   # NULL entries are left out: the core fills in device_type (from the parameters) and dtype.
   autocast <- list(device_type = if (!is.null(device_type)) as_device_type(device_type),
                    dtype = as_py_dtype(dtype), enabled = as_py_bool(enabled),

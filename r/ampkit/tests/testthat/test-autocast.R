@@ -116,6 +116,21 @@ test_that("bad device, dtype and arguments are R conditions raised before Python
   expect_error(is_autocast_enabled("gpu"), class = "ampkit_bad_device")
 })
 
+test_that("an unnamed or misspelled option names it and the function that was called", {
+  skip_if_no_ampkit()
+  err <- expect_error(with_autocast("cpu", 1), class = "ampkit_bad_argument")
+  expect_match(conditionMessage(err), "with_autocast(device_type = \"cuda\", ...)", fixed = TRUE)
+  err <- expect_error(with_autocast(device_type = "cpu", dtyp = "float16", 1), class = "ampkit_bad_argument")
+  expect_match(conditionMessage(err), "unknown: dtyp = \"float16\"", fixed = TRUE)
+  err <- expect_error(local_autocast("cpu", "float16"), class = "ampkit_bad_argument")
+  expect_match(conditionMessage(err), "local_autocast(\"cuda\", dtype = \"float16\")", fixed = TRUE)
+  expect_no_match(conditionMessage(err), "with_autocast")
+  err <- expect_error(amp_train_step(NULL, NULL, NULL, "cpu"), class = "ampkit_bad_argument")
+  expect_match(conditionMessage(err), "amp_train_step(model, loss_fn, optimizer, device_type", fixed = TRUE)
+  expect_no_match(conditionMessage(err), "with_autocast")
+  expect_false(is_autocast_enabled("cpu"))
+})
+
 test_that("the block is not evaluated when the arguments are bad", {
   skip_if_no_ampkit()
   ran <- FALSE
