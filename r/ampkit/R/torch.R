@@ -168,20 +168,23 @@ optim_sgd <- function(params, lr, momentum = 0, dampening = 0, weight_decay = 0,
 #' @export
 optim_adam <- function(params, lr = 0.001, betas = c(0.9, 0.999), eps = 1e-8,
                        weight_decay = 0, amsgrad = FALSE) {
-  py_ready()
-  py_try(py_torch$optim$Adam(as_py_params(params), lr = as_py_num(lr), betas = as_py_nums(betas),
-                             eps = as_py_num(eps), weight_decay = as_py_num(weight_decay),
-                             amsgrad = as_py_bool(amsgrad)), "optim_adam()")
+  adam_like("Adam", "optim_adam()", params, lr, betas, eps, weight_decay, amsgrad)
 }
 
 #' @rdname torch_layer
 #' @export
 optim_adamw <- function(params, lr = 0.001, betas = c(0.9, 0.999), eps = 1e-8,
                         weight_decay = 0.01, amsgrad = FALSE) {
+  adam_like("AdamW", "optim_adamw()", params, lr, betas, eps, weight_decay, amsgrad)
+}
+
+# Adam and AdamW take the same arguments; only the class and the default
+# weight_decay (in the exported signatures) differ.
+adam_like <- function(class, context, params, lr, betas, eps, weight_decay, amsgrad) {
   py_ready()
-  py_try(py_torch$optim$AdamW(as_py_params(params), lr = as_py_num(lr), betas = as_py_nums(betas),
-                              eps = as_py_num(eps), weight_decay = as_py_num(weight_decay),
-                              amsgrad = as_py_bool(amsgrad)), "optim_adamw()")
+  py_try(py_torch$optim[[class]](as_py_params(params), lr = as_py_num(lr), betas = as_py_nums(betas),
+                                 eps = as_py_num(eps), weight_decay = as_py_num(weight_decay),
+                                 amsgrad = as_py_bool(amsgrad)), context)
 }
 
 # R torch's module fields on Python modules: `net$parameters` is a named list

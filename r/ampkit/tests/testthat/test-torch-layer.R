@@ -57,6 +57,11 @@ test_that("optim_adam() and optim_adamw() build torch's optimizers with R argume
   g <- adam$param_groups[[1]]
   expect_equal(unlist(g$betas), c(0.8, 0.9))
   expect_equal(adamw$param_groups[[1]]$weight_decay, 0.1)
+  # the defaults differ only in weight_decay, as in torch
+  expect_equal(optim_adam(net$parameters)$param_groups[[1]]$weight_decay, 0)
+  expect_equal(optim_adamw(net$parameters)$param_groups[[1]]$weight_decay, 0.01)
+  expect_equal(optim_adamw(net$parameters)$param_groups[[1]]$lr, 0.001)
+  expect_error(optim_adamw(net$parameters, eps = "small"), "`eps` must be a number", class = "ampkit_bad_argument")
   expect_error(optim_sgd(net$parameters), class = "ampkit_bad_argument")
   expect_error(optim_sgd(list(), lr = 0.1), class = "ampkit_bad_argument")
 })
