@@ -115,10 +115,25 @@ as_py_params <- function(params) {
 as_py_policy <- function(x, arg = "policy") {
   if (is.null(x)) return(NULL)
   if (inherits(x, "ampkit_policy")) return(x$py)
-  if (is.character(x) && length(x) == 1) return(amp_policy(x)$py)
+  if (is.character(x) && length(x) == 1 && !is.na(x)) {
+    if (!is_policy_name(x)) return(amp_policy(x)$py)  # a path: the file may change
+    # A shipped name: loaded once (amp_policy() took ~230 us a region, the
+    # cached object ~54). Only loads that succeed are kept, so a bad name
+    # raises its condition every time.
+    key <- paste0("policy:", x)
+    py <- .h[[key]]
+    if (is.null(py)) py <- .h[[key]] <- amp_policy(x)$py
+    return(py)
+  }
   if (inherits(x, "python.builtin.object")) return(x)
   abort(sprintf("`%s` must be a policy name, a path to a policy YAML file or an amp_policy() object, not %s.",
                 arg, describe(x)), class = "ampkit_bad_argument")
+}
+
+# A shipped policy's name rather than a path: the Python core's rule
+# (load_policy: no directory separator, no .yaml/.yml ending).
+is_policy_name <- function(x) {
+  !grepl("[/\\\\]", x) && !grepl("\\.ya?ml$", x)
 }
 
 # A character vector of op names per category, for Policy.with_ops().

@@ -45,6 +45,41 @@ test_that("bad policies and overrides are R conditions that say what is valid", 
   expect_error(with_autocast(device_type = "cpu", policy = 42, 1), class = "ampkit_bad_argument")
 })
 
+test_that("a region given a shipped policy's name loads it once; a path is read every time", {
+  skip_if_no_ampkit()
+  # count the loads that R asks of the core
+  ak <- reticulate::import("ampkit", convert = FALSE)
+  original <- ak$load_policy
+  calls <- reticulate::py_eval("[]", convert = FALSE)
+  counting <- reticulate::py_eval("lambda f, calls: (lambda p: (calls.append(p), f(p))[1])")(original, calls)
+  reticulate::py_set_attr(ak, "load_policy", counting)
+  withr::defer(reticulate::py_set_attr(ak, "load_policy", original))
+  n_calls <- function() reticulate::py_len(calls)
+  h <- ampkit:::.h
+  if (exists("policy:torch_default", envir = h, inherits = FALSE)) rm("policy:torch_default", envir = h)
+
+  net <- nn_linear(4, 2)
+  x <- torch_randn(3, 4)
+  for (i in 1:3) {
+    expect_equal(dtype_name(with_autocast(device_type = "cpu", policy = "torch_default", net(x))), "bfloat16")
+  }
+  expect_equal(n_calls(), 1)
+  # a bad name raises its condition every time (failures are not kept)
+  for (i in 1:2) {
+    err <- expect_error(with_autocast(device_type = "cpu", policy = "no_such_policy", 1),
+                        class = "ampkit_python_error")
+    expect_match(conditionMessage(err), "no shipped policy named 'no_such_policy'")
+  }
+  expect_equal(n_calls(), 3)
+  # a file may change between regions: the region follows it
+  text <- reticulate::py_to_r(ak$load_policy("torch_default")$to_yaml())
+  path <- withr::local_tempfile(fileext = ".yaml")
+  writeLines(text, path)
+  expect_equal(dtype_name(with_autocast(device_type = "cpu", policy = path, net(x))), "bfloat16")
+  writeLines(sub("lower_precision_dtype: bfloat16", "lower_precision_dtype: float16", text), path)
+  expect_equal(dtype_name(with_autocast(device_type = "cpu", policy = path, net(x))), "float16")
+})
+
 test_that("amp_trace() returns the casts of a region as a data.frame", {
   skip_if_no_ampkit()
   net <- nn_linear(4, 2)
