@@ -78,46 +78,36 @@ torch_dtype <- function(name) reticulate::py_get_attr(torch, name)
 make_step <- function(v, built, model, opt, scaler) {
   loss_fn <- py_to_r(built$loss_fn)
   zero_grad <- opt$zero_grad
+  # Resolved once per variant, as the Python runner does: a torch dtype, or NULL (none given).
   dtype <- py_to_r(v$resolved_dtype(device))
-  autocast <- field(v, "autocast")
+  if (!is.null(dtype)) dtype <- torch_dtype(dtype)
   if (field(v, "runner") == "train_step") {  # issue 6: the whole step in one call
     return(amp_train_step(model, loss_fn, opt, scaler = scaler, device_type = device, dtype = dtype))
   }
+  region <- make_region(field(v, "autocast"), dtype)
   update <- if (is.null(scaler)) {
     function(loss) { loss$backward(); opt$step() }
   } else {
     function(loss) { scaler$scale(loss)$backward(); scaler$step(opt); scaler$update() }
   }
-  if (autocast == "ampkit") {
-    function(x, y) {
-      with_autocast(device_type = device, dtype = dtype, {
-        output <- model(x)
-        loss <- loss_fn(output, y)
-      })
-      update(loss)
-      zero_grad(set_to_none = TRUE)
-      loss
-    }
-  } else if (autocast == "torch") {
-    dt <- torch_dtype(dtype)
-    function(x, y) {
-      with(torch_autocast(device_type = device, dtype = dt), {
-        output <- model(x)
-        loss <- loss_fn(output, y)
-      })
-      update(loss)
-      zero_grad(set_to_none = TRUE)
-      loss
-    }
-  } else {
-    function(x, y) {
+  function(x, y) {
+    region({
       output <- model(x)
       loss <- loss_fn(output, y)
-      update(loss)
-      zero_grad(set_to_none = TRUE)
-      loss
-    }
+    })
+    update(loss)
+    zero_grad(set_to_none = TRUE)
+    loss
   }
+}
+
+# region(code) runs `code` (assignments land in the caller's frame, as with
+# with_autocast()) in the variant's autocast region: ampkit's, torch's or none.
+make_region <- function(autocast, dtype) {
+  switch(autocast,
+         ampkit = function(code) with_autocast(code, device_type = device, dtype = dtype),
+         torch = function(code) with(torch_autocast(device_type = device, dtype = dtype), code),
+         function(code) code)
 }
 
 make_scaler <- function(v) {
