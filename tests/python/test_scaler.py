@@ -16,7 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampkit
-from ampkit._scaler import HISTORY_SIZE, OptState
+from ampkit._scaler import HISTORY_SIZE, OptState, _finite_probes
 
 INF, NAN = float("inf"), float("nan")
 
@@ -954,6 +954,31 @@ class _Writes(TorchDispatchMode):
             if any(isinstance(v, torch.Tensor) and v.data_ptr() in self.ptrs for v in values):
                 self.ops.append(str(func))
         return func(*args, **kwargs)
+
+
+class _Ops(TorchDispatchMode):
+    """Records the name of every op that runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_device_probes_are_one_multi_tensor_kernel(dtype):
+    """Off the CPU the probes are one _foreach_norm per (device, dtype) group, bfloat16
+    included (float32 out of the same kernel, no .float() per gradient). Meta tensors take
+    that path on a machine without a GPU; the values are checked in test_scaler_property."""
+    grads = [torch.empty(s, device="meta", dtype=dtype) for s in [(5,), (3, 4), (0,), (7,)]]
+    with _Ops() as ops:
+        probes = _finite_probes(grads)
+    assert ops.ops == ["aten._foreach_norm.Scalar"]
+    want = torch.float32 if dtype == torch.bfloat16 else dtype
+    assert [(p.dtype, p.shape) for p in probes] == [(want, torch.Size([]))] * 3
 
 
 CHECK_CASES = {

@@ -4,6 +4,7 @@ bit for bit as they were, for every optimizer in torch.optim that works with a s
 from __future__ import annotations
 
 import inspect
+import math
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ampkit
+from ampkit._scaler import _inf_norms
 
 # Constructor keywords per optimizer; every Optimizer subclass in torch.optim must be listed
 # here or in SKIPPED (test_every_optimizer_is_covered enforces it).
@@ -193,3 +195,37 @@ def test_the_fused_check_flags_exactly_what_torchs_check_flags(dtype, sizes, pok
     torch._amp_foreach_non_finite_check_and_unscale_([g.clone() for g in grads], theirs, torch.ones(()))
     assert _bits(ours, theirs), (ours, theirs)
     assert bool(theirs) == any(not torch.isfinite(g).all() for g in grads)  # the oracle is right
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 300), min_size=1, max_size=6),
+    pokes=st.lists(
+        st.tuples(st.integers(0, 10**6), st.integers(0, 10**6),
+                  st.sampled_from(["inf", "-inf", "nan", "big", "-big", "tiny"])),
+        max_size=3,
+    ),
+    transpose=st.booleans(),
+)
+def test_bfloat16_inf_norms_equal_the_widened_norms(sizes, pokes, transpose):
+    """The device path's bfloat16 probes (float32 straight out of _foreach_norm) equal the
+    bfloat16 norms widened afterwards, as it did before, bit for bit (NaN as NaN), and flag
+    exactly what torch's check flags. Run on CPU tensors (no GPU here), whose _foreach_norm
+    is the per-tensor route of the same op."""
+    values = {"inf": float("inf"), "-inf": float("-inf"), "nan": float("nan"),
+              "big": _BIG[torch.bfloat16], "-big": -_BIG[torch.bfloat16], "tiny": 1e-45}
+    gen = torch.Generator().manual_seed(len(sizes))
+    bases = [torch.randn(2, n, generator=gen).to(torch.bfloat16) for n in sizes]
+    for i, j, what in pokes:
+        b = bases[i % len(bases)]
+        b.view(-1)[j % b.numel()] = values[what]
+    grads = [b.t() if transpose else b for b in bases]
+    ours = _inf_norms(grads)
+    widened = [p.float() for p in torch._foreach_norm(grads, math.inf)]
+    assert len(ours) == len(widened)
+    for a, b in zip(ours, widened):
+        assert a.dtype == torch.float32 and (_bits(a, b) or (a.isnan() and b.isnan())), (a, b)
+    flag, theirs = torch.zeros(()), torch.zeros(())
+    torch._amp_foreach_non_finite_check_and_unscale_(ours, flag, torch.ones(()))
+    torch._amp_foreach_non_finite_check_and_unscale_([g.float() for g in grads], theirs, torch.ones(()))
+    assert _bits(flag, theirs)
