@@ -188,6 +188,8 @@ def make_record(case, variant, language: str, profile: str, device: str, *, stat
     loss = _num(final_loss)
     if status == "ok" and loss is None:
         status, error = "failed", "final loss is not finite (%r): training diverged" % (final_loss,)
+    if status != "ok":  # a failed or skipped run has no timings (a diverged run's are dropped)
+        samples = []
     q = statistics.quantiles(samples, n=4, method="inclusive") if len(samples) >= 2 else [None, None, None]
     rec = {
         "case": spec.name,
@@ -226,9 +228,6 @@ def make_record(case, variant, language: str, profile: str, device: str, *, stat
         "time_vs_python": None,
         "loss_rel_diff_vs_fp32": None,
     }
-    if status != "ok":
-        for k in ("samples",):
-            rec[k] = []
     return rec
 
 
