@@ -24,11 +24,12 @@ COLUMNS = ("case", "variant", "lang", "dtype", "ms/step median [min, max]", "spe
            "skipped steps")
 
 
-def fmt_ratio(r, suffix="") -> str:
+def fmt_ratio(r, suffix="", digits=2) -> str:
+    """value [low, high] and the change; `digits` decimals for the value (see _digits)."""
     if not r:
         return "-"
     flag = "" if r["change"] == "same" else " " + r["change"]
-    return "%.2f%s [%.2f, %.2f]%s" % (r["value"], suffix, r["low"], r["high"], flag)
+    return "%.*f%s [%.2f, %.2f]%s" % (digits, r["value"], suffix, r["low"], r["high"], flag)
 
 
 def fmt_bytes(n) -> str:
@@ -37,8 +38,8 @@ def fmt_bytes(n) -> str:
     return "%.1f MiB" % (n / 2 ** 20)
 
 
-def fmt_pct(x) -> str:
-    return "-" if x is None else "%.2f%%" % (100 * x)
+def fmt_pct(x, digits=2) -> str:
+    return "-" if x is None else "%.*f%%" % (digits, 100 * x)
 
 
 def row(rec: dict) -> list:
@@ -102,18 +103,15 @@ MEMORY_TOLERANCE_BYTES = 2 ** 20
 _EPS = 1e-9  # float noise in a ratio of medians never decides a goal
 
 
-def _digits(value, limit, ok) -> int:
-    """Decimals to show a ratio with: 2, or 4 where 2 would round it onto the side of
-    the limit its verdict is not on (1.0504 is shown as 1.0504, not 1.05, when NOT met)."""
+def _digits(value, limit, ok, at_least=False) -> int:
+    """Decimals to show a goal's number with: 2, or 4 where 2 would round it onto the side
+    of the limit its verdict is not on (a time ratio of 1.0504 is shown as 1.0504, not 1.05,
+    when NOT met; a speedup of 1.9996x as 1.9996x, not 2.00x). `ok` is the verdict (None:
+    no verdict, 2 decimals); `at_least`: the goal is value >= limit, else value <= limit."""
+    if ok is None:
+        return 2
     shown = round(value, 2)
-    return 2 if (shown <= limit) == (value <= limit + _EPS) or ok is None else 4
-
-
-def _fmt(r, suffix="", digits=2) -> str:
-    if digits == 2:
-        return fmt_ratio(r, suffix)
-    flag = "" if r["change"] == "same" else " " + r["change"]
-    return "%.4f%s [%.2f, %.2f]%s" % (r["value"], suffix, r["low"], r["high"], flag)
+    return 2 if (shown >= limit if at_least else shown <= limit) == ok else 4
 
 
 def _fmt_diff(n) -> str:
@@ -136,28 +134,28 @@ def goals(doc: dict) -> str:
         r = _find(doc, case, "ampkit_amp", "python")
         s = r and r["speedup_vs_fp32"]
         ok = None if not s else s["value"] >= 2.0 - _EPS
-        digits = 2 if not s or (round(s["value"], 2) >= 2.0) == ok else 4
-        say(ok, "ampkit_amp >= 2x fp32 on %s (python): %s" % (case, _fmt(s, "x", digits) if s else "-"))
+        say(ok, "ampkit_amp >= 2x fp32 on %s (python): %s" % (
+            case, fmt_ratio(s, "x", _digits(s["value"], 2.0, ok, at_least=True)) if s else "-"))
     for case in sorted({r["case"] for r in doc["records"]}):
         for lang in doc["context"]["languages"]:
             r = _find(doc, case, "ampkit_amp", lang)
             t = r and r["time_vs_torch_amp"]
             ok = None if not t else t["value"] <= 1.05 + _EPS
             say(ok, "ampkit_amp within 5%% of torch_amp on %s (%s): time ratio %s" % (
-                case, lang, _fmt(t, "", _digits(t["value"], 1.05, ok)) if t else "-"))
+                case, lang, fmt_ratio(t, "", _digits(t["value"], 1.05, ok)) if t else "-"))
     for case in ("seed_mlp", "transformer"):
         for variant in ("torch_amp", "ampkit_amp"):
             r = _find(doc, case, variant, "r")
             t = r and r["time_vs_python"]
             ok = None if not t else t["value"] <= 1.15 + _EPS
             say(ok, "R within 15%% of Python on %s / %s: time ratio %s" % (
-                case, variant, _fmt(t, "", _digits(t["value"], 1.15, ok)) if t else "-"))
+                case, variant, fmt_ratio(t, "", _digits(t["value"], 1.15, ok)) if t else "-"))
     worst = [(r["loss_rel_diff_vs_fp32"], r) for r in doc["records"]
              if r["status"] == "ok" and r["dtype"] and r["loss_rel_diff_vs_fp32"] is not None]
     if worst:
         d, r = max(worst, key=lambda t: t[0])
         ok = d <= 0.01 + _EPS
-        pct = fmt_pct(d) if (round(100 * d, 2) <= 1.0) == ok else "%.4f%%" % (100 * d)
+        pct = fmt_pct(d, _digits(100 * d, 1.0, ok))
         say(ok, "final loss of every AMP variant within 1%% of fp32: worst %s (%s / %s / %s)"
             % (pct, r["case"], r["variant"], r["language"]))
     for case in sorted({r["case"] for r in doc["records"]}):
