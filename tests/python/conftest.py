@@ -4,6 +4,9 @@
 - ``ampkit_quiet``: one CPU thread (deterministic kernels) and no deprecation
   noise from sample ops; the autocast test modules opt in with
   ``pytestmark = pytest.mark.usefixtures("ampkit_quiet")``.
+- Plain helpers the test modules import (``from conftest import bits_equal``):
+  ``bits_equal`` (bitwise tensor equality) and ``SyncError`` (a CUDA host-device sync
+  inside it raises).
 """
 
 from __future__ import annotations
@@ -34,3 +37,26 @@ def ampkit_quiet():
         warnings.simplefilter("ignore", DeprecationWarning)
         yield
     torch.set_num_threads(n)
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN payloads included); dtype and shape must match."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(
+        a.detach().contiguous().reshape(-1).view(torch.uint8),
+        b.detach().contiguous().reshape(-1).view(torch.uint8),
+    )
+
+
+class SyncError:
+    """``with SyncError(): ...``: any CUDA host-device sync inside raises a RuntimeError
+    (``torch.cuda.set_sync_debug_mode("error")``, back to ``"default"`` on exit)."""
+
+    def __enter__(self):
+        torch.cuda.set_sync_debug_mode("error")
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.set_sync_debug_mode("default")
+        return False

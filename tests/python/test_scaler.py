@@ -17,21 +17,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampkit
 from ampkit._scaler import HISTORY_SIZE, OptState, _finite_probes
+from conftest import bits_equal
 
 INF, NAN = float("inf"), float("nan")
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality (NaN payloads included); dtype and shape must match."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    return torch.equal(
-        a.detach().contiguous().reshape(-1).view(torch.uint8),
-        b.detach().contiguous().reshape(-1).view(torch.uint8),
-    )
 
 
 def opt_tensors(opt: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import ampkit
+from conftest import SyncError, bits_equal
 
 pytestmark = [
     pytest.mark.cuda,
@@ -79,14 +80,6 @@ def test_cuda_trajectory_is_bitwise_torch(opt_name):
         for a, b in zip(*snaps):
             assert a.dtype == b.dtype and torch.equal(a, b), f"step {i}"
     assert runs[0][2].stats().skipped == 3
-
-
-class SyncError:
-    def __enter__(self):
-        torch.cuda.set_sync_debug_mode("error")
-
-    def __exit__(self, *exc):
-        torch.cuda.set_sync_debug_mode("default")
 
 
 @pytest.mark.parametrize("opt_name", ["sgd_fused", "adam_fused", "adamw_fused"])
@@ -163,10 +156,6 @@ def _torch_check(grads):
     return found
 
 
-def _bits(t):
-    return t.reshape(-1).view(torch.uint8)
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_fused_check_flags_like_torch_reads_only_and_captures(dtype):
     """The read-only check of the fused path (max |g| per tensor, one multi-tensor kernel) on
@@ -190,14 +179,14 @@ def test_fused_check_flags_like_torch_reads_only_and_captures(dtype):
         saved = flat[pos].clone()
         if value is not None:
             flat[pos] = value
-        before = [_bits(b).clone() for b in bases]
+        before = [b.clone() for b in bases]
         torch.cuda.synchronize()
         with SyncError():
             ours = scaler._found_inf(key, unscale=False)[dev]
         theirs = _torch_check(grads)
         assert torch.equal(ours, theirs), (i, pos, value)
         assert bool(theirs) == (value is not None and (value != value or abs(value) == INF))
-        assert all(torch.equal(a, _bits(b)) for a, b in zip(before, bases))
+        assert all(bits_equal(a, b) for a, b in zip(before, bases))
         flat[pos] = saved
     # Captured: the flag follows the data on every replay.
     side = torch.cuda.Stream()

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import ampkit
 from ampkit._scaler import _inf_norms
+from conftest import bits_equal
 
 # Constructor keywords per optimizer; every Optimizer subclass in torch.optim must be listed
 # here or in SKIPPED (test_every_optimizer_is_covered enforces it).
@@ -97,12 +98,6 @@ def _state(net, opt):
     return tensors
 
 
-def _bits(a, b):
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
-    )
-
-
 @settings(max_examples=40, deadline=None)
 @given(
     case=st.sampled_from(CASES),
@@ -137,7 +132,7 @@ def test_a_non_finite_step_loses_nothing(case, warm, where, value, explicit_unsc
         before = _state(net, opt)
         iterate(poison=False)
         # A clean step does change something, so the check below can fail.
-        assert not all(_bits(a, b) for a, b in zip(before, _state(net, opt)))
+        assert not all(bits_equal(a, b) for a, b in zip(before, _state(net, opt)))
     before = _state(net, opt)
     iterate(poison=True)
     after = _state(net, opt)
@@ -149,7 +144,7 @@ def test_a_non_finite_step_loses_nothing(case, warm, where, value, explicit_unsc
         assert all(not t.any() for t in after[n_params:]), f"{name}: new state is not initial"
         after = after[:n_params]
     for a, b in zip(before, after):
-        assert _bits(a, b), f"{name} (fused={fused}): a skipped step changed state"
+        assert bits_equal(a, b), f"{name} (fused={fused}): a skipped step changed state"
     assert scaler.stats().last_skipped == warm
 
 
@@ -193,7 +188,7 @@ def test_the_fused_check_flags_exactly_what_torchs_check_flags(dtype, sizes, pok
     ours = ampkit.GradScaler("cpu")._found_inf({(cpu, dtype): grads}, unscale=False)[cpu]
     theirs = torch.zeros(())
     torch._amp_foreach_non_finite_check_and_unscale_([g.clone() for g in grads], theirs, torch.ones(()))
-    assert _bits(ours, theirs), (ours, theirs)
+    assert bits_equal(ours, theirs), (ours, theirs)
     assert bool(theirs) == any(not torch.isfinite(g).all() for g in grads)  # the oracle is right
 
 
@@ -224,8 +219,8 @@ def test_bfloat16_inf_norms_equal_the_widened_norms(sizes, pokes, transpose):
     widened = [p.float() for p in torch._foreach_norm(grads, math.inf)]
     assert len(ours) == len(widened)
     for a, b in zip(ours, widened):
-        assert a.dtype == torch.float32 and (_bits(a, b) or (a.isnan() and b.isnan())), (a, b)
+        assert a.dtype == torch.float32 and (bits_equal(a, b) or (a.isnan() and b.isnan())), (a, b)
     flag, theirs = torch.zeros(()), torch.zeros(())
     torch._amp_foreach_non_finite_check_and_unscale_(ours, flag, torch.ones(()))
     torch._amp_foreach_non_finite_check_and_unscale_([g.float() for g in grads], theirs, torch.ones(()))
-    assert _bits(flag, theirs)
+    assert bits_equal(flag, theirs)

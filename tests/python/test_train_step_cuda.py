@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import ampkit
+from conftest import SyncError
 
 pytestmark = [
     pytest.mark.cuda,
@@ -116,11 +117,8 @@ def test_replay_makes_no_host_sync():
         step(x, y)
     assert step.captured
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with SyncError():
         losses = [step(x, y) for x, y in batches[3:]]
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert step.replays == 6 and len(losses) == 5
 
 
