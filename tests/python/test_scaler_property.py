@@ -159,22 +159,16 @@ def test_skipped_optimizers_are_refused_clearly(name):
 
 
 _BIG = {torch.float16: 65504.0, torch.bfloat16: 3.3895e38, torch.float32: 3.4028e38, torch.float64: 1.7e308}
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    dtype=st.sampled_from(list(_BIG)),
-    sizes=st.lists(st.integers(0, 300), min_size=1, max_size=6),
-    pokes=st.lists(
-        st.tuples(st.integers(0, 10**6), st.integers(0, 10**6),
-                  st.sampled_from(["inf", "-inf", "nan", "big", "-big", "tiny"])),
-        max_size=3,
-    ),
-    transpose=st.booleans(),
+# (tensor index, element index, what to write there), up to three pokes
+_POKES = st.lists(
+    st.tuples(st.integers(0, 10**6), st.integers(0, 10**6),
+              st.sampled_from(["inf", "-inf", "nan", "big", "-big", "tiny"])),
+    max_size=3,
 )
-def test_the_fused_check_flags_exactly_what_torchs_check_flags(dtype, sizes, pokes, transpose):
-    """The fused path's read-only check against torch's check-and-multiply-by-1.0, for any
-    mix of sizes (empty ones too), layouts, dtypes and inf/-inf/NaN/extreme finite values."""
+
+
+def _poked_grads(dtype, sizes, pokes, transpose):
+    """(2, n) gradients of ``dtype``, one per size, with the pokes written into them."""
     values = {"inf": float("inf"), "-inf": float("-inf"), "nan": float("nan"),
               "big": _BIG[dtype], "-big": -_BIG[dtype], "tiny": 1e-45}
     gen = torch.Generator().manual_seed(len(sizes))
@@ -183,7 +177,20 @@ def test_the_fused_check_flags_exactly_what_torchs_check_flags(dtype, sizes, pok
         b = bases[i % len(bases)]
         if b.numel():
             b.view(-1)[j % b.numel()] = values[what]
-    grads = [b.t() if transpose else b for b in bases]
+    return [b.t() if transpose else b for b in bases]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dtype=st.sampled_from(list(_BIG)),
+    sizes=st.lists(st.integers(0, 300), min_size=1, max_size=6),
+    pokes=_POKES,
+    transpose=st.booleans(),
+)
+def test_the_fused_check_flags_exactly_what_torchs_check_flags(dtype, sizes, pokes, transpose):
+    """The fused path's read-only check against torch's check-and-multiply-by-1.0, for any
+    mix of sizes (empty ones too), layouts, dtypes and inf/-inf/NaN/extreme finite values."""
+    grads = _poked_grads(dtype, sizes, pokes, transpose)
     cpu = torch.device("cpu")
     ours = ampkit.GradScaler("cpu")._found_inf({(cpu, dtype): grads}, unscale=False)[cpu]
     theirs = torch.zeros(())
@@ -195,11 +202,7 @@ def test_the_fused_check_flags_exactly_what_torchs_check_flags(dtype, sizes, pok
 @settings(max_examples=60, deadline=None)
 @given(
     sizes=st.lists(st.integers(1, 300), min_size=1, max_size=6),
-    pokes=st.lists(
-        st.tuples(st.integers(0, 10**6), st.integers(0, 10**6),
-                  st.sampled_from(["inf", "-inf", "nan", "big", "-big", "tiny"])),
-        max_size=3,
-    ),
+    pokes=_POKES,
     transpose=st.booleans(),
 )
 def test_bfloat16_inf_norms_equal_the_widened_norms(sizes, pokes, transpose):
@@ -207,14 +210,7 @@ def test_bfloat16_inf_norms_equal_the_widened_norms(sizes, pokes, transpose):
     bfloat16 norms widened afterwards, as it did before, bit for bit (NaN as NaN), and flag
     exactly what torch's check flags. Run on CPU tensors (no GPU here), whose _foreach_norm
     is the per-tensor route of the same op."""
-    values = {"inf": float("inf"), "-inf": float("-inf"), "nan": float("nan"),
-              "big": _BIG[torch.bfloat16], "-big": -_BIG[torch.bfloat16], "tiny": 1e-45}
-    gen = torch.Generator().manual_seed(len(sizes))
-    bases = [torch.randn(2, n, generator=gen).to(torch.bfloat16) for n in sizes]
-    for i, j, what in pokes:
-        b = bases[i % len(bases)]
-        b.view(-1)[j % b.numel()] = values[what]
-    grads = [b.t() if transpose else b for b in bases]
+    grads = _poked_grads(torch.bfloat16, sizes, pokes, transpose)
     ours = _inf_norms(grads)
     widened = [p.float() for p in torch._foreach_norm(grads, math.inf)]
     assert len(ours) == len(widened)
