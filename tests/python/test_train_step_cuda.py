@@ -161,22 +161,33 @@ def test_capture_true_rejects_a_new_shape():
         step(x[:4], y[:4])
 
 
-def test_changed_lr_and_loaded_optimizer_state_recapture():
-    batches = make_batches(n=12)
+def eager_and_captured(opt_name, batches, before_step, frozen=()):
+    """Train the same model eagerly and with capture="auto"; before_step(i, model, opt) runs
+    before step i. Returns {capture: (model, opt, step)}."""
     res = {}
     for capture in (False, "auto"):
         model = make_mlp()
-        opt = OPTIMIZERS["sgd_fused"](model.parameters())
+        for k in frozen:
+            model[k].requires_grad_(False)
+        opt = OPTIMIZERS[opt_name](model.parameters())
         step = ampkit.make_train_step(model, torch.nn.functional.mse_loss, opt,
                                       scaler=scaler(), autocast=AC, capture=capture)
         for i, (x, y) in enumerate(batches):
-            if i == 6:
-                opt.param_groups[0]["lr"] = 3e-3
-            if i == 9:  # new state tensors: the old graph would update the old ones
-                opt.load_state_dict(opt.state_dict())
+            before_step(i, model, opt)
             step(x, y)
-        res[capture] = (model, step)
-    (e_model, _), (c_model, c_step) = res[False], res["auto"]
+        res[capture] = (model, opt, step)
+    return res
+
+
+def test_changed_lr_and_loaded_optimizer_state_recapture():
+    def change(i, model, opt):
+        if i == 6:
+            opt.param_groups[0]["lr"] = 3e-3
+        if i == 9:  # new state tensors: the old graph would update the old ones
+            opt.load_state_dict(opt.state_dict())
+
+    res = eager_and_captured("sgd_fused", make_batches(n=12), change)
+    (e_model, _, _), (c_model, _, c_step) = res[False], res["auto"]
     assert c_step.captures == 3 and c_step.captured
     for p, q in zip(c_model.parameters(), e_model.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-3)
@@ -188,19 +199,11 @@ def test_changed_lr_and_loaded_optimizer_state_recapture():
 def test_unfreezing_a_layer_warms_up_then_recaptures(opt_name):
     """A layer that starts requiring grad has no optimizer state yet: the step runs one eager
     step (the state is computed there), then captures again, and stays a graph."""
-    batches = make_batches(n=12)
-    res = {}
-    for capture in (False, "auto"):
-        model = make_mlp()
-        model[0].requires_grad_(False)
-        opt = OPTIMIZERS[opt_name](model.parameters())
-        step = ampkit.make_train_step(model, torch.nn.functional.mse_loss, opt,
-                                      scaler=scaler(), autocast=AC, capture=capture)
-        for i, (x, y) in enumerate(batches):
-            if i == 6:
-                model[0].requires_grad_(True)
-            step(x, y)
-        res[capture] = (model, opt, step)
+    def unfreeze(i, model, opt):
+        if i == 6:
+            model[0].requires_grad_(True)
+
+    res = eager_and_captured(opt_name, make_batches(n=12), unfreeze, frozen=(0,))
     (e_model, e_opt, _), (c_model, c_opt, c_step) = res[False], res["auto"]
     assert c_step.captures == 2 and c_step.captured and c_step.reason is None, c_step
     assert set(c_opt.state) == set(c_model.parameters())
