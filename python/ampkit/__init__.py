@@ -14,6 +14,7 @@ from ampkit._policy import Policy
 from ampkit._policy import PolicyError
 from ampkit._policy import load_policy
 from ampkit._autocast import autocast
+from ampkit._autocast import checkpoint
 from ampkit._autocast import custom_bwd
 from ampkit._autocast import custom_fwd
 from ampkit._autocast import get_autocast_dtype
@@ -34,6 +35,7 @@ __all__ = [
     "Policy",
     "PolicyError",
     "autocast",
+    "checkpoint",
     "cuda_amp_grad_scaler",
     "custom_bwd",
     "custom_fwd",

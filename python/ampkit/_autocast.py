@@ -1,32 +1,45 @@
-"""The autocast engine: one TorchFunctionMode per thread, driven by a Policy.
+"""The autocast engine: an ampkit region is a torch autocast region, plus the policy's delta.
 
-How a call is handled inside an ampkit region (this is the whole algorithm)::
+How a region runs (this is the whole algorithm)::
 
-    outermost region enters  -> push this thread's _Mode (never a second one)
-    every torch call         -> action = table.get(func)          # one dict lookup
-        None                 -> func(*args)                       # unlisted: untouched
-        unseen func          -> classify once, store in table
-        listed op            -> t = first tensor argument; if t is on a device whose
-                                region is enabled, apply that device's category:
-            lower_precision_fp : cast floating non-float64 tensors on the device to the
-                                 region dtype (fp32 leaf params requiring grad: cached)
-            fp32               : cast them to float32 (nll_loss on a large input: only
-                                 the elements it reads, ampkit._narrow_casts)
-            fp32_output        : call with dtype=float32 unless a dtype is given
-            promote            : cast them to the widest floating input dtype
-            banned             : raise RuntimeError(message)
-            decompose          : run ampkit._decompositions' Python version of the C++
-                                 composite with the mode re-pushed, so each part is
-                                 cast by its own rule (cross_entropy on cuda)
-        Python function of torch that can reach a listed op (F.multi_head_attention_forward,
+    region enters  -> torch.autocast's own thread-local state is set (enabled, dtype,
+                      cache, nesting): torch, checkpointing, custom_fwd and
+                      torch.compile see an ordinary autocast region
+                   -> delta = the ops whose handling in the region's policy differs
+                      from torch's own table on the installed torch (_native.py; the
+                      drift check proves the shipped torch_default equal to native)
+    delta empty    -> nothing else: torch's C++ autocast executes every cast
+    delta nonempty -> push this thread's _Mode (a TorchFunctionMode) whose table
+                      holds only the delta ops; every other call passes through
+                      it to native autocast
+    a delta op     -> if native autocast is off for the device (a nested
+                      torch.autocast(enabled=False), custom_fwd(cast_inputs=...)),
+                      run it as is; else apply the policy's category with native
+                      autocast switched off for the call:
+        lower_precision_fp : cast floating non-float64 tensors on the device to the
+                             region dtype (fp32 leaf params requiring grad: cached)
+        fp32               : cast them to float32 (nll_loss on a large input: only
+                             the elements it reads, ampkit._narrow_casts)
+        fp32_output        : call with dtype=float32 unless a dtype is given
+        promote            : cast them to the widest floating input dtype
+        banned             : raise RuntimeError(message)
+        decompose          : run ampkit._decompositions' Python version of the C++
+                             composite with the mode re-pushed, so each part is
+                             cast by its own rule
+        (unlisted)         : an op torch lists but the policy removed: run with
+                             native autocast off
+        Python function of torch that can reach a delta op (F.multi_head_attention_forward,
         torch.functional.einsum ...): run a clone of it whose has_torch_function guards
-        return False, with the mode re-pushed, so the calls in its body are seen (native
-        autocast sees them because it works below Python).
-    outermost region exits   -> pop the mode, free the cast cache
+        return False, with the mode re-pushed, so the calls in its body are seen.
+    region exits   -> pop the mode if this region pushed it, restore torch's state
+
+Two other table kinds run the same actions over the *whole* policy instead of the
+delta: the trace (``ampkit.trace()``: every listed op is cast by ampkit's Python code
+so that each cast can be recorded; native stays on for the rest) and the reference
+engine (:func:`reference`: native autocast off underneath, the tables alone decide;
+the drift check and the table tests use it to prove the YAML equals torch).
 
 In-place ops (``add_``, ``__iadd__``) and calls with ``out=`` are never cast.
-Nested regions and ``enabled=False`` only push and pop a frame of per-device state.
-The mode stack of torch is thread-local, so other threads are unaffected.
 
 >>> import torch, ampkit
 >>> lin = torch.nn.Linear(4, 3)
@@ -40,15 +53,17 @@ The mode stack of torch is thread-local, so other threads are unaffected.
 
 from __future__ import annotations
 
+import contextlib
 import dis
 import functools
+import sys
 import threading
 import types
 
 import torch
 from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_function
 
-from ampkit import _decompositions, _narrow_casts, _ops
+from ampkit import _decompositions, _narrow_casts, _native, _ops
 from ampkit._policy import CATEGORIES, Policy, PolicyError, load_policy
 
 Tensor = torch.Tensor
@@ -61,6 +76,9 @@ _REGION_DTYPES = (torch.float16, torch.bfloat16)
 _MISS = object()
 _SEQ = (list, tuple)
 _GUARDS = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
+# Table kinds: the policy's delta over native (the default), the whole policy with
+# native on underneath (trace), the whole policy with native off (reference).
+DELTA, TRACE, REFERENCE = "delta", "trace", "reference"
 
 
 def _never(*args, **kwargs):
@@ -100,60 +118,95 @@ def _is_inplace(func) -> bool:
 
 # --------------------------------------------------------------------------- state
 class _Frame:
-    """The per-device autocast state of one nesting level (immutable once built)."""
+    """The per-device ampkit state of one nesting level (immutable once built)."""
 
-    __slots__ = ("devs", "key")
+    __slots__ = ("devs", "key", "owns_mode")
 
     def __init__(self, devs):
         # devs: {device_type: (enabled, dtype, policy, cache_enabled)}
         self.devs = devs
+        self.owns_mode = False
         # policies cache their hash; the registry version invalidates tables when
         # ampkit.op (re)registers a user op.
-        self.key = (_ops.VERSION[0],) + tuple(sorted((d, s[1], s[2], s[3]) for d, s in devs.items() if s[0]))
+        self.key = (_ops.VERSION[0],) + tuple(
+            sorted((d, s[1], s[2], s[3]) for d, s in devs.items() if s[0])
+        )
 
 
 class _Engine:
     """The state of one thread: frames, the mode, compiled tables, the cast cache."""
 
     def __init__(self):
-        self.depth = 0
         self.frames = [_Frame({})]
         self.tables = {}  # frame.key -> {func: action}
-        self.cache = {}  # id(fp32 leaf) -> (leaf, cast)
+        self.cache = {}  # (id(fp32 leaf), dtype) -> (leaf, cast)
         self.trace = None
+        self.reference = 0  # > 0 inside reference(): regions use the REFERENCE kind
+        self.checkpoint_safe = 0  # > 0 inside ampkit.checkpoint's function
         self.active_clones = set()
         self.mode = _Mode(self)
+        self.mode_depth = 0  # how many frames own a push of the mode (0 or 1)
+
+    @property
+    def depth(self):
+        return len(self.frames) - 1
+
+    def kind(self):
+        if self.reference:
+            return REFERENCE
+        return TRACE if self.trace is not None else DELTA
 
     def push(self, device_type, enabled, dtype, policy, cache_enabled):
         devs = dict(self.frames[-1].devs)
         devs[device_type] = (enabled, dtype, policy, cache_enabled)
-        self.frames.append(_Frame(devs))
-        self._retable()
-        if self.depth == 0:
-            self.mode.__enter__()
-        self.depth += 1
+        frame = _Frame(devs)
+        self.frames.append(frame)
+        try:
+            self._retable()
+            if self.mode_depth == 0 and (self.mode.real_size or self.trace is not None):
+                self.mode.__enter__()
+                frame.owns_mode = True
+                self.mode_depth = 1
+        except BaseException:
+            self.frames.pop()
+            self._retable()
+            raise
 
     def pop(self):
-        self.frames.pop()
-        self.depth -= 1
-        if self.depth == 0:
-            self.cache.clear()
+        frame = self.frames.pop()
+        if frame.owns_mode:
+            self.mode_depth = 0
             self.mode.__exit__(None, None, None)
+        if len(self.frames) == 1:
+            self.cache.clear()
         self._retable()
 
     def _retable(self):
-        key = self.frames[-1].key
+        frame = self.frames[-1]
+        kind = self.kind()
+        key = (kind,) + frame.key
         table = self.tables.get(key)
         if table is None:
             if len(self.tables) > 64:  # e.g. a fresh policy built every step
                 self.tables.clear()
-            table = self.tables[key] = _compile(self, self.frames[-1])
+            table = self.tables[key] = _compile(self, frame.devs, kind)
         self.mode.real = table
+        self.mode.real_size = table[_CHANGES_KEY]
         self.mode.table = table if self.trace is None else _EMPTY
 
     def set_trace(self, tr):
+        """Start or stop recording; returns whether the mode was pushed for it."""
         self.trace = tr
-        self.mode.table = self.mode.real if tr is None else _EMPTY
+        self._retable()
+        if tr is not None and self.mode_depth == 0 and len(self.frames) > 1:
+            self.mode.__enter__()
+            self.mode_depth = 1
+            return True
+        return False
+
+    def drop_trace_push(self):
+        self.mode_depth = 0
+        self.mode.__exit__(None, None, None)
 
     def state(self, device_type):
         return self.frames[-1].devs.get(device_type)
@@ -172,13 +225,14 @@ def _engine() -> _Engine:
 
 
 class _Mode(TorchFunctionMode):
-    """The one handler. Kept minimal: it runs for every torch call in a region."""
+    """The one handler. Kept minimal: it runs for every torch call while pushed."""
 
     def __init__(self, engine):
         super().__init__()
         self.engine = engine
         self.table = {}
         self.real = {}
+        self.real_size = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         try:
@@ -206,37 +260,37 @@ class _Mode(TorchFunctionMode):
 
 
 # --------------------------------------------------------------------------- casting
-def _caster(engine, device_type, to, lower, cache_enabled):
-    """Return cast_all(values) -> list: eligible tensors (also in lists) cast to ``to``.
+def _caster(engine, device_type, cache_enabled, cached):
+    """Return cast_all(values, to) -> list: eligible tensors (also in lists) cast to ``to``.
 
     Mirrors ATen's cached_cast: only floating, non-float64 tensors on the device;
     fp32 leaves that require grad and are not views are cast once per outermost
-    region (when casting to the region dtype and the cache is enabled).
+    region (when ``cached`` says so: casts to the region dtype, cache enabled).
     """
     on = _on_device(device_type)
     cache = engine.cache
-    may_cache = cache_enabled and to is lower
 
-    def cast_t(a):  # a: an eligible tensor whose dtype differs from ``to``
-        if may_cache and a.requires_grad and a.dtype is _F32 and a.is_leaf and not a._is_view():
-            hit = cache.get(id(a))
+    def cast_t(a, to):  # a: an eligible tensor whose dtype differs from ``to``
+        if cached and cache_enabled and a.requires_grad and a.dtype is _F32 and a.is_leaf and not a._is_view():
+            key = (id(a), to)
+            hit = cache.get(key)
             if hit is not None and hit[0] is a:
                 return hit[1]
             out = a.to(dtype=to)
-            cache[id(a)] = (a, out)
+            cache[key] = (a, out)
             return out
         return a.to(dtype=to)
 
-    def cast_all(values):
+    def cast_all(values, to):
         out = []
         for x in values:
             if isinstance(x, Tensor):
                 dt = x.dtype
                 if dt is not to and dt in _CASTABLE and on(x):
-                    x = cast_t(x)
+                    x = cast_t(x, to)
             elif type(x) in _SEQ and x and isinstance(x[0], Tensor):
                 x = type(x)(
-                    cast_t(t) if isinstance(t, Tensor) and t.dtype is not to and t.dtype in _CASTABLE and on(t) else t
+                    cast_t(t, to) if isinstance(t, Tensor) and t.dtype is not to and t.dtype in _CASTABLE and on(t) else t
                     for t in x
                 )
             out.append(x)
@@ -268,48 +322,71 @@ def _widest(values, on, lower):
     return lower
 
 
-def _rule(engine, name, category, device_type, dtype, cache_enabled, message):
-    """The action of one listed op on one device: (func, args, kwargs) -> result.
+def _native_off(device_type):
+    """call(func, args, kwargs) with torch's autocast off for ``device_type``: the op runs
+    as a leaf on the inputs ampkit cast (native would otherwise cast them again)."""
+    set_enabled = torch.set_autocast_enabled
+    is_enabled = torch.is_autocast_enabled
 
-    It only touches tensors on ``device_type``; calls without such tensors run as is.
-    """
+    def call(func, args, kwargs):
+        if torch.compiler.is_compiling():  # dynamo traces the context manager
+            with torch.autocast(device_type, enabled=False):
+                return func(*args, **kwargs)
+        prev = is_enabled(device_type)
+        if not prev:
+            return func(*args, **kwargs)
+        set_enabled(device_type, False)
+        try:
+            return func(*args, **kwargs)
+        finally:
+            set_enabled(device_type, True)
+
+    return call
+
+
+def _rule(engine, name, category, device_type, cache_enabled, message):
+    """The cast of one listed op on one device: (func, args, kwargs, dtype) -> result,
+    run with native autocast off. Calls without tensors on ``device_type`` run as is."""
     on = _on_device(device_type)
+    call = _native_off(device_type)
     if category == "lower_precision_fp" or category == "fp32":
-        cast_all = _caster(engine, device_type, dtype if category == "lower_precision_fp" else _F32, dtype, cache_enabled)
+        cast_all = _caster(engine, device_type, cache_enabled, cached=category == "lower_precision_fp")
+        low = category == "lower_precision_fp"
 
-        def act(func, args, kwargs):
+        def act(func, args, kwargs, dtype):
+            to = dtype if low else _F32
             if not kwargs:
-                return func(*cast_all(args))
+                return call(func, cast_all(args, to), {})
             if kwargs.get("out") is not None:
                 return func(*args, **kwargs)
-            return func(*cast_all(args), **dict(zip(kwargs, cast_all(kwargs.values()))))
+            return call(func, cast_all(args, to), dict(zip(kwargs, cast_all(kwargs.values(), to))))
 
         if category == "fp32" and name in _narrow_casts.NARROWED:
             cast_everything = act
             narrowed = _narrow_casts.NARROWED
 
-            def act(func, args, kwargs):
+            def act(func, args, kwargs, dtype):
                 t = _first_tensor(args, kwargs)
                 n = narrowed[name]  # (looked up per call: tests swap it)
                 if t is not None and on(t) and n.pays(t):
-                    out = n.run(func, args, kwargs)
+                    out = call(n.run, (func, args, kwargs), {})
                     if out is not _narrow_casts.NOT_NARROWED:
                         return out
-                return cast_everything(func, args, kwargs)
+                return cast_everything(func, args, kwargs, dtype)
 
     elif category == "fp32_output":
 
-        def act(func, args, kwargs):
+        def act(func, args, kwargs, dtype):
             t = _first_tensor(args, kwargs)  # torch.sum(input=x) names its tensor
             if (
                 t is None or kwargs.get("dtype") is not None or kwargs.get("out") is not None or t.dtype not in _CASTABLE or not on(t)
                 or any(isinstance(a, torch.dtype) for a in args)
             ):
-                return func(*args, **kwargs)
+                return call(func, args, kwargs)
             kwargs = dict(kwargs)
             kwargs["dtype"] = _F32
             try:
-                return func(*args, **kwargs)
+                return call(func, args, kwargs)
             except TypeError as e:
                 if "dtype" not in str(e):
                     raise
@@ -319,30 +396,54 @@ def _rule(engine, name, category, device_type, dtype, cache_enabled, message):
                 ) from e
 
     elif category == "promote":
-        casts = {d: _caster(engine, device_type, d, dtype, cache_enabled) for d in (_F32, dtype)}
+        cast_all = _caster(engine, device_type, cache_enabled, cached=True)
 
-        def act(func, args, kwargs):
+        def act(func, args, kwargs, dtype):
             if not kwargs:
-                return func(*casts[_widest(args, on, dtype)](args))
+                return call(func, cast_all(args, _widest(args, on, dtype)), {})
             if kwargs.get("out") is not None:
                 return func(*args, **kwargs)
-            cast_all = casts[_widest((*args, *kwargs.values()), on, dtype)]
-            return func(*cast_all(args), **dict(zip(kwargs, cast_all(kwargs.values()))))
-
-    elif category == "decompose":
-        act = _decomposer(engine, name, on)
+            to = _widest((*args, *kwargs.values()), on, dtype)
+            return call(func, cast_all(args, to), dict(zip(kwargs, cast_all(kwargs.values(), to))))
 
     elif category == "banned":
+
+        def act(func, args, kwargs, dtype):
+            raise RuntimeError(message)
+
+    elif category is None:  # listed natively, removed by the policy: runs untouched
+
+        def act(func, args, kwargs, dtype):
+            return call(func, args, kwargs)
+
+    else:  # pragma: no cover - categories are validated by Policy
+        raise PolicyError(f"unknown category {category!r}")
+    return act
+
+
+def _action(engine, name, category, device_type, cache_enabled, message, kind):
+    """The table entry of one op on one device: (func, args, kwargs) -> result."""
+    on = _on_device(device_type)
+    if category == "decompose":
+        act = _decomposer(engine, name, on)
+    else:
+        rule = _rule(engine, name, category, device_type, cache_enabled, message)
+        get_dtype = torch.get_autocast_dtype
+        is_enabled = torch.is_autocast_enabled
+        live = kind != REFERENCE  # native's switch is the region's (a nested torch.autocast counts)
+        guard = kind == DELTA  # a change from native that a plain checkpoint would not replay
 
         def act(func, args, kwargs):
             t = _first_tensor(args, kwargs)
             if t is None or not on(t):
                 return func(*args, **kwargs)
-            raise RuntimeError(message)
+            if live and not is_enabled(device_type):
+                return func(*args, **kwargs)
+            if guard and not engine.checkpoint_safe:
+                _refuse_plain_checkpoint(name)
+            return rule(func, args, kwargs, get_dtype(device_type))
 
-    else:  # pragma: no cover - categories are validated by Policy
-        raise PolicyError(f"unknown category {category!r}")
-    act.rule = category
+    act.rule = category or "none"
     act.op = name
     act.on = on
     return act
@@ -384,34 +485,130 @@ def _dispatch(rules):
     return act
 
 
-def _compile(engine, frame) -> dict:
-    """{func: action} for every listed op of every enabled device of ``frame``."""
+def _entries(policy, device_type, kind):
+    """[(op name, category or "decompose" or None, changes native)] that a table of ``kind`` holds.
+
+    A DELTA table holds the ops whose handling differs from native; while its mode
+    runs anyway, it also narrows casts that native makes in full (``_narrow_casts``:
+    the same values, less memory), which do not change native's result.
+    """
+    rules = policy.rules(device_type)
+    listed = [(n, cat) for cat in CATEGORIES for n in rules.ops(cat)] + [(n, "decompose") for n in rules.decompose]
+    if kind == REFERENCE:
+        return [(n, c, True) for n, c in listed]
+    delta = _native.delta(policy, device_type)
+    if kind == DELTA:
+        out = [(n, c, True) for n, c in listed if n in delta]
+        out += [(n, c, False) for n, c in listed if n not in delta and (
+            c == "decompose" or (c == "fp32" and n in _narrow_casts.NARROWED))]
+    else:
+        out = [(n, c, True) for n, c in listed]
+    # ops torch lists that the policy does not: run with native off
+    return out + [(n, None, True) for n in sorted(delta) if not rules.category(n) and not rules.decomposes(n)]
+
+
+def _compile(engine, devs, kind) -> dict:
+    """{func: action} for the ops of ``kind`` of every enabled device of a frame."""
     per_func = {}
     names = set()
-    for device_type, (enabled, dtype, policy, cache_enabled) in frame.devs.items():
+    changes = 0
+    for device_type, (enabled, dtype, policy, cache_enabled) in devs.items():
         if not enabled:
             continue
         rules = policy.rules(device_type)
-        listed = [(cat, rules.ops(cat)) for cat in CATEGORIES] + [("decompose", rules.decompose)]
-        for cat, ops in listed:
-            for name in ops:
-                msg = rules.ban_message(name) if cat == "banned" else None
-                act = _rule(engine, name, cat, device_type, dtype, cache_enabled, msg)
-                for func in _ops.resolve(name):
-                    if _is_inplace(func):
-                        continue
-                    per_func.setdefault(func, []).append(act)
-                    if not isinstance(func, types.FunctionType):  # builtins: ATen-style names
-                        names.add(getattr(func, "__name__", name))
-                names.add(name.rsplit(".", 1)[-1])
+        for name, cat, changing in _entries(policy, device_type, kind):
+            changes += changing
+            msg = rules.ban_message(name) if cat == "banned" else None
+            act = _action(engine, name, cat, device_type, cache_enabled, msg, kind if changing else TRACE)
+            for func in _ops.resolve(name):
+                if _is_inplace(func):
+                    continue
+                per_func.setdefault(func, []).append(act)
+                if not isinstance(func, types.FunctionType):  # builtins: ATen-style names
+                    names.add(getattr(func, "__name__", name))
+            names.add(name.rsplit(".", 1)[-1])
     table = {f: _dispatch(acts) for f, acts in per_func.items()}
     table[_NAMES_KEY] = frozenset(names)
     table[_REACH_KEY] = {}
+    table[_CHANGES_KEY] = changes
     return table
 
 
 _NAMES_KEY = object()
 _REACH_KEY = object()
+_CHANGES_KEY = object()  # how many entries change native's result (0: no mode needed)
+
+
+# --------------------------------------------------------------------------- checkpointing
+_REENTRANT_FORWARD = getattr(getattr(torch.utils.checkpoint, "CheckpointFunction", None), "forward", None)
+_REENTRANT_CODE = getattr(_REENTRANT_FORWARD, "__code__", None)
+
+
+def _in_torch_checkpoint() -> bool:
+    """Whether this call runs in the forward of torch.utils.checkpoint (either kind)."""
+    if torch.compiler.is_compiling():
+        return False
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if hooks is not None and "_checkpoint_hook" in getattr(hooks[0], "__qualname__", ""):
+        return True
+    if _REENTRANT_CODE is not None and not torch.is_grad_enabled():
+        f = sys._getframe(2)
+        while f is not None:
+            if f.f_code is _REENTRANT_CODE:
+                return True
+            f = f.f_back
+    return False
+
+
+def _refuse_plain_checkpoint(op):
+    if _in_torch_checkpoint():
+        raise RuntimeError(
+            f"ampkit autocast: the active policy handles {op!r} differently from torch's autocast, and "
+            "torch.utils.checkpoint recomputes the forward outside ampkit's region (it restores only torch's "
+            "own autocast state), so the recomputed values would differ. Use ampkit.checkpoint(function, "
+            "*args, use_reentrant=..., ...) in place of torch.utils.checkpoint.checkpoint: it takes the same "
+            "arguments and replays the region's policy in the recomputation."
+        )
+
+
+def checkpoint(function, *args, use_reentrant=None, **kwargs):
+    """``torch.utils.checkpoint.checkpoint`` that recomputes inside the same ampkit region.
+
+    torch's checkpoint restores torch's own autocast state when it recomputes the
+    forward (during backward, outside any ``with`` block), but not a policy's changes
+    to it. This function takes the same arguments and wraps ``function`` so that the
+    recomputation runs in the ampkit regions active now: gradients equal those of
+    the same code without checkpointing. With the default policy it is torch's
+    checkpoint, and both give the same gradients; with a changed policy plain torch
+    checkpointing raises a RuntimeError that names this function.
+
+    >>> import torch, ampkit
+    >>> lin = torch.nn.Linear(4, 4)
+    >>> policy = ampkit.load_policy("torch_default").with_ops("cpu", fp32=["linear"])
+    >>> with ampkit.autocast("cpu", policy=policy):
+    ...     y = ampkit.checkpoint(lin, torch.randn(2, 4), use_reentrant=False)
+    >>> y.dtype
+    torch.float32
+    >>> y.sum().backward()
+    """
+    if not callable(function):
+        raise TypeError(f"ampkit.checkpoint: function must be callable, got {function!r}")
+    saved = [(d, s) for d, s in _engine().frames[-1].devs.items()]
+
+    def in_region(*a, **k):
+        eng = _engine()
+        with contextlib.ExitStack() as stack:
+            for d, (enabled, dtype, policy, cache) in saved:
+                stack.enter_context(autocast(d, dtype, enabled, cache, policy=policy))
+            eng.checkpoint_safe += 1
+            stack.callback(_leave_checkpoint, eng)
+            return function(*a, **k)
+
+    return torch.utils.checkpoint.checkpoint(in_region, *args, use_reentrant=use_reentrant, **kwargs)
+
+
+def _leave_checkpoint(eng):
+    eng.checkpoint_safe -= 1
 
 
 # --------------------------------------------------------------------------- composites
@@ -538,8 +735,8 @@ def _default_policy() -> Policy:
     return _DEFAULT[0]
 
 
-class autocast:
-    """An ampkit autocast region: the signature and semantics of ``torch.autocast``.
+class autocast(torch.amp.autocast):
+    """An ampkit autocast region: a ``torch.autocast`` region whose casts follow a policy.
 
     Args:
       device_type: ``"cpu"`` or ``"cuda"`` (a device type of the policy).
@@ -551,6 +748,10 @@ class autocast:
       policy: a :class:`ampkit.Policy`, a shipped name or a YAML path
         (default ``"torch_default"``).
 
+    It is a ``torch.amp.autocast``: inside it ``torch.is_autocast_enabled(device_type)``
+    is True, and checkpointing, ``torch.amp.custom_fwd`` and ``torch.compile`` treat
+    it as torch's own. Where the policy equals torch's table, torch's C++ autocast
+    does the casting; ampkit's code runs only for the ops the policy changes.
     Works as a context manager and as a decorator.
 
     >>> import torch, ampkit
@@ -559,6 +760,9 @@ class autocast:
     ...     return a @ b
     >>> f(torch.randn(2, 3), torch.randn(3, 2)).dtype
     torch.bfloat16
+    >>> with ampkit.autocast("cpu"):
+    ...     torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")
+    (True, torch.bfloat16)
     """
 
     def __init__(self, device_type, dtype=None, enabled=True, cache_enabled=None, *, policy=None):
@@ -576,20 +780,42 @@ class autocast:
             raise ValueError(f"ampkit.autocast: enabled must be True or False, got {enabled!r}")
         if cache_enabled is not None and not isinstance(cache_enabled, bool):
             raise ValueError(f"ampkit.autocast: cache_enabled must be True, False or None, got {cache_enabled!r}")
+        super().__init__(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
         self.device_type = device_type
-        self.fast_dtype = dtype
         self.enabled = enabled
         self.cache_enabled = cache_enabled
         self.policy = pol
 
     def __enter__(self):
-        cache = torch.is_autocast_cache_enabled() if self.cache_enabled is None else self.cache_enabled
-        _engine().push(self.device_type, self.enabled, self.fast_dtype, self.policy, cache)
+        eng = _engine()
+        if eng.reference:  # native off underneath: the tables alone decide
+            self._ampkit_native = torch.autocast(self.device, dtype=self.fast_dtype, enabled=False,
+                                                 cache_enabled=self._cache_enabled)
+            self._ampkit_native.__enter__()
+        else:
+            self._ampkit_native = None
+            super().__enter__()
+        try:
+            if not torch.compiler.is_compiling() or self.policy is not _default_policy():
+                eng.push(self.device_type, self.enabled, self.fast_dtype, self.policy, self._cache_enabled)
+        except BaseException:
+            self._native_exit()
+            raise
         return self
 
     def __exit__(self, exc_type, exc_val, exc_tb):
-        _engine().pop()
+        try:
+            if not torch.compiler.is_compiling() or self.policy is not _default_policy():
+                _engine().pop()
+        finally:
+            self._native_exit()
         return False
+
+    def _native_exit(self):
+        if self._ampkit_native is not None:
+            self._ampkit_native.__exit__(None, None, None)
+        else:
+            super().__exit__(None, None, None)
 
     def __call__(self, func):
         @functools.wraps(func)
@@ -606,19 +832,29 @@ class autocast:
         )
 
 
+@contextlib.contextmanager
+def reference():
+    """Regions entered inside run ampkit's Python engine over the whole policy, with
+    torch's autocast off underneath: the YAML alone decides every cast. For proving a
+    table against ``torch.autocast`` (the drift check, the table tests); slower."""
+    eng = _engine()
+    eng.reference += 1
+    try:
+        yield
+    finally:
+        eng.reference -= 1
+
+
 def is_autocast_enabled(device_type: str) -> bool:
-    """Whether an enabled ampkit region for ``device_type`` is active in this thread."""
-    s = _engine().state(device_type)
-    return bool(s and s[0])
+    """Whether autocast is on for ``device_type`` in this thread: an ampkit region or
+    torch's own (they are the same state). Raises for an unknown device type."""
+    return torch.is_autocast_enabled(device_type)
 
 
 def get_autocast_dtype(device_type: str) -> torch.dtype:
-    """The dtype of the innermost ampkit region for ``device_type`` in this thread
-    (the default policy's dtype when none is active)."""
-    s = _engine().state(device_type)
-    if s is not None:
-        return s[1]
-    return _default_policy().rules(device_type).lower_precision_dtype
+    """The dtype of the innermost autocast region for ``device_type`` in this thread
+    (torch's default for the device when none is active)."""
+    return torch.get_autocast_dtype(device_type)
 
 
 def _current_policy(device_type):
@@ -626,51 +862,30 @@ def _current_policy(device_type):
     return s[2] if s is not None else _default_policy()
 
 
-def _cast_tree(value, device_type, dtype):
-    if isinstance(value, Tensor):
-        ok = value.is_floating_point() and value.dtype is not _F64 and value.device.type == device_type
-        return value.to(dtype) if ok else value
-    if isinstance(value, (str, bytes)):
-        return value
-    if isinstance(value, dict):
-        return {k: _cast_tree(v, device_type, dtype) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_cast_tree(v, device_type, dtype) for v in value)
-    return value
-
-
 def custom_fwd(fwd=None, *, device_type: str, cast_inputs=None):
-    """``torch.amp.custom_fwd`` for ampkit regions (decorate ``Function.forward``).
+    """``torch.amp.custom_fwd`` that also carries the ampkit policy to :func:`custom_bwd`.
 
-    With ``cast_inputs=None`` forward runs under the region state it is called in
-    and backward (with :func:`custom_bwd`) replays that state. With a dtype, the
-    floating inputs are cast to it and forward runs with ampkit autocast disabled.
+    With ``cast_inputs=None`` forward runs in the region it is called in and
+    backward (with :func:`custom_bwd`) replays that region, policy included. With a
+    dtype, the floating inputs are cast to it and forward runs with autocast off.
+    ``torch.amp.custom_fwd`` itself works in ampkit regions as in torch's.
     """
     if not isinstance(device_type, str):
         raise ValueError(f"custom_fwd: device_type must be a string such as 'cuda', got {device_type!r}")
     if fwd is None:
         return functools.partial(custom_fwd, device_type=device_type, cast_inputs=cast_inputs)
+    inner = torch.amp.custom_fwd(fwd, device_type=device_type, cast_inputs=cast_inputs)
 
     @functools.wraps(fwd)
     def decorate_fwd(*args, **kwargs):
-        ctx = args[0]
-        ctx._ampkit_dtype = get_autocast_dtype(device_type)
-        ctx._ampkit_policy = _current_policy(device_type)
-        enabled = is_autocast_enabled(device_type)
-        if cast_inputs is None:
-            ctx._ampkit_fwd_used_autocast = enabled
-            return fwd(*args, **kwargs)
-        ctx._ampkit_fwd_used_autocast = False
-        if not enabled:
-            return fwd(*args, **kwargs)
-        with autocast(device_type, enabled=False, policy=ctx._ampkit_policy):
-            return fwd(*_cast_tree(args, device_type, cast_inputs), **_cast_tree(kwargs, device_type, cast_inputs))
+        args[0]._ampkit_policy = _current_policy(device_type)
+        return inner(*args, **kwargs)
 
     return decorate_fwd
 
 
 def custom_bwd(bwd=None, *, device_type: str):
-    """``torch.amp.custom_bwd`` for ampkit: backward runs in the state forward ran in."""
+    """``torch.amp.custom_bwd`` for ampkit: backward runs in the region forward ran in."""
     if not isinstance(device_type, str):
         raise ValueError(f"custom_bwd: device_type must be a string such as 'cuda', got {device_type!r}")
     if bwd is None:
@@ -680,7 +895,8 @@ def custom_bwd(bwd=None, *, device_type: str):
     def decorate_bwd(*args, **kwargs):
         ctx = args[0]
         with autocast(
-            device_type, dtype=ctx._ampkit_dtype, enabled=ctx._ampkit_fwd_used_autocast, policy=ctx._ampkit_policy
+            device_type, dtype=ctx._dtype, enabled=ctx._fwd_used_autocast,
+            policy=getattr(ctx, "_ampkit_policy", None),
         ):
             return bwd(*args, **kwargs)
 
@@ -696,8 +912,8 @@ def op(fn=None, *, name=None):
 
     Inside an ampkit region the function takes part in torch's function dispatch,
     so a policy can put it in a category (its inputs are then cast and its body
-    runs as one leaf op, like a native op). Unlisted, its body runs with the
-    region active. Outside regions it behaves exactly as before; torch is never
+    runs as one leaf op, with autocast off, like a native op). Unlisted, its body
+    runs in the region. Outside regions it behaves exactly as before; torch is never
     patched. Register before building a policy that names it.
 
     >>> import torch, ampkit
@@ -739,5 +955,6 @@ def op(fn=None, *, name=None):
     _ops.USER_OPS[name] = wrapper
     _USER_WRAPPERS[wrapper] = fn
     _ops.VERSION[0] += 1  # compiled tables are keyed by it: rebuilt on next region entry
+    _native.forget()
     wrapper.ampkit_op_name = name
     return wrapper

@@ -16,6 +16,10 @@ metadata calls such as ``size()`` are skipped). ``rule`` is the category that
 was applied, ``"none"`` for an op in no table (or one whose tensors are on
 another device), ``"composite"`` for a torch Python function whose body was
 traced through. Tracing costs nothing when no trace is active.
+
+Only the casts ampkit makes are recorded: a C++ composite that is in no table
+(``gru``, say) runs with torch's autocast on, and the casts torch makes inside it
+do not reach Python.
 """
 
 from __future__ import annotations
@@ -126,23 +130,33 @@ class trace:
     """Context manager recording the ampkit regions of this thread into a CastTrace.
 
     ``with ampkit.trace() as tr: ...`` then ``print(tr)`` or ``tr.records``.
-    Nested traces record into the innermost one.
+    Nested traces record into the innermost one. While a trace is active, every op
+    of the region's policy is cast by ampkit's Python engine (so that each cast can
+    be recorded) rather than by torch's C++ autocast: the same casts, a few
+    microseconds more per call.
     """
 
     def __init__(self):
         self.result = CastTrace()
         self._prev = None
+        self._pushed = False
+        self._entered = False
 
     def __enter__(self) -> CastTrace:
         from ampkit._autocast import _engine
 
         eng = _engine()
         self._prev = eng.trace
-        eng.set_trace(self.result)
+        self._pushed = eng.set_trace(self.result)
+        self._entered = True
         return self.result
 
     def __exit__(self, exc_type, exc_val, exc_tb):
         from ampkit._autocast import _engine
 
-        _engine().set_trace(self._prev)
+        eng = _engine()
+        self._entered = False
+        if self._pushed:
+            eng.drop_trace_push()
+        eng.set_trace(self._prev)
         return False

@@ -4,7 +4,8 @@
 
 For every op of the policy (and a broad list of candidates from
 ``ampkit.testing``) the same fresh inputs are run under ``torch.autocast`` and
-under ``ampkit.autocast`` in three probes: all floating inputs float32
+under ``ampkit.autocast`` with its reference engine (``ampkit._autocast.reference``:
+the YAML tables alone decide, torch's autocast off underneath) in three probes: all floating inputs float32
 (``f32``), all in the region dtype (``low``), and the first one float32 with
 the rest in the region dtype (``mixed``). Any probe whose output dtype (or
 raise / no raise) differs is drift. The native category is inferred from the
@@ -153,8 +154,8 @@ def probe(op, device, low, policy, values=False):
         native = _outcome(nat, kept)
         s = _probe_sample(op, device, kind, low)
 
-        def amp(s=s):
-            with _autocast.autocast(device, dtype=low, policy=policy):
+        def amp(s=s):  # the tables alone, torch's autocast off underneath
+            with _autocast.reference(), _autocast.autocast(device, dtype=low, policy=policy):
                 return s()
 
         ampkit = _outcome(amp, kept)

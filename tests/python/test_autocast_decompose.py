@@ -13,7 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import contextlib
+
 import ampkit
+from ampkit import _autocast
 from ampkit import _decompositions as D
 
 pytestmark = pytest.mark.usefixtures("ampkit_quiet")
@@ -179,9 +182,16 @@ def test_decomposed_op_on_another_device_or_float64_is_left_alone():
 LOWS = pytest.mark.parametrize("low", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
 
 
+@contextlib.contextmanager
+def _reference(low):
+    """ampkit's reference engine: the decomposition runs in Python, torch's autocast off."""
+    with _autocast.reference(), ampkit.autocast("cuda", dtype=low):
+        yield
+
+
 def _both(fn, args, kw, low):
     outs = []
-    for region in (torch.autocast("cuda", dtype=low), ampkit.autocast("cuda", dtype=low)):
+    for region in (torch.autocast("cuda", dtype=low), _reference(low)):
         a = [args[0].detach().clone().requires_grad_(True), *args[1:]]  # the logits / first input
         with region:
             y = fn(*a, **kw)
@@ -219,12 +229,15 @@ def test_cuda_cross_entropy_keeps_no_float32_copy_of_the_log_probs():
     """The log-probs stay float16; nll_loss casts only the elements it reads (narrow cast).
 
     Native autocast holds the float16 log-probs and a float32 copy of them for
-    nll_loss; ampkit holds the float16 log-probs alone, plus small tensors.
+    nll_loss; ampkit holds the float16 log-probs alone, plus small tensors. ampkit's
+    handler runs in a region whose policy changes something (here: cdist leaves its
+    category); with the default policy the region is torch's autocast alone.
     """
+    changed = ampkit.load_policy("torch_default").without_ops("cdist")
     x = torch.randn(1024, 8192, device="cuda", dtype=torch.float16)
     tgt = torch.randint(0, 8192, (1024,), device="cuda")
     peaks = []
-    for region in (torch.autocast("cuda"), ampkit.autocast("cuda")):
+    for region in (torch.autocast("cuda"), ampkit.autocast("cuda", policy=changed)):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()

@@ -4,6 +4,11 @@ The oracle is torch.autocast on the same inputs: the loss and the gradient of
 the input must be the same bit for bit, on the paths that narrow and on those
 that do not. A spy on ``ampkit._narrow_casts.nll_loss`` shows which path ran,
 so a test of the narrow path cannot pass by falling back to the full cast.
+
+Narrowing happens where ampkit's handler runs: a region whose policy changes
+something (here ``cdist`` leaves its category, an op these tests never call),
+the trace and the reference engine. A region whose policy equals torch's is
+torch's autocast alone; the last test shows that it leaves nll_loss to torch.
 """
 
 from __future__ import annotations
@@ -35,10 +40,15 @@ def narrowed(monkeypatch):
     return seen
 
 
+# a policy whose delta over native is one op these tests never call: its region runs
+# ampkit's handler, which narrows nll_loss
+CHANGED = ampkit.load_policy("torch_default").without_ops("cdist")
+
+
 def _region(engine, device, dtype):
     if engine == "torch":
         return torch.autocast(device, dtype=dtype)
-    return ampkit.autocast(device, dtype=dtype)
+    return ampkit.autocast(device, dtype=dtype, policy=CHANGED)
 
 
 def _run(engine, device, dtype, x, call):
@@ -186,3 +196,14 @@ def test_every_row_ignored_gives_the_native_result(reduction, narrowed):
     assert want.isnan().item() == (reduction == "mean")
     assert torch.equal(got, want) or (got.isnan().item() and want.isnan().item())
     assert torch.equal(got_grad, want_grad)
+
+
+def test_default_policy_leaves_nll_loss_to_torch(narrowed):
+    x = torch.randn(ROWS, CLASSES, generator=torch.Generator().manual_seed(1))
+    t = _targets("cpu", ROWS, CLASSES, -100)
+    with ampkit.autocast("cpu"):
+        h = torch.log_softmax(x.to(torch.bfloat16), 1)
+        loss = F.nll_loss(h, t)
+    with torch.autocast("cpu"):
+        want = F.nll_loss(torch.log_softmax(x.to(torch.bfloat16), 1), t)
+    assert narrowed == [] and torch.equal(loss, want)

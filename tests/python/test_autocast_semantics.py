@@ -53,21 +53,43 @@ def test_nesting_changes_and_restores_dtype(lib):
     ]
 
 
-def test_one_mode_however_deep_and_none_after():
+def test_no_mode_with_the_default_policy():
+    """A region whose policy equals torch's table is torch's autocast alone: no Python handler."""
     base = modes()
     with ampkit.autocast("cpu"):
-        assert modes() == base + 1
+        assert modes() == base
         with ampkit.autocast("cpu", enabled=False), ampkit.autocast("cpu", dtype=F16):
-            assert modes() == base + 1
+            assert modes() == base
     assert modes() == base
 
 
-def test_state_is_ampkits_not_torchs():
+def test_one_mode_for_a_changed_policy_however_deep_and_none_after():
+    changed = ampkit.load_policy("torch_default").with_ops("cpu", fp32=["linear"])
+    base = modes()
     with ampkit.autocast("cpu"):
-        assert ampkit.is_autocast_enabled("cpu") and not torch.is_autocast_enabled("cpu")
+        with ampkit.autocast("cpu", policy=changed):
+            assert modes() == base + 1
+            with ampkit.autocast("cpu", enabled=False), ampkit.autocast("cpu", dtype=F16, policy=changed):
+                assert modes() == base + 1
+            with ampkit.autocast("cpu"):  # the default policy inside: the mode stays, passing through
+                assert modes() == base + 1 and lin().dtype == BF16
+        assert modes() == base
+    assert modes() == base
+
+
+def test_the_state_is_torchs():
+    """An ampkit region is a torch autocast region as torch sees it, and the other way round."""
+    with ampkit.autocast("cpu", dtype=F16):
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == F16
+        assert ampkit.is_autocast_enabled("cpu") and ampkit.get_autocast_dtype("cpu") == F16
+        with ampkit.autocast("cpu", enabled=False):
+            assert not torch.is_autocast_enabled("cpu")
     with torch.autocast("cpu"):
-        assert torch.is_autocast_enabled("cpu") and not ampkit.is_autocast_enabled("cpu")
-    assert ampkit.get_autocast_dtype("cpu") == BF16 and ampkit.get_autocast_dtype("cuda") == F16
+        assert ampkit.is_autocast_enabled("cpu")
+    assert not torch.is_autocast_enabled("cpu")
+    assert ampkit.get_autocast_dtype("cpu") == torch.get_autocast_dtype("cpu")
+    assert ampkit.get_autocast_dtype("cuda") == torch.get_autocast_dtype("cuda")
+    assert isinstance(ampkit.autocast("cpu"), torch.amp.autocast)
 
 
 def test_exception_inside_restores_everything():
@@ -141,12 +163,20 @@ def test_decorator_matches_torch_decorator(enabled):
 
 
 # --------------------------------------------------------------------- cache
+# ampkit's own cast cache serves the ops ampkit casts (a policy's delta, the trace, the
+# reference engine); these tests run the reference engine, so every listed op uses it.
+@pytest.fixture
+def reference_engine():
+    with _autocast.reference():
+        yield
+
+
 def _cached_cast_of(w):
     hits = [c for (src, c) in _autocast._engine().cache.values() if src is w]
     return hits[0] if hits else None
 
 
-def test_cache_lives_for_the_outermost_region_and_is_freed():
+def test_cache_lives_for_the_outermost_region_and_is_freed(reference_engine):
     w = torch.nn.Parameter(torch.randn(3, 4))
     x = torch.randn(2, 4)
     with ampkit.autocast("cpu"):
@@ -200,14 +230,14 @@ def test_cache_shares_one_cast_like_native():
     ],
     ids=["no_grad", "non_leaf", "view"],
 )
-def test_cache_skips_what_native_skips(make):
+def test_cache_skips_what_native_skips(make, reference_engine):
     w = make()
     with ampkit.autocast("cpu"):
         F.linear(torch.randn(2, 4), w)
         assert _cached_cast_of(w) is None
 
 
-def test_cache_disabled_and_disabled_region_cache_nothing():
+def test_cache_disabled_and_disabled_region_cache_nothing(reference_engine):
     w = torch.nn.Parameter(torch.randn(3, 4))
     for region in (ampkit.autocast("cpu", cache_enabled=False), ampkit.autocast("cpu", enabled=False)):
         with region:
@@ -215,7 +245,7 @@ def test_cache_disabled_and_disabled_region_cache_nothing():
             assert _autocast._engine().cache == {}
 
 
-def test_cache_enabled_none_follows_torch_flag():
+def test_cache_enabled_none_follows_torch_flag(reference_engine):
     w = torch.nn.Parameter(torch.randn(3, 4))
     prev = torch.is_autocast_cache_enabled()
     try:

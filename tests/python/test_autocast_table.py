@@ -1,5 +1,10 @@
 """Every op of the shipped table, ampkit vs torch.autocast on the same fresh inputs.
 
+The ampkit side runs the reference engine (``ampkit._autocast.reference``: the
+YAML tables alone decide, torch's autocast off underneath), so these tests prove
+that the table equals native op by op: that proof is what lets a default region
+hand the casting to torch's C++ autocast (``ampkit._native``).
+
 One test per (device, category, op): three probes (all inputs float32, all in
 the region dtype, the first float32 and the rest low), each compared with the
 native result: output dtype exactly, values bit for bit (the same kernel runs
@@ -13,10 +18,13 @@ it fails here and the gap gets removed.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 import ampkit
+from ampkit import _autocast
 from ampkit.policy import known_gap
 from ampkit.testing import op_sample
 
@@ -121,6 +129,13 @@ def same(a, b, op=None, grad=False):
     return torch.equal(a, b)
 
 
+@contextlib.contextmanager
+def reference_region(device, low, enabled=True):
+    """An ampkit region run by the reference engine (the table alone)."""
+    with _autocast.reference(), ampkit.autocast(device, dtype=low, enabled=enabled):
+        yield
+
+
 def check_probe(op, device, probe, low, ampkit_region, native_region):
     nat = run(op, device, probe, low, native_region)
     if nat is None:
@@ -148,7 +163,7 @@ def check_gap(op, device, probe, low):
     nat = run(op, device, probe, low, lambda: torch.autocast(device, dtype=low), backward=False)
     if nat is None:
         return
-    amp = run(op, device, probe, low, lambda: ampkit.autocast(device, dtype=low), backward=False)
+    amp = run(op, device, probe, low, lambda: reference_region(device, low), backward=False)
     kind = [x if isinstance(x, type) else getattr(x[0], "dtype", type(x[0])) for x in (nat, amp)]
     assert kind[0] != kind[1], (
         f"{op} [{probe}]: the known gap ({known_gap(op, device, low, probe)}) no longer shows "
@@ -163,13 +178,13 @@ def check_op(op, device, low):
             continue
         check_probe(
             op, device, probe, low,
-            lambda: ampkit.autocast(device, dtype=low),
+            lambda: reference_region(device, low),
             lambda: torch.autocast(device, dtype=low),
         )
         # enabled=False is a pure pass-through: identical to a plain call
         check_probe(
             op, device, probe, low,
-            lambda: ampkit.autocast(device, dtype=low, enabled=False),
+            lambda: reference_region(device, low, enabled=False),
             lambda: torch.autocast(device, enabled=False),
         )
 
@@ -193,7 +208,7 @@ def test_cuda_table_matches_native(category, op, low):
         s = op_sample(op, "cuda")
         with pytest.raises(RuntimeError, match="unsafe to autocast"), torch.autocast("cuda", dtype=low):
             s()
-        with pytest.raises(RuntimeError, match="unsafe to autocast"), ampkit.autocast("cuda", dtype=low):
+        with pytest.raises(RuntimeError, match="unsafe to autocast"), reference_region("cuda", low):
             s()
         return
     check_op(op, "cuda", low)

@@ -1,0 +1,95 @@
+"""Where a policy differs from torch's own autocast on the installed torch: its delta.
+
+torch's C++ autocast executes every op whose handling in a policy equals
+torch's; ampkit's Python engine executes only the delta. Native's table is the
+shipped ``torch_default`` policy, which the drift check (``python -m
+ampkit.policy check``, run by the test suite for each installed torch) proves
+equal to ``torch.autocast`` op by op; ops where a torch release is known to
+differ from that table are listed in ``NATIVE_DIFFERS`` and always run through
+ampkit, so the YAML stays the only source of truth for what is cast.
+
+>>> import ampkit
+>>> p = ampkit.load_policy("torch_default")
+>>> sorted(delta(p, "cpu"))
+[]
+>>> sorted(delta(p.with_ops("cpu", fp32=["linear"]).without_ops("mm", device="cpu"), "cpu"))
+['linear', 'mm']
+"""
+
+from __future__ import annotations
+
+import torch
+
+NATIVE_POLICY = "torch_default"
+
+
+def _torch_version() -> tuple:
+    base = torch.__version__.split("+")[0]
+    return tuple(int(p) for p in base.split(".")[:2] if p.isdigit())
+
+
+# (device, first torch version where native equals the table, ops): on older
+# torch these ops are executed by ampkit (the drift check found native differs).
+NATIVE_DIFFERS = (
+    ("cpu", (2, 5), frozenset({"_addmm_activation"})),
+)
+
+_CACHE: dict = {}
+
+
+def differs(device_type: str) -> frozenset:
+    """Ops of the shipped table that the installed torch's autocast handles otherwise."""
+    v = _torch_version()
+    out = set()
+    for dev, fixed_in, ops in NATIVE_DIFFERS:
+        if dev == device_type and v < fixed_in:
+            out |= ops
+    return frozenset(out)
+
+
+def _handling(rules, name):
+    cat = rules.category(name)
+    if cat == "banned":
+        return ("banned", rules.ban_message(name))
+    if cat is None and rules.decomposes(name):
+        return ("decompose", None)
+    return (cat, None)
+
+
+def delta(policy, device_type: str) -> frozenset:
+    """Op names whose handling on ``device_type`` differs between ``policy`` and native.
+
+    An op is in the delta when its category (or ban message, or ``decompose``)
+    differs from the shipped native table, when it is a user op the policy lists,
+    or when the installed torch is known to differ from the table for it.
+    """
+    key = (policy, device_type)
+    hit = _CACHE.get(key)
+    if hit is not None:
+        return hit
+    from ampkit._policy import CATEGORIES, load_policy
+
+    native = load_policy(NATIVE_POLICY)
+    ours = policy.rules(device_type)
+    try:
+        theirs = native.rules(device_type)
+    except ValueError:  # a device torch's table does not cover here: everything is ampkit's
+        theirs = None
+
+    def listed(rules):
+        return set(n for c in CATEGORIES for n in rules.ops(c)) | set(rules.decompose)
+
+    names = listed(ours) | (listed(theirs) if theirs is not None else set())
+    out = frozenset(
+        n for n in names
+        if theirs is None or _handling(ours, n) != _handling(theirs, n)
+    ) | (differs(device_type) & listed(ours))
+    if len(_CACHE) > 256:
+        _CACHE.clear()
+    _CACHE[key] = out
+    return out
+
+
+def forget() -> None:
+    """Drop cached deltas (an ``ampkit.op`` registration can change what a name means)."""
+    _CACHE.clear()
