@@ -128,9 +128,7 @@ class _Frame:
         self.owns_mode = False
         # policies cache their hash; the registry version invalidates tables when
         # ampkit.op (re)registers a user op.
-        self.key = (_ops.VERSION[0],) + tuple(
-            sorted((d, s[1], s[2], s[3]) for d, s in devs.items() if s[0])
-        )
+        self.key = (_ops.VERSION[0],) + tuple((d,) + devs[d][1:] for d in sorted(devs) if devs[d][0])
 
 
 class _Engine:
@@ -191,6 +189,7 @@ class _Engine:
                 self.tables.clear()
             table = self.tables[key] = _compile(self, frame.devs, kind)
         self.mode.real = table
+        _COMPILE_TABLE[0] = table
         self.mode.real_size = table[_CHANGES_KEY]
         self.mode.table = table if self.trace is None else _EMPTY
 
@@ -235,6 +234,11 @@ class _Mode(TorchFunctionMode):
         self.real_size = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if torch.compiler.is_compiling():
+            act = _COMPILE_TABLE[0].get(func)
+            if act is None:
+                return func(*args, **kwargs) if kwargs else func(*args)
+            return act(func, args, kwargs or {})
         try:
             act = self.table.get(func, _MISS)
         except TypeError:  # an unhashable callable: never listed, run as is
@@ -259,6 +263,40 @@ class _Mode(TorchFunctionMode):
         return tr._record(func, act, args, kwargs)
 
 
+_COMPILE_TABLE = [{}]  # the table of the last region entered eagerly (read by traced code)
+_COMPILED_TABLES: list = []  # tables of regions entered inside torch.compile'd code
+_COMPILED_INDEX: dict = {}
+
+
+@torch._dynamo.assume_constant_result
+def _compiled_table(device_type, enabled, dtype, policy, cache_enabled) -> int:
+    """Index in _COMPILED_TABLES of a region's delta table, -1 when it has none (run at trace time)."""
+    key = (_ops.VERSION[0], device_type, enabled, dtype, policy, cache_enabled)
+    index = _COMPILED_INDEX.get(key)
+    if index is None:
+        table = _compile(_engine(), {device_type: (enabled, dtype, policy, cache_enabled)}, DELTA)
+        index = -1
+        if table[_CHANGES_KEY]:
+            index = len(_COMPILED_TABLES)
+            _COMPILED_TABLES.append(table)
+        _COMPILED_INDEX[key] = index
+    return index
+
+
+class _CompiledMode(TorchFunctionMode):
+    """The handler of a region inside compiled code: its table is fixed at trace time."""
+
+    def __init__(self, index):
+        super().__init__()
+        self.index = index
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        act = _COMPILED_TABLES[self.index].get(func)
+        if act is None:
+            return func(*args, **(kwargs or {}))
+        return act(func, args, kwargs or {})
+
+
 # --------------------------------------------------------------------------- casting
 def _caster(engine, device_type, cache_enabled, cached):
     """Return cast_all(values, to) -> list: eligible tensors (also in lists) cast to ``to``.
@@ -271,7 +309,8 @@ def _caster(engine, device_type, cache_enabled, cached):
     cache = engine.cache
 
     def cast_t(a, to):  # a: an eligible tensor whose dtype differs from ``to``
-        if cached and cache_enabled and a.requires_grad and a.dtype is _F32 and a.is_leaf and not a._is_view():
+        if (cached and cache_enabled and a.requires_grad and a.dtype is _F32 and a.is_leaf
+                and not torch.compiler.is_compiling() and not a._is_view()):
             key = (id(a), to)
             hit = cache.get(key)
             if hit is not None and hit[0] is a:
@@ -787,6 +826,8 @@ class autocast(torch.amp.autocast):
         self.policy = pol
 
     def __enter__(self):
+        if torch.compiler.is_compiling():
+            return self._enter_compiled()
         eng = _engine()
         if eng.reference:  # native off underneath: the tables alone decide
             self._ampkit_native = torch.autocast(self.device, dtype=self.fast_dtype, enabled=False,
@@ -796,19 +837,37 @@ class autocast(torch.amp.autocast):
             self._ampkit_native = None
             super().__enter__()
         try:
-            if not torch.compiler.is_compiling() or self.policy is not _default_policy():
-                eng.push(self.device_type, self.enabled, self.fast_dtype, self.policy, self._cache_enabled)
+            eng.push(self.device_type, self.enabled, self.fast_dtype, self.policy, self._cache_enabled)
         except BaseException:
             self._native_exit()
             raise
         return self
 
     def __exit__(self, exc_type, exc_val, exc_tb):
+        if torch.compiler.is_compiling():
+            return self._exit_compiled()
         try:
-            if not torch.compiler.is_compiling() or self.policy is not _default_policy():
-                _engine().pop()
+            _engine().pop()
         finally:
             self._native_exit()
+        return False
+
+    # Inside code that torch.compile traces, the region is torch's autocast plus, for a
+    # changed policy, a fresh mode over a table built once at trace time (dynamo inlines
+    # both; the engine's per-thread bookkeeping stays out of the graph).
+    def _enter_compiled(self):
+        super().__enter__()
+        index = _compiled_table(self.device_type, self.enabled, self.fast_dtype, self.policy, self._cache_enabled)
+        mode = _CompiledMode(index) if index >= 0 else None
+        if mode is not None:
+            mode.__enter__()
+        self._ampkit_compiled_mode = mode
+        return self
+
+    def _exit_compiled(self):
+        if self._ampkit_compiled_mode is not None:
+            self._ampkit_compiled_mode.__exit__(None, None, None)
+        super().__exit__(None, None, None)
         return False
 
     def _native_exit(self):
