@@ -12,6 +12,10 @@ the median over repeats of ampkit/native timed back to back, with its quartiles:
             width 256, and at the seed_mlp cpu profile (batch 128 x width 1024)
 - mha:      nn.MultiheadAttention forward, a Python composite whose body is traced through
 
+Each case also runs ``ampkit (1 override)``: a region whose policy moves one op the
+case never calls (softmax -> fp32), so ampkit's handler is pushed and sees every call:
+the cost of having any override active.
+
 The region is entered once per chain (per step for ``step``), as in real code.
 Timings are printed, never asserted.
 """
@@ -99,6 +103,11 @@ def run(repeats=15, device="cpu", size=8):
     def amp():
         return ampkit.autocast(device, dtype=dtype)
 
+    one_override = ampkit.load_policy("torch_default").with_ops(device, fp32=["softmax"])
+
+    def amp_override():
+        return ampkit.autocast(device, dtype=dtype, policy=one_override)
+
     def chain(ctx_factory, body, *a):
         def f():
             with ctx_factory():
@@ -110,33 +119,38 @@ def run(repeats=15, device="cpu", size=8):
         f"unlisted (20 ops {size}x{size})": {
             "native": chain(native, _unlisted_chain, x),
             "ampkit": chain(amp, _unlisted_chain, x),
+            "override": chain(amp_override, _unlisted_chain, x),
             "none": chain(lambda: torch.autocast(device, enabled=False), _unlisted_chain, x),
             "inner": 100,
         },
         f"listed (20 ops {size}x{size})": {
             "native": chain(native, _listed_chain, x, w, t),
             "ampkit": chain(amp, _listed_chain, x, w, t),
+            "override": chain(amp_override, _listed_chain, x, w, t),
             "inner": 100,
         },
         "mlp step (64x256)": {
             "native": lambda: step(native()),
             "ampkit": lambda: step(amp()),
+            "override": lambda: step(amp_override()),
             "inner": 5,
         },
         "mha forward (8x16x64)": {  # a Python composite whose body ampkit traces through
             "native": chain(native, mha, q, q, q),
             "ampkit": chain(amp, mha, q, q, q),
+            "override": chain(amp_override, mha, q, q, q),
             "inner": 10,
         },
         "mlp step (128x1024)": {
             "native": lambda: seed_step(native()),
             "ampkit": lambda: seed_step(amp()),
+            "override": lambda: seed_step(amp_override()),
             "inner": 1,
         },
     }
     results = {}
     for name, case in cases.items():
-        variants = [v for v in ("native", "ampkit", "none") if v in case]
+        variants = [v for v in ("native", "ampkit", "override", "none") if v in case]
         for v in variants:  # warm up (first calls classify and compile)
             _time(case[v], max(3, case["inner"] // 10))
         samples = {v: [] for v in variants}
@@ -149,11 +163,17 @@ def run(repeats=15, device="cpu", size=8):
         # each repeat times native and ampkit back to back: the ratio of a pair cancels
         # slow drifts in machine load, so the median paired ratio is the headline figure
         ratios = sorted(a / n for a, n in zip(samples["ampkit"], samples["native"]))
+        override = sorted(a / n for a, n in zip(samples["override"], samples["native"]))
         results[name] = {
             "median_s": med, "min_max_s": spread, "ratio": statistics.median(ratios),
             "ratio_of_medians": med["ampkit"] / med["native"], "paired_ratios": ratios,
+            "override_ratio": statistics.median(override), "override_paired_ratios": override,
         }
     return results
+
+
+def _quartiles(q):
+    return f"[{q[len(q) // 4]:.3f}, {q[(3 * len(q)) // 4]:.3f}]"
 
 
 def main(argv=None):
@@ -171,12 +191,13 @@ def main(argv=None):
     res = run(a.repeats, size=a.size)
     clock = "wall-clock" if _clock is time.perf_counter else "thread CPU time"
     print(f"torch {torch.__version__}, {a.threads} thread(s), {a.repeats} interleaved repeats, {clock}, medians")
-    print(f"{'case':<26} {'native':>12} {'ampkit':>12} {'ratio':>7}  (median of paired ratios; [q1, q3])")
+    print(f"{'case':<26} {'native':>12} {'ampkit':>12} {'ratio':>7} {'[q1, q3]':>16}"
+          f" {'1 override':>12} {'ratio':>7} {'[q1, q3]':>16}  (median of paired ratios)")
     for name, r in res.items():
         m = r["median_s"]
-        q = r["paired_ratios"]
-        q1, q3 = q[len(q) // 4], q[(3 * len(q)) // 4]
-        print(f"{name:<26} {m['native'] * 1e6:>10.1f}us {m['ampkit'] * 1e6:>10.1f}us {r['ratio']:>7.3f}  [{q1:.3f}, {q3:.3f}]")
+        q, o = r["paired_ratios"], r["override_paired_ratios"]
+        print(f"{name:<26} {m['native'] * 1e6:>10.1f}us {m['ampkit'] * 1e6:>10.1f}us {r['ratio']:>7.3f} {_quartiles(q):>16}"
+              f" {m['override'] * 1e6:>10.1f}us {r['override_ratio']:>7.3f} {_quartiles(o):>16}")
         if "none" in m:
             print(f"{'  (no autocast)':<26} {m['none'] * 1e6:>10.1f}us")
     if a.json:

@@ -73,7 +73,6 @@ _CASTABLE = frozenset(
     d for d in vars(torch).values() if isinstance(d, torch.dtype) and d.is_floating_point and d is not torch.float64
 )
 _REGION_DTYPES = (torch.float16, torch.bfloat16)
-_MISS = object()
 _SEQ = (list, tuple)
 _GUARDS = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
 # Table kinds: the policy's delta over native (the default), the whole policy with
@@ -118,17 +117,29 @@ def _is_inplace(func) -> bool:
 
 # --------------------------------------------------------------------------- state
 class _Frame:
-    """The per-device ampkit state of one nesting level (immutable once built)."""
+    """The per-device ampkit state of one nesting level (immutable once built).
 
-    __slots__ = ("devs", "key", "owns_mode")
+    Frames are shared: the child of a frame for one region's arguments is built once
+    and kept, with its compiled table per kind, so entering a region again is a few
+    dict lookups."""
+
+    __slots__ = ("devs", "children", "tables")
 
     def __init__(self, devs):
         # devs: {device_type: (enabled, dtype, policy, cache_enabled)}
         self.devs = devs
-        self.owns_mode = False
-        # policies cache their hash; the registry version invalidates tables when
-        # ampkit.op (re)registers a user op.
-        self.key = (_ops.VERSION[0],) + tuple((d,) + devs[d][1:] for d in sorted(devs) if devs[d][0])
+        self.children = {}  # (device_type, enabled, dtype, policy, cache, registry version) -> _Frame
+        self.tables = {}  # kind -> {func: action}
+
+    def child(self, key):
+        frame = self.children.get(key)
+        if frame is None:
+            if len(self.children) > 64:  # e.g. a fresh policy built every step
+                self.children.clear()
+            devs = dict(self.devs)
+            devs[key[0]] = key[1:5]
+            frame = self.children[key] = _Frame(devs)
+        return frame
 
 
 class _Engine:
@@ -136,82 +147,75 @@ class _Engine:
 
     def __init__(self):
         self.frames = [_Frame({})]
-        self.tables = {}  # frame.key -> {func: action}
+        self.owners = [False]  # per frame: whether its region pushed the mode
         self.cache = {}  # (id(fp32 leaf), dtype) -> (leaf, cast)
         self.trace = None
         self.reference = 0  # > 0 inside reference(): regions use the REFERENCE kind
+        self.kind = DELTA
         self.checkpoint_safe = 0  # > 0 inside ampkit.checkpoint's function
         self.active_clones = set()
         self.mode = _Mode(self)
-        self.mode_depth = 0  # how many frames own a push of the mode (0 or 1)
+        self.mode_pushed = False
 
     @property
     def depth(self):
         return len(self.frames) - 1
 
-    def kind(self):
-        if self.reference:
-            return REFERENCE
-        return TRACE if self.trace is not None else DELTA
+    def _set_kind(self):
+        self.kind = REFERENCE if self.reference else (TRACE if self.trace is not None else DELTA)
 
     def push(self, device_type, enabled, dtype, policy, cache_enabled):
-        devs = dict(self.frames[-1].devs)
-        devs[device_type] = (enabled, dtype, policy, cache_enabled)
-        frame = _Frame(devs)
+        frame = self.frames[-1].child((device_type, enabled, dtype, policy, cache_enabled, _ops.VERSION[0]))
+        self._use(frame)  # (compiling a table may raise: nothing is changed then)
         self.frames.append(frame)
-        try:
-            self._retable()
-            if self.mode_depth == 0 and (self.mode.real_size or self.trace is not None):
-                self.mode.__enter__()
-                frame.owns_mode = True
-                self.mode_depth = 1
-        except BaseException:
-            self.frames.pop()
-            self._retable()
-            raise
+        owns = not self.mode_pushed and (self.mode.real_size or self.trace is not None)
+        if owns:
+            self.mode.__enter__()
+            self.mode_pushed = True
+        self.owners.append(owns)
 
     def pop(self):
-        frame = self.frames.pop()
-        if frame.owns_mode:
-            self.mode_depth = 0
+        self.frames.pop()
+        if self.owners.pop():
+            self.mode_pushed = False
             self.mode.__exit__(None, None, None)
         if len(self.frames) == 1:
             self.cache.clear()
-        self._retable()
+        self._use(self.frames[-1])
 
-    def _retable(self):
-        frame = self.frames[-1]
-        kind = self.kind()
-        key = (kind,) + frame.key
-        table = self.tables.get(key)
+    def _use(self, frame):
+        table = frame.tables.get(self.kind)
         if table is None:
-            if len(self.tables) > 64:  # e.g. a fresh policy built every step
-                self.tables.clear()
-            table = self.tables[key] = _compile(self, frame.devs, kind)
-        self.mode.real = table
+            table = frame.tables[self.kind] = _compile(self, frame.devs, self.kind)
+        mode = self.mode
+        mode.real = table
+        mode.real_size = table.changes
+        mode.table = table if self.trace is None else mode.recording
         _COMPILE_TABLE[0] = table
-        self.mode.real_size = table[_CHANGES_KEY]
-        self.mode.table = table if self.trace is None else _EMPTY
+
+    def set_reference(self, step):
+        self.reference += step
+        self._set_kind()
 
     def set_trace(self, tr):
         """Start or stop recording; returns whether the mode was pushed for it."""
         self.trace = tr
-        self._retable()
-        if tr is not None and self.mode_depth == 0 and len(self.frames) > 1:
+        self._set_kind()
+        self._use(self.frames[-1])
+        if tr is not None and not self.mode_pushed and len(self.frames) > 1:
             self.mode.__enter__()
-            self.mode_depth = 1
+            self.mode_pushed = True
             return True
         return False
 
     def drop_trace_push(self):
-        self.mode_depth = 0
+        self.mode_pushed = False
         self.mode.__exit__(None, None, None)
 
     def state(self, device_type):
         return self.frames[-1].devs.get(device_type)
 
 
-_EMPTY: dict = {}
 _tls = threading.local()
 
 
@@ -229,40 +233,61 @@ class _Mode(TorchFunctionMode):
     def __init__(self, engine):
         super().__init__()
         self.engine = engine
-        self.table = {}
-        self.real = {}
+        self.table = _Table(engine)  # what calls look up: ``real``, or the recorder while tracing
+        self.real = self.table
         self.real_size = 0
+        self.recording = _Recording(engine)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if torch.compiler.is_compiling():
+        if _is_compiling():
             act = _COMPILE_TABLE[0].get(func)
-            if act is None:
-                return func(*args, **kwargs) if kwargs else func(*args)
-            return act(func, args, kwargs or {})
-        try:
-            act = self.table.get(func, _MISS)
-        except TypeError:  # an unhashable callable: never listed, run as is
-            act = None
+        else:
+            try:
+                act = self.table[func]  # a first-seen func is classified once (_Table.__missing__)
+            except TypeError:  # an unhashable callable: never listed, run as is
+                act = None
         if act is None:
             return func(*args, **kwargs) if kwargs else func(*args)
-        if act is _MISS:
-            return self._slow(func, args, kwargs or {})
         return act(func, args, kwargs or {})
 
-    def _slow(self, func, args, kwargs):
-        real = self.real
-        try:
-            act = real.get(func, _MISS)
-        except TypeError:  # an unhashable callable: never classified, run as is
-            act = None
-        if act is _MISS:
-            act = real[func] = _classify(self.engine, func)
-        tr = self.engine.trace
-        if tr is None:
-            return func(*args, **kwargs) if act is None else act(func, args, kwargs)
-        return tr._record(func, act, args, kwargs)
+
+class _Table(dict):
+    """{func: action or None}; a func seen for the first time is classified and kept."""
+
+    names = frozenset()  # the op names of the entries (see _reaches)
+    reach = None  # _reaches' memo
+    changes = 0  # entries that change native's result (0: no mode needed)
+
+    def __init__(self, engine):
+        super().__init__()
+        self.engine = engine
+
+    def __missing__(self, func):
+        act = self[func] = _classify(self.engine, func, self)
+        return act
 
 
+class _Recording(dict):
+    """The table while a trace is active: every call goes to the recorder."""
+
+    def __init__(self, engine):
+        super().__init__()
+        mode_of = engine
+
+        def record(func, args, kwargs):
+            try:
+                act = mode_of.mode.real[func]
+            except TypeError:
+                act = None
+            return mode_of.trace._record(func, act, args, kwargs)
+
+        self.record = record
+
+    def __missing__(self, func):
+        return self.record
+
+
+_is_compiling = torch.compiler.is_compiling
 _COMPILE_TABLE = [{}]  # the table of the last region entered eagerly (read by traced code)
 _COMPILED_TABLES: list = []  # tables of regions entered inside torch.compile'd code
 _COMPILED_INDEX: dict = {}
@@ -276,7 +301,7 @@ def _compiled_table(device_type, enabled, dtype, policy, cache_enabled) -> int:
     if index is None:
         table = _compile(_engine(), {device_type: (enabled, dtype, policy, cache_enabled)}, DELTA)
         index = -1
-        if table[_CHANGES_KEY]:
+        if table.changes:
             index = len(_COMPILED_TABLES)
             _COMPILED_TABLES.append(table)
         _COMPILED_INDEX[key] = index
@@ -566,16 +591,14 @@ def _compile(engine, devs, kind) -> dict:
                 if not isinstance(func, types.FunctionType):  # builtins: ATen-style names
                     names.add(getattr(func, "__name__", name))
             names.add(name.rsplit(".", 1)[-1])
-    table = {f: _dispatch(acts) for f, acts in per_func.items()}
-    table[_NAMES_KEY] = frozenset(names)
-    table[_REACH_KEY] = {}
-    table[_CHANGES_KEY] = changes
+    table = _Table(engine)
+    table.update((f, _dispatch(acts)) for f, acts in per_func.items())
+    table.names = frozenset(names)  # for _reaches: the op names a composite may call
+    table.reach = {}  # its memo
+    table.changes = changes  # entries that change native's result (0: no mode needed)
     return table
 
 
-_NAMES_KEY = object()
-_REACH_KEY = object()
-_CHANGES_KEY = object()  # how many entries change native's result (0: no mode needed)
 
 
 # --------------------------------------------------------------------------- checkpointing
@@ -749,17 +772,15 @@ def _run_inside(engine, target, func):
     return act
 
 
-def _classify(engine, func):
-    """Action for a func not in the compiled table (cached by the caller)."""
+def _classify(engine, func, table):
+    """Action for a func not in the compiled ``table`` (kept there by the caller)."""
     if _is_inplace(func):
         return None
-    user = _USER_WRAPPERS.get(func)  # (func is hashable: _slow looked it up in a dict first)
+    user = _USER_WRAPPERS.get(func)  # (func is hashable: the table lookup that led here hashed it)
     if user is not None:  # a registered user op that the policy does not list
         return _run_inside(engine, user, func)
     if isinstance(func, types.FunctionType) and (getattr(func, "__module__", "") or "").startswith("torch"):
-        table = engine.mode.real
-        names = table.get(_NAMES_KEY)
-        if names and _reaches(func, names, table[_REACH_KEY]):
+        if table.names and _reaches(func, table.names, table.reach):
             return _run_inside(engine, _guardfree(func), func)
     return None
 
@@ -897,11 +918,11 @@ def reference():
     torch's autocast off underneath: the YAML alone decides every cast. For proving a
     table against ``torch.autocast`` (the drift check, the table tests); slower."""
     eng = _engine()
-    eng.reference += 1
+    eng.set_reference(1)
     try:
         yield
     finally:
-        eng.reference -= 1
+        eng.set_reference(-1)
 
 
 def is_autocast_enabled(device_type: str) -> bool:
