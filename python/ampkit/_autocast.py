@@ -56,6 +56,7 @@ from __future__ import annotations
 import contextlib
 import dis
 import functools
+import inspect
 import sys
 import threading
 import types
@@ -191,7 +192,7 @@ class _Engine:
         mode.real = table
         mode.real_size = table.changes
         mode.table = table if self.trace is None else mode.recording
-        _COMPILE_TABLE[0] = table
+        _COMPILE_TABLE[0] = table.frozen
 
     def set_reference(self, step):
         self.reference += step
@@ -255,6 +256,7 @@ class _Table(dict):
     """{func: action or None}; a func seen for the first time is classified and kept."""
 
     names = frozenset()  # the op names of the entries (see _reaches)
+    frozen: dict = {}  # the compiled entries alone, for traced code
     reach = None  # _reaches' memo
     changes = 0  # entries that change native's result (0: no mode needed)
 
@@ -303,7 +305,7 @@ def _compiled_table(device_type, enabled, dtype, policy, cache_enabled) -> int:
         index = -1
         if table.changes:
             index = len(_COMPILED_TABLES)
-            _COMPILED_TABLES.append(table)
+            _COMPILED_TABLES.append(table.frozen)
         _COMPILED_INDEX[key] = index
     return index
 
@@ -596,6 +598,7 @@ def _compile(engine, devs, kind) -> dict:
     table.names = frozenset(names)  # for _reaches: the op names a composite may call
     table.reach = {}  # its memo
     table.changes = changes  # entries that change native's result (0: no mode needed)
+    table.frozen = dict(table)  # what traced code reads: never grows (dynamo guards on its size)
     return table
 
 
@@ -604,22 +607,29 @@ def _compile(engine, devs, kind) -> dict:
 # --------------------------------------------------------------------------- checkpointing
 _REENTRANT_FORWARD = getattr(getattr(torch.utils.checkpoint, "CheckpointFunction", None), "forward", None)
 _REENTRANT_CODE = getattr(_REENTRANT_FORWARD, "__code__", None)
+_CHECKPOINT_CODE = getattr(inspect.unwrap(torch.utils.checkpoint.checkpoint), "__code__", None)
+_TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)  # torch >= 2.5
+
+
+def _on_stack(codes) -> bool:
+    f = sys._getframe(3)
+    while f is not None:
+        if f.f_code in codes:
+            return True
+        f = f.f_back
+    return False
 
 
 def _in_torch_checkpoint() -> bool:
     """Whether this call runs in the forward of torch.utils.checkpoint (either kind)."""
     if torch.compiler.is_compiling():
         return False
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if _TOP_HOOKS is None:  # torch 2.4: look for checkpoint's own frame
+        return _on_stack((_CHECKPOINT_CODE, _REENTRANT_CODE))
+    hooks = _TOP_HOOKS(False)
     if hooks is not None and "_checkpoint_hook" in getattr(hooks[0], "__qualname__", ""):
         return True
-    if _REENTRANT_CODE is not None and not torch.is_grad_enabled():
-        f = sys._getframe(2)
-        while f is not None:
-            if f.f_code is _REENTRANT_CODE:
-                return True
-            f = f.f_back
-    return False
+    return not torch.is_grad_enabled() and _on_stack((_REENTRANT_CODE,))  # reentrant: forward runs without grad
 
 
 def _refuse_plain_checkpoint(op):

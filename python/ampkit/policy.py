@@ -26,7 +26,7 @@ import warnings
 
 import torch
 
-from ampkit import _autocast
+from ampkit import _autocast, _native
 from ampkit._policy import CATEGORIES, PolicyError, load_policy
 from ampkit.testing import CANDIDATES, op_sample
 
@@ -76,7 +76,15 @@ KNOWN_GAPS_CUDA_BY_DTYPE = {
 
 
 def known_gap(op, device, dtype, probe):
-    """The reason a probe of ``op`` is a known gap, or None."""
+    """The reason a probe of ``op`` is a known gap, or None.
+
+    Ops that the installed torch is declared to handle otherwise than the table
+    (``ampkit._native.NATIVE_DIFFERS``: an older torch) are gaps in every probe: ampkit
+    runs them itself, so regions follow the table there too.
+    """
+    if op in _native.differs(device):
+        return (f"torch {torch.__version__.split('+')[0]}'s autocast handles it otherwise; declared in "
+                "ampkit._native.NATIVE_DIFFERS, so ampkit runs it by the table")
     if device == "cpu":
         tables = (KNOWN_GAPS, KNOWN_GAPS_BY_DTYPE.get(dtype, {}))
     else:

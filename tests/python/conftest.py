@@ -6,7 +6,8 @@
   ``pytestmark = pytest.mark.usefixtures("ampkit_quiet")``.
 - Plain helpers the test modules import (``from conftest import bits_equal``):
   ``bits_equal`` (bitwise tensor equality) and ``SyncError`` (a CUDA host-device sync
-  inside it raises).
+  inside it raises); ``TORCH_BEFORE_2_5`` and ``needs_no_declared_differences`` for
+  what differs on the oldest supported torch.
 """
 
 from __future__ import annotations
@@ -15,6 +16,18 @@ import warnings
 
 import pytest
 import torch
+
+from ampkit import _native
+
+# torch < 2.5 (the oldest torch ampkit supports is 2.4): what its dynamo cannot trace
+TORCH_BEFORE_2_5 = _native.torch_version() < (2, 5)
+# ops the installed torch is declared to handle otherwise than the shipped table
+# (ampkit._native.NATIVE_DIFFERS): a default region then has a delta, and a handler
+needs_no_declared_differences = pytest.mark.skipif(
+    bool(_native.differs("cpu")),
+    reason=f"torch {torch.__version__} differs from the shipped cpu table in {sorted(_native.differs('cpu'))} "
+    "(ampkit._native.NATIVE_DIFFERS): the default policy has a delta on this torch",
+)
 
 
 def pytest_collection_modifyitems(config, items):

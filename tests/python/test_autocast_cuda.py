@@ -22,7 +22,6 @@ LOWS = pytest.mark.parametrize("low", [torch.float16, torch.bfloat16], ids=["flo
 CUDA_TOLERANT = {"lstm", "lstm_two_layers", "gru_cell"}
 # Known gap (docs/autocast.md): native's cuDNN RNN autocast casts to float16 even in a
 # bfloat16 region; ampkit casts to the region's dtype, so the output dtypes differ.
-CUDNN_RNN_BF16_GAP = drift.KNOWN_GAPS_CUDA_BY_DTYPE[torch.bfloat16]["lstm"][1]
 # Backward through scaled_dot_product_attention accumulates with atomics on CUDA.
 CUDA_NONDETERMINISTIC_GRAD = {"transformer_encoder_layer_train", "transformer_encoder_layer_eval"}
 
@@ -59,10 +58,8 @@ def _run(factory, inputs, train, grad, region):
 
 @LOWS
 @pytest.mark.parametrize("name", list(CASES))
-def test_cuda_model_matches_native(name, low, request):
+def test_cuda_model_matches_native(name, low):
     factory, inputs, train, grad, bitwise = CASES[name]
-    if name.startswith("lstm") and low is torch.bfloat16:
-        request.node.add_marker(pytest.mark.xfail(strict=True, reason=CUDNN_RNN_BF16_GAP))
     bitwise = bitwise and name not in CUDA_TOLERANT
     torch.manual_seed(0)
     x = inputs()

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as ckpt
 
 import ampkit
-from conftest import bits_equal
+from conftest import TORCH_BEFORE_2_5, bits_equal
 
 pytestmark = pytest.mark.usefixtures("ampkit_quiet")
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
@@ -264,11 +264,19 @@ def in_region(region, body):
     return run
 
 
+# torch 2.4's dynamo cannot trace a user-defined context manager in a with statement
+# (nor torch._C._is_autocast_available in torch.amp.autocast.__init__): there a region
+# inside compiled code breaks the graph; compiled models called inside regions work.
+needs_dynamo_2_5 = pytest.mark.skipif(
+    TORCH_BEFORE_2_5, reason="torch < 2.5: a region inside compiled code breaks the graph (docs/autocast.md)")
+
+
 def regions(dev):
     return (lambda: torch.autocast(dev), lambda: ampkit.autocast(dev),
             lambda: ampkit.autocast(dev, policy=CHANGED))
 
 
+@needs_dynamo_2_5
 def test_a_region_inside_a_compiled_function_needs_the_graphs_torch_needs(dev):
     block, x = fresh(dev)
     native, ours, changed = regions(dev)
@@ -277,7 +285,8 @@ def test_a_region_inside_a_compiled_function_needs_the_graphs_torch_needs(dev):
     assert _graphs(in_region(changed, block), x) == (1, 0)
 
 
-@pytest.mark.parametrize("fullgraph", [False, True], ids=["graph_breaks_allowed", "fullgraph"])
+@pytest.mark.parametrize("fullgraph", [False, pytest.param(True, marks=needs_dynamo_2_5)],
+                         ids=["graph_breaks_allowed", "fullgraph"])
 def test_a_region_inside_a_compiled_function_equals_torch_autocast(dev, fullgraph):
     block, x = fresh(dev)
     native, ours, _ = regions(dev)
@@ -295,6 +304,7 @@ def assert_stages_as_changed(got, want, low):
         assert torch.allclose(g.float(), w.float(), rtol=1e-2, atol=1e-2)
 
 
+@needs_dynamo_2_5
 def test_a_changed_policy_is_honoured_inside_a_compiled_function(dev):
     block, x = fresh(dev)
     native, _, changed = regions(dev)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 import ampkit
 from ampkit import _autocast
+from conftest import needs_no_declared_differences
 
 pytestmark = pytest.mark.usefixtures("ampkit_quiet")
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
@@ -53,6 +54,7 @@ def test_nesting_changes_and_restores_dtype(lib):
     ]
 
 
+@needs_no_declared_differences
 def test_no_mode_with_the_default_policy():
     """A region whose policy equals torch's table is torch's autocast alone: no Python handler."""
     base = modes()
