@@ -10,9 +10,10 @@ ampkit, so the YAML stays the only source of truth for what is cast.
 
 >>> import ampkit
 >>> p = ampkit.load_policy("torch_default")
->>> sorted(delta(p, "cpu") - differs("cpu"))   # differs(): none on torch >= 2.5
+>>> sorted(delta(p, "cpu") - set(differs("cpu")))   # differs(): none on torch >= 2.5
 []
->>> sorted(delta(p.with_ops("cpu", fp32=["linear"]).without_ops("mm", device="cpu"), "cpu"))
+>>> changed = p.with_ops("cpu", fp32=["linear"]).without_ops("mm", device="cpu")
+>>> sorted(delta(changed, "cpu") - set(differs("cpu")))
 ['linear', 'mm']
 """
 
@@ -28,23 +29,25 @@ def torch_version() -> tuple:
     return tuple(int(p) for p in base.split(".")[:2] if p.isdigit())
 
 
-# (device, first torch version where native equals the table, ops): on older
-# torch these ops are executed by ampkit (the drift check found native differs).
+# (device, first torch version where native equals the table, {op: the drift check's
+# probes that show the difference}): on older torch these ops are executed by ampkit.
 NATIVE_DIFFERS = (
-    ("cpu", (2, 5), frozenset({"_addmm_activation"})),
+    # torch 2.4's AutocastCPU does not list _addmm_activation: float32 in, float32 out;
+    # mixed float32/low inputs raise there
+    ("cpu", (2, 5), {"_addmm_activation": ("f32", "mixed")}),
 )
 
 _CACHE: dict = {}
 
 
-def differs(device_type: str) -> frozenset:
-    """Ops of the shipped table that the installed torch's autocast handles otherwise."""
+def differs(device_type: str) -> dict:
+    """{op: probes} of the shipped table that the installed torch's autocast handles otherwise."""
     v = torch_version()
-    out = set()
+    out = {}
     for dev, fixed_in, ops in NATIVE_DIFFERS:
         if dev == device_type and v < fixed_in:
-            out |= ops
-    return frozenset(out)
+            out.update(ops)
+    return out
 
 
 def _handling(rules, name):
@@ -83,7 +86,7 @@ def delta(policy, device_type: str) -> frozenset:
     out = frozenset(
         n for n in names
         if theirs is None or _handling(ours, n) != _handling(theirs, n)
-    ) | (differs(device_type) & listed(ours))
+    ) | (set(differs(device_type)) & listed(ours))
     if len(_CACHE) > 256:
         _CACHE.clear()
     _CACHE[key] = out

@@ -82,7 +82,7 @@ def known_gap(op, device, dtype, probe):
     (``ampkit._native.NATIVE_DIFFERS``: an older torch) are gaps in every probe: ampkit
     runs them itself, so regions follow the table there too.
     """
-    if op in _native.differs(device):
+    if probe in _native.differs(device).get(op, ()):
         return (f"torch {torch.__version__.split('+')[0]}'s autocast handles it otherwise; declared in "
                 "ampkit._native.NATIVE_DIFFERS, so ampkit runs it by the table")
     if device == "cpu":

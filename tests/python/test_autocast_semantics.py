@@ -65,6 +65,7 @@ def test_no_mode_with_the_default_policy():
     assert modes() == base
 
 
+@needs_no_declared_differences
 def test_one_mode_for_a_changed_policy_however_deep_and_none_after():
     changed = ampkit.load_policy("torch_default").with_ops("cpu", fp32=["linear"])
     base = modes()

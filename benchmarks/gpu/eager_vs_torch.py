@@ -1,0 +1,116 @@
+"""ampkit's eager AMP loop against torch's, case by case, interleaved in one process.
+
+    python3 benchmarks/gpu/eager_vs_torch.py [--profile full] [--cases a,b] [--repeats 7] [--json PATH]
+
+For each benchmark case (shared_specs/benchmarks) three loops train fresh, identically
+seeded copies of the case's model with the case's optimizer and data:
+
+- ``torch_amp``:       torch.autocast + torch.amp.GradScaler (the rival)
+- ``ampkit_amp``:      ampkit.autocast (default policy) + ampkit.GradScaler
+- ``ampkit_override``: the same with a one-op policy override active (``cdist`` moved to
+                       lower_precision_fp, an op no case calls): ampkit's handler is pushed
+                       and sees every call, which is what any changed policy costs
+
+Each repeat times one epoch of every loop, in an order that rotates from repeat to
+repeat, after a warm-up; the device is synchronized before each clock read. Reported:
+the median ms/step per loop and the median of the per-repeat ratios to torch_amp.
+Timings are printed (and written as JSON), never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+import ampkit
+import ampkit.bench as bench
+
+OVERRIDE = ampkit.load_policy("torch_default").with_ops(lower_precision_fp=["cdist"])
+LOOPS = ("torch_amp", "ampkit_amp", "ampkit_override")
+
+
+def make_loop(name, built):
+    device = built.device
+    dtype = torch.float16 if device == "cuda" else torch.bfloat16
+    model = built.new_model()
+    opt = built.new_optimizer(model)
+    if name == "torch_amp":
+        region = lambda: torch.autocast(device, dtype=dtype)  # noqa: E731
+        scaler = torch.amp.GradScaler(device)
+    else:
+        policy = OVERRIDE if name == "ampkit_override" else None
+        region = lambda: ampkit.autocast(device, dtype=dtype, policy=policy)  # noqa: E731
+        scaler = ampkit.GradScaler(device)
+
+    def step(x, y):
+        with region():
+            loss = built.loss_fn(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
+def epoch(step, built):
+    bench.synchronize(built.device)
+    t0 = time.perf_counter()
+    for x, y in built.batches:
+        step(x, y)
+    bench.synchronize(built.device)
+    return (time.perf_counter() - t0) * 1000.0 / built.num_batches
+
+
+def run_case(case, profile, device, repeats):
+    built = bench.build_case(case, profile, seed=0, device=device)
+    loops = {name: make_loop(name, built) for name in LOOPS}
+    for step in loops.values():  # warm-up: allocator, cuDNN/cuBLAS heuristics, first-call costs
+        for i in range(max(3, built.warmup_steps)):
+            step(*built.batches[i % built.num_batches])
+    samples = {name: [] for name in LOOPS}
+    for r in range(repeats):
+        order = LOOPS[r % len(LOOPS):] + LOOPS[:r % len(LOOPS)]
+        for name in order:
+            samples[name].append(epoch(loops[name], built))
+    out = {"case": case, "ms_per_step": {n: statistics.median(s) for n, s in samples.items()}, "samples": samples}
+    out["time_vs_torch_amp"] = {
+        n: statistics.median(a / t for a, t in zip(samples[n], samples["torch_amp"])) for n in LOOPS[1:]
+    }
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profile", default="full")
+    ap.add_argument("--cases", default=None, help="comma-separated case names (default: every case)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    device = bench.resolve_device(a.device)
+    cases = a.cases.split(",") if a.cases else list(bench.load_cases())
+    card = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    print(f"{card}, torch {torch.__version__}, profile {a.profile}, {a.repeats} interleaved repeats, medians")
+    print(f"{'case':<16} {'torch_amp':>10} {'ampkit_amp':>11} {'ratio':>6} {'1 override':>11} {'ratio':>6}  (ms/step; ratio = time vs torch_amp)")
+    results = []
+    for case in cases:
+        r = run_case(case, a.profile, device, a.repeats)
+        m, q = r["ms_per_step"], r["time_vs_torch_amp"]
+        print(f"{case:<16} {m['torch_amp']:>10.3f} {m['ampkit_amp']:>11.3f} {q['ampkit_amp']:>6.3f}"
+              f" {m['ampkit_override']:>11.3f} {q['ampkit_override']:>6.3f}", flush=True)
+        results.append(r)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"card": card, "torch": torch.__version__, "profile": a.profile, "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
