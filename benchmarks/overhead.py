@@ -13,7 +13,7 @@ the median over repeats of ampkit/native timed back to back, with its quartiles:
 - mha:      nn.MultiheadAttention forward, a Python composite whose body is traced through
 
 Each case also runs ``ampkit (1 override)``: a region whose policy moves one op the
-case never calls (softmax -> fp32), so ampkit's handler is pushed and sees every call:
+case never calls (cdist -> lower_precision_fp), so ampkit's handler is pushed and sees every call:
 the cost of having any override active.
 
 The region is entered once per chain (per step for ``step``), as in real code.
@@ -103,7 +103,7 @@ def run(repeats=15, device="cpu", size=8):
     def amp():
         return ampkit.autocast(device, dtype=dtype)
 
-    one_override = ampkit.load_policy("torch_default").with_ops(device, fp32=["softmax"])
+    one_override = ampkit.load_policy("torch_default").with_ops(device, lower_precision_fp=["cdist"])
 
     def amp_override():
         return ampkit.autocast(device, dtype=dtype, policy=one_override)
