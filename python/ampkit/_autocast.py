@@ -796,13 +796,12 @@ def _classify(engine, func, table):
 
 
 # --------------------------------------------------------------------------- public API
-_DEFAULT = []
-
-
 def _default_policy() -> Policy:
-    if not _DEFAULT:
-        _DEFAULT.append(load_policy("torch_default"))
-    return _DEFAULT[0]
+    return _DEFAULT
+
+
+# Loaded at import: code that torch.compile traces cannot read files.
+_DEFAULT = load_policy("torch_default")
 
 
 class autocast(torch.amp.autocast):
@@ -838,6 +837,7 @@ class autocast(torch.amp.autocast):
     def __init__(self, device_type, dtype=None, enabled=True, cache_enabled=None, *, policy=None):
         if not isinstance(device_type, str):
             raise ValueError(f"ampkit.autocast: device_type must be a string such as 'cpu' or 'cuda', got {device_type!r}")
+        self.device = device_type  # first: dynamo may read it as soon as the object exists
         pol = _default_policy() if policy is None else load_policy(policy)
         rules = pol.rules(device_type)  # PolicyError (a ValueError) names the valid device types
         if dtype is None:
@@ -850,7 +850,14 @@ class autocast(torch.amp.autocast):
             raise ValueError(f"ampkit.autocast: enabled must be True or False, got {enabled!r}")
         if cache_enabled is not None and not isinstance(cache_enabled, bool):
             raise ValueError(f"ampkit.autocast: cache_enabled must be True, False or None, got {cache_enabled!r}")
-        super().__init__(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+        if torch.compiler.is_compiling():
+            # torch.amp.autocast.__init__ checks the device through a builtin that some
+            # dynamo releases (torch 2.11) cannot trace: set what __enter__ reads here
+            self.fast_dtype = dtype
+            self._enabled = enabled
+            self._cache_enabled = torch.is_autocast_cache_enabled() if cache_enabled is None else cache_enabled
+        else:
+            super().__init__(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
         self.device_type = device_type
         self.enabled = enabled
         self.cache_enabled = cache_enabled
