@@ -153,7 +153,7 @@ run_variant <- function(built, v) {
     warmup <- py_to_r(v$warmup_steps(built$warmup_steps))
     compiled <- field(v, "compile") != "none"
     compile_s <- NULL
-    graphs0 <- py_to_r(runner$compiled_graphs())
+    counts0 <- runner$compile_counts()
     reps <- py_to_r(built$repeats)
     for (i in seq_len(warmup)) {
       b <- batches[[(i - 1) %% n + 1]]
@@ -164,7 +164,7 @@ run_variant <- function(built, v) {
         compile_s <- now() - t0
       }
     }
-    graphs_warm <- py_to_r(runner$compiled_graphs())
+    counts_warm <- runner$compile_counts()
     samples <- numeric(reps)
     losses <- vector("list", n)
     for (r in seq_len(reps)) {
@@ -184,7 +184,7 @@ run_variant <- function(built, v) {
     py_step <- attr(step, "py")  # amp_train_step(): the Python TrainStep
     captured <- if (is.null(py_step)) NULL else py_to_r(reticulate::py_get_attr(py_step, "captured"))
     note <- if (is.null(py_step)) {
-      py_to_r(runner$compile_note(v, warmup, graphs0, graphs_warm, runner$compiled_graphs()))
+      py_to_r(runner$compile_note(v, warmup, counts0, counts_warm, runner$compile_counts()))
     } else {
       py_to_r(reticulate::py_get_attr(py_step, "reason"))
     }

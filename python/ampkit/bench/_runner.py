@@ -102,22 +102,29 @@ def compile_model(variant: Variant, model):
     return torch.compile(model, mode=None if variant.compile == "default" else variant.compile)
 
 
-def compiled_graphs():
-    """How many graphs dynamo has compiled in this process so far (a counter that only grows)."""
+def compile_counts() -> dict:
+    """Dynamo's and inductor's running counts in this process (they only grow): graphs
+    compiled, and inductor's on-disk FX graph cache hits and misses (a hit compiles in a
+    fraction of a miss's time, so compile_s depends on what an earlier run left there)."""
     from torch._dynamo.utils import counters
-    return int(counters["stats"]["unique_graphs"])
+    return {"graphs": int(counters["stats"]["unique_graphs"]),
+            "cache_hits": int(counters["inductor"]["fxgraph_cache_hit"]),
+            "cache_misses": int(counters["inductor"]["fxgraph_cache_miss"])}
 
 
-def compile_note(variant: Variant, warmup_steps: int, graphs_before: int, graphs_warm: int, graphs_end: int):
-    """The record's note for a compiled variant: what compiled during the warm-up, and whether
-    anything recompiled in the timed steps (whose samples would then include compile time)."""
+def compile_note(variant: Variant, warmup_steps: int, before: dict, warm: dict, end: dict):
+    """The record's note for a compiled variant (None for others): what compiled during the
+    warm-up (from compile_counts() before it, after it, and after the timed steps), and
+    whether anything recompiled in the timed steps, whose samples would then include it."""
     if variant.compile == "none":
         return None
     note = "torch.compile (mode %s): %d graph(s) compiled during the %d untimed warm-up step(s), " \
-        "the first timed apart as compile_s" % (variant.compile, graphs_warm - graphs_before, warmup_steps)
-    if graphs_end > graphs_warm:
+        "the first timed apart as compile_s (inductor cache: %d hit(s), %d miss(es))" % (
+            variant.compile, warm["graphs"] - before["graphs"], warmup_steps,
+            warm["cache_hits"] - before["cache_hits"], warm["cache_misses"] - before["cache_misses"])
+    if end["graphs"] > warm["graphs"]:
         return note + "; %d RECOMPILED during the timed steps, whose samples include that compile time" \
-            % (graphs_end - graphs_warm)
+            % (end["graphs"] - warm["graphs"])
     return note + "; none in the timed steps"
 
 
@@ -183,14 +190,14 @@ def run_variant(built: BuiltCase, variant: Variant, language: str = "python") ->
             scaler = make_scaler(variant, device)
             step = make_step(variant, built, model, opt, scaler)
             batches, n = built.batches, built.num_batches
-            warmup, compile_s, graphs0 = variant.warmup_steps(built.warmup_steps), None, compiled_graphs()
+            warmup, compile_s, counts0 = variant.warmup_steps(built.warmup_steps), None, compile_counts()
             for i in range(warmup):
                 t0 = time.perf_counter()
                 step(*batches[i % n])
                 if i == 0 and variant.compile != "none":
                     synchronize(device)
                     compile_s = time.perf_counter() - t0
-            graphs_warm = compiled_graphs()
+            counts_warm = compile_counts()
             samples, losses = [], []
             for _ in range(built.repeats):
                 losses = []
@@ -204,7 +211,7 @@ def run_variant(built: BuiltCase, variant: Variant, language: str = "python") ->
             final_scale = float(scaler.get_scale()) if scaler is not None else None
             captured = getattr(step, "captured", None) if variant.runner == "train_step" else None
             note = getattr(step, "reason", None) if variant.runner == "train_step" else \
-                compile_note(variant, warmup, graphs0, graphs_warm, compiled_graphs())
+                compile_note(variant, warmup, counts0, counts_warm, compile_counts())
         return make_record(status="ok", samples_ms=samples, final_loss=final_loss,
                            graph_captured=captured, reason=note, compile_s=compile_s,
                            peak_memory_bytes=peak_memory(device), final_scale=final_scale,
