@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from ampkit import bench
+from bench_helpers import tiny_python_records
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -52,11 +53,7 @@ def both(tmp_path_factory):
     p = run_r("--profile", "tiny", "--device", "cpu", "--threads", "1", "--out", str(out / "r.json"))
     assert p.returncode == 0, p.stdout + p.stderr
     r_doc = bench.read_document(out / "r.json")  # validates against the schema
-    py = []
-    for name in sorted(bench.load_cases()):
-        built = bench.build_case(name, "tiny", seed=0, device="cpu")
-        py += [bench.run_variant(built, v) for v in bench.load_variants().values() if "python" in v.languages]
-    return r_doc, bench.derive(py), p.stderr
+    return r_doc, bench.derive(tiny_python_records()), p.stderr
 
 
 def test_the_r_runner_runs_every_case_and_variant(both):
@@ -70,6 +67,9 @@ def test_the_r_runner_runs_every_case_and_variant(both):
         else:
             assert r["status"] == "ok", (r["case"], r["variant"], r["error"])
             assert len(r["samples"]) == r["repeats"]
+        if r["compile"] != "none" and r["status"] == "ok":  # compiled in warm-up, timed apart
+            assert r["compile_s"] > 0 and r["warmup_steps"] == 1, (r["case"], r["variant"])
+            assert r["reason"].endswith("; none in the timed steps"), r["reason"]
     c = r_doc["context"]
     assert c["languages"] == ["r"] and c["r_version"].startswith("4.") and c["reticulate_version"]
 
@@ -80,7 +80,8 @@ def test_python_and_r_records_carry_the_same_fields(both):
     for r in r_doc["records"]:
         p = by_key[(r["case"], r["variant"])]
         assert list(r) == list(p)
-        for field in ("profile", "device", "status", "autocast", "scaler", "dtype", "tf32", "runner", "graph_captured", "sizes",
+        for field in ("profile", "device", "status", "autocast", "scaler", "dtype", "tf32", "runner", "compile",
+                      "graph_captured", "sizes",
                       "num_batches", "warmup_steps", "repeats", "unit", "skipped_steps"):
             assert r[field] == p[field], field
 
