@@ -3,8 +3,8 @@
     python benchmarks/report.py benchmarks/results/results.json [--out-dir DIR]
     python benchmarks/report.py part1/results.json part2/results.json --out-dir DIR   # merge runs
 
-Writes DIR/report.md (the context, one table row per case x variant x language, and
-where we stand on the issue's goals) and DIR/report.png (speedup against fp32 per case,
+Writes DIR/report.md (the context, one table row per case x variant x language,
+ampkit's variants against the torch.compile rivals, and where we stand on the issue's goals) and DIR/report.png (speedup against fp32 per case,
 variant and language, with the range of the samples), and prints the table. Ratios are
 given as median [low, high], where low and high come from the extremes of the samples; a
 ratio whose whole range lies past 1 +/- 5% is flagged 'faster' or 'slower'.
@@ -42,18 +42,28 @@ def fmt_pct(x, digits=2) -> str:
     return "-" if x is None else "%.*f%%" % (digits, 100 * x)
 
 
-def row(rec: dict) -> list:
-    variant = rec["variant"]
-    if rec["graph_captured"] is not None:  # a train step: did it run as a CUDA graph?
-        variant += " (graph)" if rec["graph_captured"] else " (eager)"
-    head = [rec["case"], variant, rec["language"], rec["dtype"] or "float32"]
+def variant_label(rec: dict) -> str:
+    """The variant's name; for a train step, whether it ran as a CUDA graph."""
+    if rec["graph_captured"] is None:
+        return rec["variant"]
+    return rec["variant"] + (" (graph)" if rec["graph_captured"] else " (eager)")
+
+
+def status_cell(rec: dict) -> str:
+    """ms/step median [min, max] of an ok record; else its status and why (on one short line)."""
+    if rec["status"] == "ok":
+        return "%.2f [%.2f, %.2f]" % (rec["median"], rec["min"], rec["max"])
     if rec["status"] == "skipped":
-        return head + ["skipped: " + rec["reason"]] + ["-"] * (len(COLUMNS) - 5)
-    if rec["status"] == "failed":
-        err = rec["error"] if len(rec["error"]) <= 100 else rec["error"][:97] + "..."
-        return head + ["FAILED: " + err.replace("|", "/")] + ["-"] * (len(COLUMNS) - 5)
+        return "skipped: " + rec["reason"]
+    err = rec["error"] if len(rec["error"]) <= 100 else rec["error"][:97] + "..."
+    return "FAILED: " + err.replace("|", "/")
+
+
+def row(rec: dict) -> list:
+    head = [rec["case"], variant_label(rec), rec["language"], rec["dtype"] or "float32", status_cell(rec)]
+    if rec["status"] != "ok":
+        return head + ["-"] * (len(COLUMNS) - 5)
     return head + [
-        "%.2f [%.2f, %.2f]" % (rec["median"], rec["min"], rec["max"]),
         fmt_ratio(rec["speedup_vs_fp32"], "x"),
         fmt_ratio(rec["time_vs_torch_amp"]),
         fmt_ratio(rec["time_vs_python"]),
@@ -70,6 +80,45 @@ def table(doc: dict) -> str:
     for rec in doc["records"]:
         lines.append("| " + " | ".join(row(rec)) + " |")
     return "\n".join(lines)
+
+
+# ampkit's variants that the report sets against the rivals (ampkit.bench's RIVALS:
+# torch_amp and torch.compile under torch's AMP, in both modes).
+OURS = ("ampkit_step", "ampkit_amp", "ampkit_compile_amp")
+
+
+def compiled(doc: dict) -> str:
+    """ampkit's variants against torch.compile (time ratios, < 1: ours faster), then every
+    compiled run: its status, compile seconds (outside the timed steps) and note. Empty
+    when the document has neither (e.g. results written before the compiled variants)."""
+    from ampkit.bench._results import RIVALS
+    recs = doc["records"]
+    runs = [r for r in recs if r.get("compile", "none") != "none"]
+    ours = [r for r in recs if r["variant"] in OURS]
+    if not runs:
+        return ""
+    cols = ["case", "variant", "lang", "ms/step median [min, max]"] + ["time vs " + v for v in RIVALS]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in ours:
+        lines.append("| " + " | ".join([r["case"], variant_label(r), r["language"], status_cell(r)] + [
+            fmt_ratio(r.get(field)) for field in RIVALS.values()]) + " |")
+    cols = ["case", "variant", "lang", "mode", "ms/step median [min, max]", "compile s", "warm-up steps", "note"]
+    runs_table = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in runs:
+        note = (r["reason"] or "-") if r["status"] == "ok" else "-"
+        runs_table.append("| " + " | ".join([
+            r["case"], r["variant"], r["language"], r["compile"], status_cell(r),
+            "-" if r.get("compile_s") is None else "%.1f" % r["compile_s"], str(r["warmup_steps"]),
+            note.replace("|", "/")]) + " |")
+    n_ok = sum(r["status"] == "ok" for r in runs)
+    return "\n\n".join([
+        "Time ratios of ampkit's variants against torch's eager AMP and torch.compile under "
+        "torch's AMP (same case and language; < 1 is faster). Compilation is never in the "
+        "timed steps: it happens in the first warm-up step, timed apart (compile s below).",
+        "\n".join(lines),
+        "### The compiled runs (%d of %d ran)" % (n_ok, len(runs)),
+        "\n".join(runs_table),
+    ])
 
 
 def context_lines(doc: dict) -> str:
@@ -173,6 +222,7 @@ def goals(doc: dict) -> str:
 
 
 def markdown(doc: dict) -> str:
+    against_compile = compiled(doc)
     return "\n\n".join([
         "# ampkit benchmark report (%s profile)" % doc["context"]["profile"],
         context_lines(doc),
@@ -182,6 +232,7 @@ def markdown(doc: dict) -> str:
         "faster; time vs torch_amp and R / Python time < 1 are faster. Final loss: mean "
         "training loss over the last repeat.",
         table(doc),
+    ] + (["## ampkit against torch.compile", against_compile] if against_compile else []) + [
         "## Goals (issue 5; they are set for the GPU)",
         goals(doc),
     ]) + "\n"

@@ -66,6 +66,7 @@ if (nzchar(opts$threads)) torch$set_num_threads(as.integer(opts$threads))
 seed <- as.integer(opts$seed)
 
 field <- function(obj, name) py_to_r(reticulate::py_get_attr(obj, name))
+runner <- bench$`_runner`  # the Python runner's helpers that both runners share
 cases <- planned[[1]]
 variants <- Filter(function(v) "r" %in% unlist(field(v, "languages")), planned[[2]])
 
@@ -84,6 +85,9 @@ make_step <- function(v, built, model, opt, scaler) {
   if (field(v, "runner") == "train_step") {  # issue 6: the whole step in one call
     return(amp_train_step(model, loss_fn, opt, scaler = scaler, device_type = device, dtype = dtype))
   }
+  # A compiled variant's loop calls torch.compile(model, mode = ...) (dynamo reset first),
+  # made by the same code as in the Python runner.
+  model <- py_to_r(runner$compile_model(v, model))
   region <- make_region(field(v, "autocast"), dtype)
   update <- if (is.null(scaler)) {
     function(loss) { loss$backward(); opt$step() }
@@ -111,8 +115,8 @@ make_region <- function(autocast, dtype) {
 }
 
 make_scaler <- function(v) {
-  init <- py_to_r(bench$`_runner`$INIT_SCALE)
-  interval <- py_to_r(bench$`_runner`$GROWTH_INTERVAL)
+  init <- py_to_r(runner$INIT_SCALE)
+  interval <- py_to_r(runner$GROWTH_INTERVAL)
   switch(field(v, "scaler"),
          none = NULL,
          torch = torch$amp$GradScaler(device, init_scale = init, growth_interval = as.integer(interval)),
@@ -134,7 +138,7 @@ run_variant <- function(built, v) {
   # them: collect first, then reset the peak, so that each record's peak is its own.
   amp_gc()
   bench$reset_peak_memory(device)
-  flags <- bench$`_runner`$precision_flags(v, device)
+  flags <- runner$precision_flags(v, device)
   flags$`__enter__`()
   on.exit(flags$`__exit__`(NULL, NULL, NULL), add = TRUE)
   tryCatch({
@@ -145,12 +149,22 @@ run_variant <- function(built, v) {
     step <- make_step(v, built, model, opt, scaler)
     batches <- py_to_r(built$batches)
     n <- length(batches)
-    warmup <- py_to_r(built$warmup_steps)
+    # A compiled variant runs at least one warm-up step; its first compiles, timed apart.
+    warmup <- py_to_r(v$warmup_steps(built$warmup_steps))
+    compiled <- field(v, "compile") != "none"
+    compile_s <- NULL
+    counts0 <- runner$compile_counts()
     reps <- py_to_r(built$repeats)
     for (i in seq_len(warmup)) {
       b <- batches[[(i - 1) %% n + 1]]
+      t0 <- now()
       step(b[[1]], b[[2]])
+      if (i == 1 && compiled) {
+        sync()
+        compile_s <- now() - t0
+      }
     }
+    counts_warm <- runner$compile_counts()
     samples <- numeric(reps)
     losses <- vector("list", n)
     for (r in seq_len(reps)) {
@@ -169,15 +183,20 @@ run_variant <- function(built, v) {
       py_to_r(bench$skipped_from_scale(final_scale, built$total_steps()))
     py_step <- attr(step, "py")  # amp_train_step(): the Python TrainStep
     captured <- if (is.null(py_step)) NULL else py_to_r(reticulate::py_get_attr(py_step, "captured"))
-    note <- if (is.null(py_step)) NULL else py_to_r(reticulate::py_get_attr(py_step, "reason"))
+    note <- if (is.null(py_step)) {
+      py_to_r(runner$compile_note(v, warmup, counts0, counts_warm, runner$compile_counts()))
+    } else {
+      py_to_r(reticulate::py_get_attr(py_step, "reason"))
+    }
     do.call(bench$make_record, c(common, list(
       status = "ok", samples_ms = as.list(samples), final_loss = final_loss,
-      graph_captured = captured, reason = note,
+      graph_captured = captured, reason = note, compile_s = compile_s,
       peak_memory_bytes = bench$peak_memory(device), final_scale = final_scale,
       skipped_steps = skipped, wall_s = now() - t_start)))
   }, error = function(e) {
-    msg <- substr(gsub("\\s+", " ", conditionMessage(e)), 1, 600)
-    do.call(bench$make_record, c(common, list(status = "failed", error = msg, wall_s = now() - t_start)))
+    # make_record keeps the head of the message, on one line, as for Python's errors
+    do.call(bench$make_record, c(common, list(status = "failed", error = conditionMessage(e),
+                                               wall_s = now() - t_start)))
   }, finally = {
     model <- opt <- scaler <- step <- losses <- NULL
     amp_gc()

@@ -18,9 +18,11 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 import report  # noqa: E402
 import run as run_py  # noqa: E402  (benchmarks/run.py)
+from bench_helpers import tiny_python_records  # noqa: E402
 
 CASES = sorted(bench.load_cases())
 VARIANTS = list(bench.load_variants())
+COMPILED = [n for n, v in bench.load_variants().items() if v.compile != "none"]
 
 
 # --- cases and variants are data -----------------------------------------------------------
@@ -64,6 +66,23 @@ def test_the_variants_of_the_issue_exist_and_tf32_is_cuda_only():
     assert variants["ampkit_autocast_only"].scaler == "none"
 
 
+def test_the_compiled_rivals_are_torch_amp_and_ampkit_amp_with_a_compiled_model():
+    """Each compiled variant is an eager one's step (same autocast, scaler and dtype) with
+    torch.compile in the given mode; the eager variants compile nothing."""
+    v = bench.load_variants()
+    assert COMPILED == ["torch_compile_amp", "torch_compile_ro", "ampkit_compile_amp"]
+    for name, eager, mode in (("torch_compile_amp", "torch_amp", "default"),
+                              ("torch_compile_ro", "torch_amp", "reduce-overhead"),
+                              ("ampkit_compile_amp", "ampkit_amp", "default")):
+        c, e = v[name], v[eager]
+        assert (c.compile, c.runner, c.languages, c.devices) == (mode, "loop", ("python", "r"), ("cpu", "cuda"))
+        assert (c.autocast, c.scaler, c.dtype) == (e.autocast, e.scaler, e.dtype)
+    assert all(x.compile == "none" for n, x in v.items() if n not in COMPILED)
+    # the first warm-up step compiles: a compiled variant runs at least one
+    assert v["torch_compile_amp"].warmup_steps(0) == 1 and v["torch_compile_amp"].warmup_steps(2) == 2
+    assert v["torch_amp"].warmup_steps(0) == 0
+
+
 def test_build_case_is_seeded_the_same_every_time():
     a, b = bench.build_case("transformer", "tiny", seed=3, device="cpu"), bench.build_case("transformer", "tiny", seed=3, device="cpu")
     assert all(torch.equal(x, y) for (x, _), (y, _) in zip(a.batches, b.batches))
@@ -77,12 +96,7 @@ def test_build_case_is_seeded_the_same_every_time():
 
 @pytest.fixture(scope="module")
 def tiny_records():
-    variants = bench.load_variants()
-    recs = []
-    for name in CASES:
-        built = bench.build_case(name, "tiny", seed=0, device="cpu")
-        recs += [bench.run_variant(built, v) for v in variants.values()]
-    return bench.derive(recs)
+    return bench.derive(tiny_python_records())
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -100,13 +114,26 @@ def test_every_case_and_variant_runs_and_validates(tiny_records, case, variant):
     assert rec["dtype"] == (None if variant == "fp32" else "bfloat16")
     if rec["runner"] == "train_step":  # on the CPU the step runs eagerly, and says why
         assert rec["graph_captured"] is False and "cpu" in rec["reason"]
+    elif variant in COMPILED:  # compiled in the first warm-up step, timed apart, never in the samples
+        assert rec["compile"] == bench.load_variants()[variant].compile and rec["graph_captured"] is None
+        assert rec["warmup_steps"] == 1 and rec["compile_s"] > 0  # tiny: 0 warm-up steps, 1 for compiling
+        assert "compiled during the 1 untimed warm-up step" in rec["reason"]
+        assert rec["reason"].endswith("; none in the timed steps"), rec["reason"]
     else:
         assert rec["graph_captured"] is None and rec["reason"] is None
+        assert rec["compile"] == "none" and rec["compile_s"] is None
     if rec["scaler"] != "none":
         assert rec["skipped_steps"] == 0 and rec["final_scale"] == 2.0 ** 16  # bf16: no overflow
     fp32 = next(r for r in tiny_records if (r["case"], r["variant"]) == (case, "fp32"))
     if variant != "fp32":
         assert rec["speedup_vs_fp32"]["value"] == pytest.approx(fp32["median"] / rec["median"])
+    for rival, field in (("torch_amp", "time_vs_torch_amp"), ("torch_compile_amp", "time_vs_torch_compile_amp"),
+                         ("torch_compile_ro", "time_vs_torch_compile_ro")):
+        other = next(r for r in tiny_records if (r["case"], r["variant"]) == (case, rival))
+        if variant == rival or other["status"] != "ok":
+            assert rec[field] is None
+        else:
+            assert rec[field]["value"] == pytest.approx(rec["median"] / other["median"])
         assert rec["loss_rel_diff_vs_fp32"] == pytest.approx(
             abs(rec["final_loss"] - fp32["final_loss"]) / abs(fp32["final_loss"]))
 
@@ -146,6 +173,25 @@ def test_a_failing_variant_is_recorded_as_a_failure_with_its_error(monkeypatch):
     assert rec["status"] == "failed" and rec["error"] == "RuntimeError: engine exploded"
     assert rec["samples"] == [] and rec["median"] is None and rec["final_loss"] is None
     assert bench.validate(_doc([rec])) == []
+
+
+def test_a_compile_that_fails_is_a_failed_record_and_the_next_run_compiles(monkeypatch):
+    """Whatever breaks inside torch.compile (tracing, a backend) fails that run alone, with
+    the error on one line, and leaves dynamo fit for the next compiled variant."""
+    def boom(gm, example_inputs):
+        raise RuntimeError("the backend exploded\n  (a multi-line\n  compiler error)")
+    real = torch.compile
+    built = bench.build_case("seed_mlp", "tiny", seed=0, device="cpu")
+    v = bench.load_variants()["torch_compile_amp"]
+    monkeypatch.setattr(torch, "compile", lambda model, mode=None: real(model, backend=boom))
+    rec = bench.run_variant(built, v)
+    assert rec["status"] == "failed" and "the backend exploded (a multi-line compiler error)" in rec["error"]
+    assert rec["samples"] == [] and rec["compile_s"] is None and rec["warmup_steps"] == 1
+    assert bench.validate(_doc([rec])) == []
+    monkeypatch.setattr(torch, "compile", real)
+    ok = bench.run_variant(built, v)
+    assert ok["status"] == "ok", ok["error"]
+    assert ok["compile_s"] > 0 and ok["reason"].endswith("none in the timed steps")
 
 
 @pytest.mark.parametrize("final_loss", [float("nan"), float("inf"), None])
@@ -243,6 +289,9 @@ def test_the_report_turns_a_fixture_into_the_expected_table(tiny_records):
         if rec["status"] == "skipped":
             assert cells[4] == "skipped: " + rec["reason"]
             continue
+        if rec["status"] == "failed":
+            assert cells[4].startswith("FAILED: ") and cells[5:] == ["-"] * (len(report.COLUMNS) - 5)
+            continue
         assert cells[4] == "%.2f [%.2f, %.2f]" % (rec["median"], rec["min"], rec["max"])
         assert cells[8] == "%.6g" % rec["final_loss"]
         s = rec["speedup_vs_fp32"]
@@ -262,6 +311,51 @@ def test_the_report_writes_markdown_and_a_chart(tmp_path, tiny_records):
     text = md.read_text()
     assert "FAILED: RuntimeError: x/y" in text and "## Goals" in text
     assert (tmp_path / "report.png").stat().st_size > 1000
+
+
+def test_the_report_sets_ampkit_against_torch_compile(tiny_records):
+    """The section on torch.compile: a row per ampkit variant with its time ratios against
+    torch_amp and both compiled rivals, then every compiled run, ok or not, with its
+    compile seconds: what ran is in the report, nothing is dropped silently."""
+    doc = _doc(copy.deepcopy(tiny_records))
+    text = report.markdown(doc)
+    section = text.split("## ampkit against torch.compile")[1].split("## Goals")[0]
+    ratios, runs_part = section.split("### The compiled runs")
+
+    def rows(part):
+        return [[c.strip() for c in line.strip("|").split("|")] for line in part.splitlines() if line.startswith("| ")][1:]
+    ours = {(r[0], r[1]): r for r in rows(ratios)}
+    assert len(ours) == sum(r["variant"] in report.OURS for r in doc["records"])
+    for rec in doc["records"]:
+        if rec["variant"] in report.OURS:
+            cells = ours[(rec["case"], report.variant_label(rec))]
+            assert cells[3] == report.status_cell(rec).replace("|", "/")
+            assert cells[4:7] == [report.fmt_ratio(rec[f]) for f in
+                                  ("time_vs_torch_amp", "time_vs_torch_compile_amp", "time_vs_torch_compile_ro")]
+    step = next(r for r in doc["records"] if (r["case"], r["variant"]) == ("seed_mlp", "ampkit_step"))
+    rival = next(r for r in doc["records"] if (r["case"], r["variant"]) == ("seed_mlp", "torch_compile_amp"))
+    assert step["time_vs_torch_compile_amp"]["value"] == pytest.approx(step["median"] / rival["median"])
+    runs = {(r[0], r[1]): r for r in rows(runs_part)}
+    compiled_recs = [r for r in doc["records"] if r["variant"] in COMPILED]
+    assert set(runs) == {(r["case"], r["variant"]) for r in compiled_recs}
+    for rec in compiled_recs:
+        cells = runs[(rec["case"], rec["variant"])]
+        assert cells[3] == rec["compile"]
+        assert cells[5] == ("-" if rec["compile_s"] is None else "%.1f" % rec["compile_s"])
+    n_ok = sum(r["status"] == "ok" for r in compiled_recs)
+    assert "### The compiled runs (%d of %d ran)" % (n_ok, len(compiled_recs)) in text
+
+
+def test_results_written_before_the_compiled_variants_still_validate_and_report(tmp_path):
+    """The published GPU results have no compile fields: they validate, merge and report
+    (without the torch.compile section)."""
+    old = REPO / "benchmarks" / "results" / "gpu" / "full-h200" / "results.json"
+    doc = bench.read_document(old)
+    assert not any("compile" in r for r in doc["records"])
+    text = report.markdown(doc)
+    assert "## ampkit against torch.compile" not in text and "## Goals" in text
+    merged = bench.merge([doc])
+    assert all(r["time_vs_torch_compile_amp"] is None for r in merged["records"])
 
 
 def _goal_doc(fp32_ms, amp_ms, rival_ms, amp_peak, rival_peak, amp_loss=1.0, r_ms=None):
@@ -352,6 +446,14 @@ def test_a_malformed_variant_names_the_file_and_the_key(tmp_path):
         bench.load_variants(path)
     path.write_text("schema_version: 1\nvariants:\n  x:\n    description: d\n    autocast: torch\n")
     with pytest.raises(bench.BenchSpecError, match="key 'variants.x.dtype': an autocast variant needs a dtype"):
+        bench.load_variants(path)
+    path.write_text("schema_version: 1\nvariants:\n  x:\n    description: d\n    compile: max-autotune\n")
+    with pytest.raises(bench.BenchSpecError, match="key 'variants.x.compile': got 'max-autotune'; "
+                                                   "valid: none, default, reduce-overhead"):
+        bench.load_variants(path)
+    path.write_text("schema_version: 1\nvariants:\n  x:\n    description: d\n    runner: train_step\n"
+                    "    compile: default\n")
+    with pytest.raises(bench.BenchSpecError, match="key 'variants.x.compile': torch.compile applies to the loop"):
         bench.load_variants(path)
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from ampkit import bench
+from bench_helpers import tiny_python_records
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -45,23 +46,34 @@ def run_r(*args):
                           capture_output=True, text=True, timeout=600)
 
 
+# The compiled variants from R on one case: R's side of them (calling the compiled model
+# in R's loop) is the same on every case, and compiling costs seconds a case (R's
+# embedded Python does not share inductor's cache with the Python runner's: other keys).
+# test_bench.py compiles every case from Python; `make bench` every case from both.
+COMPILED = [n for n, v in bench.load_variants().items() if v.compile != "none" and "r" in v.languages]
+EAGER = [n for n, v in bench.load_variants().items() if v.compile == "none" and "r" in v.languages]
+COMPILED_CASES = ["seed_mlp"]
+
+
 @pytest.fixture(scope="module")
 def both(tmp_path_factory):
-    """Every case x variant at the tiny size, from R and from Python, on the same seeds."""
+    """Every case x eager variant, and the compiled variants on COMPILED_CASES, at the tiny
+    size, from R and from Python, on the same seeds."""
     out = tmp_path_factory.mktemp("bench_r")
-    p = run_r("--profile", "tiny", "--device", "cpu", "--threads", "1", "--out", str(out / "r.json"))
-    assert p.returncode == 0, p.stdout + p.stderr
-    r_doc = bench.read_document(out / "r.json")  # validates against the schema
-    py = []
-    for name in sorted(bench.load_cases()):
-        built = bench.build_case(name, "tiny", seed=0, device="cpu")
-        py += [bench.run_variant(built, v) for v in bench.load_variants().values() if "python" in v.languages]
-    return r_doc, bench.derive(py), p.stderr
+    docs, log = [], ""
+    for name, args in (("eager", ["--variants", ",".join(EAGER)]),
+                       ("compiled", ["--variants", ",".join(COMPILED), "--cases", ",".join(COMPILED_CASES)])):
+        p = run_r("--profile", "tiny", "--device", "cpu", "--threads", "1", "--out", str(out / (name + ".json")), *args)
+        assert p.returncode == 0, p.stdout + p.stderr
+        docs.append(bench.read_document(out / (name + ".json")))  # validates against the schema
+        log += p.stderr
+    return bench.merge(docs), bench.derive(tiny_python_records()), log
 
 
 def test_the_r_runner_runs_every_case_and_variant(both):
     r_doc, py, _ = both
-    expected = {(c, v.name) for c in bench.load_cases() for v in bench.load_variants().values() if "r" in v.languages}
+    expected = {(c, v) for c in bench.load_cases() for v in EAGER} | {(c, v) for c in COMPILED_CASES for v in COMPILED}
+    assert COMPILED == ["torch_compile_amp", "torch_compile_ro", "ampkit_compile_amp"]
     assert {(r["case"], r["variant"]) for r in r_doc["records"]} == expected
     assert all(r["language"] == "r" for r in r_doc["records"])
     for r in r_doc["records"]:
@@ -70,6 +82,9 @@ def test_the_r_runner_runs_every_case_and_variant(both):
         else:
             assert r["status"] == "ok", (r["case"], r["variant"], r["error"])
             assert len(r["samples"]) == r["repeats"]
+        if r["compile"] != "none" and r["status"] == "ok":  # compiled in warm-up, timed apart
+            assert r["compile_s"] > 0 and r["warmup_steps"] == 1, (r["case"], r["variant"])
+            assert r["reason"].endswith("; none in the timed steps"), r["reason"]
     c = r_doc["context"]
     assert c["languages"] == ["r"] and c["r_version"].startswith("4.") and c["reticulate_version"]
 
@@ -80,7 +95,8 @@ def test_python_and_r_records_carry_the_same_fields(both):
     for r in r_doc["records"]:
         p = by_key[(r["case"], r["variant"])]
         assert list(r) == list(p)
-        for field in ("profile", "device", "status", "autocast", "scaler", "dtype", "tf32", "runner", "graph_captured", "sizes",
+        for field in ("profile", "device", "status", "autocast", "scaler", "dtype", "tf32", "runner", "compile",
+                      "graph_captured", "sizes",
                       "num_batches", "warmup_steps", "repeats", "unit", "skipped_steps"):
             assert r[field] == p[field], field
 

@@ -3,8 +3,9 @@
 A results document is {"context": {...}, "records": [...]}: the context says where and
 with what it ran (host, CPU, card, library versions, commit, profile); each record is
 one case x variant x language with structured fields (never a packed name). Derived
-comparisons (speedup against fp32, time against torch_amp, R against Python, loss
-against fp32) are filled in by `derive`, the same code for records of either language.
+comparisons (speedup against fp32, time against each rival of RIVALS: torch_amp and the
+torch.compile variants, R against Python, loss against fp32) are filled in by `derive`,
+the same code for records of either language.
 """
 
 from __future__ import annotations
@@ -20,6 +21,12 @@ from pathlib import Path
 
 SCHEMA_VERSION = 1
 NOISE = 0.05  # a ratio whose [low, high] lies wholly past 1 +/- NOISE is flagged as a change
+# The rivals every record is timed against (same case and language), and the field each
+# ratio goes in: torch's eager AMP, and torch.compile under torch's AMP in both modes.
+RIVALS = {"torch_amp": "time_vs_torch_amp",
+          "torch_compile_amp": "time_vs_torch_compile_amp",
+          "torch_compile_ro": "time_vs_torch_compile_ro"}
+ERROR_CHARS = 600  # a failed record keeps the error's first characters, on one line
 
 
 def schema_path() -> Path:
@@ -173,9 +180,10 @@ def _num(x):
 def make_record(case, variant, language: str, profile: str, device: str, *, status: str = "ok",
                 samples_ms=None, final_loss=None, peak_memory_bytes=None, final_scale=None,
                 skipped_steps=None, reason=None, error=None, torch_threads=None, wall_s=None,
-                repeats=None, graph_captured=None) -> dict:
+                repeats=None, graph_captured=None, compile_s=None) -> dict:
     """One record, the same fields from either language. `case` is a BuiltCase (or Case with
-    `repeats`), `variant` a Variant; samples_ms holds one ms/step value per timed repeat."""
+    `repeats`), `variant` a Variant; samples_ms holds one ms/step value per timed repeat;
+    compile_s the first warm-up step of a compiled variant (torch.compile's compilation)."""
     import torch
     from ampkit.bench._spec import Case
     if status not in ("ok", "skipped", "failed"):
@@ -190,6 +198,8 @@ def make_record(case, variant, language: str, profile: str, device: str, *, stat
         status, error = "failed", "final loss is not finite (%r): training diverged" % (final_loss,)
     if status != "ok":  # a failed or skipped run has no timings (a diverged run's are dropped)
         samples = []
+    if error is not None:  # compiler errors run to pages: one line, the head of it
+        error = " ".join(str(error).split())[:ERROR_CHARS]
     q = statistics.quantiles(samples, n=4, method="inclusive") if len(samples) >= 2 else [None, None, None]
     rec = {
         "case": spec.name,
@@ -205,10 +215,12 @@ def make_record(case, variant, language: str, profile: str, device: str, *, stat
         "dtype": variant.resolved_dtype(device),
         "tf32": bool(variant.tf32),
         "runner": variant.runner,
+        "compile": variant.compile,
         "graph_captured": None if graph_captured is None else bool(graph_captured),
+        "compile_s": _num(compile_s) if status == "ok" else None,
         "sizes": prof["sizes"],
         "num_batches": prof["num_batches"],
-        "warmup_steps": prof["warmup_steps"],
+        "warmup_steps": variant.warmup_steps(prof["warmup_steps"]),
         "repeats": int(repeats if repeats is not None else getattr(case, "repeats", prof["repeats"])),
         "unit": "ms/step",
         "samples": samples,
@@ -224,7 +236,7 @@ def make_record(case, variant, language: str, profile: str, device: str, *, stat
         "wall_s": _num(wall_s),
         "load_average": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
         "speedup_vs_fp32": None,
-        "time_vs_torch_amp": None,
+        **{field: None for field in RIVALS.values()},
         "time_vs_python": None,
         "loss_rel_diff_vs_fp32": None,
     }
@@ -249,16 +261,16 @@ def _ratio(num: dict, den: dict, speedup: bool = False):
 def derive(records: list) -> list:
     """Fill the comparison fields of every record from the others of the same case (and language).
 
-    speedup_vs_fp32 = fp32 time / this time (>1: faster), time_vs_torch_amp = this time /
-    torch_amp's (<1: faster), time_vs_python = this R time / the Python time of the same
-    case and variant; loss_rel_diff_vs_fp32 = |loss - fp32 loss| / |fp32 loss|.
+    speedup_vs_fp32 = fp32 time / this time (>1: faster), time_vs_<rival> = this time /
+    the rival's for each of RIVALS (<1: faster), time_vs_python = this R time / the Python
+    time of the same case and variant; loss_rel_diff_vs_fp32 = |loss - fp32 loss| / |fp32 loss|.
     """
     idx = {(r["case"], r["variant"], r["language"]): r for r in records}
     for r in records:
-        key = (r["case"], r["language"])
-        fp32, rival = idx.get(key[:1] + ("fp32",) + key[1:]), idx.get(key[:1] + ("torch_amp",) + key[1:])
+        fp32 = idx.get((r["case"], "fp32", r["language"]))
         r["speedup_vs_fp32"] = _ratio(fp32, r, speedup=True)
-        r["time_vs_torch_amp"] = _ratio(r, rival)
+        for rival, field in RIVALS.items():
+            r[field] = _ratio(r, idx.get((r["case"], rival, r["language"])))
         r["time_vs_python"] = _ratio(r, idx.get((r["case"], r["variant"], "python")))
         if fp32 and r["status"] == "ok" and fp32["status"] == "ok" and fp32["final_loss"]:
             r["loss_rel_diff_vs_fp32"] = abs(r["final_loss"] - fp32["final_loss"]) / abs(fp32["final_loss"])

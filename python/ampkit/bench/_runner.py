@@ -2,7 +2,10 @@
 
 The timing protocol (the R runner, benchmarks/run.R, follows it line by line):
   1. build the case once (seeded data on the device); per variant, a fresh seeded model;
-  2. run `warmup_steps` untimed steps (cycling over the batches);
+  2. run `warmup_steps` untimed steps (cycling over the batches); a compiled variant runs
+     at least one, and its first step, in which torch.compile compiles the forward and
+     backward, is timed apart (compile_s); a recompilation later, in the timed steps,
+     is written in the record's note;
   3. `repeats` times: synchronize, read the clock, one epoch over the `num_batches`
      batches, synchronize, read the clock: one sample of ms/step;
   4. the final loss is the mean loss of the last repeat, read after the clock stopped
@@ -89,6 +92,42 @@ def make_scaler(variant: Variant, device: str):
     return None
 
 
+def compile_model(variant: Variant, model):
+    """The module a variant's loop calls: `torch.compile(model, mode=...)` for a compiled
+    variant, the model itself otherwise. Dynamo is reset first, so that each variant
+    compiles from scratch (no earlier variant's graphs, guards or recompile counts)."""
+    if variant.compile == "none":
+        return model
+    torch._dynamo.reset()
+    return torch.compile(model, mode=None if variant.compile == "default" else variant.compile)
+
+
+def compile_counts() -> dict:
+    """Dynamo's and inductor's running counts in this process (they only grow): graphs
+    compiled, and inductor's on-disk FX graph cache hits and misses (a hit compiles in a
+    fraction of a miss's time, so compile_s depends on what an earlier run left there)."""
+    from torch._dynamo.utils import counters
+    return {"graphs": int(counters["stats"]["unique_graphs"]),
+            "cache_hits": int(counters["inductor"]["fxgraph_cache_hit"]),
+            "cache_misses": int(counters["inductor"]["fxgraph_cache_miss"])}
+
+
+def compile_note(variant: Variant, warmup_steps: int, before: dict, warm: dict, end: dict):
+    """The record's note for a compiled variant (None for others): what compiled during the
+    warm-up (from compile_counts() before it, after it, and after the timed steps), and
+    whether anything recompiled in the timed steps, whose samples would then include it."""
+    if variant.compile == "none":
+        return None
+    note = "torch.compile (mode %s): %d graph(s) compiled during the %d untimed warm-up step(s), " \
+        "the first timed apart as compile_s (inductor cache: %d hit(s), %d miss(es))" % (
+            variant.compile, warm["graphs"] - before["graphs"], warmup_steps,
+            warm["cache_hits"] - before["cache_hits"], warm["cache_misses"] - before["cache_misses"])
+    if end["graphs"] > warm["graphs"]:
+        return note + "; %d RECOMPILED during the timed steps, whose samples include that compile time" \
+            % (end["graphs"] - warm["graphs"])
+    return note + "; none in the timed steps"
+
+
 def make_step(variant: Variant, built: BuiltCase, model, opt, scaler):
     """The training step of a variant: a function (inputs, targets) -> loss tensor."""
     device, loss_fn = built.device, built.loss_fn
@@ -98,6 +137,7 @@ def make_step(variant: Variant, built: BuiltCase, model, opt, scaler):
         import ampkit
         return ampkit.make_train_step(model, loss_fn, opt, scaler=scaler,
                                       autocast=dict(device_type=device, dtype=dtype))
+    model = compile_model(variant, model)
     if variant.autocast == "torch":
         region = lambda: torch.autocast(device_type=device, dtype=dtype)  # noqa: E731
     elif variant.autocast == "ampkit":
@@ -150,8 +190,14 @@ def run_variant(built: BuiltCase, variant: Variant, language: str = "python") ->
             scaler = make_scaler(variant, device)
             step = make_step(variant, built, model, opt, scaler)
             batches, n = built.batches, built.num_batches
-            for i in range(built.warmup_steps):
+            warmup, compile_s, counts0 = variant.warmup_steps(built.warmup_steps), None, compile_counts()
+            for i in range(warmup):
+                t0 = time.perf_counter()
                 step(*batches[i % n])
+                if i == 0 and variant.compile != "none":
+                    synchronize(device)
+                    compile_s = time.perf_counter() - t0
+            counts_warm = compile_counts()
             samples, losses = [], []
             for _ in range(built.repeats):
                 losses = []
@@ -164,9 +210,10 @@ def run_variant(built: BuiltCase, variant: Variant, language: str = "python") ->
             final_loss = built.mean_loss(losses)
             final_scale = float(scaler.get_scale()) if scaler is not None else None
             captured = getattr(step, "captured", None) if variant.runner == "train_step" else None
-            note = getattr(step, "reason", None) if variant.runner == "train_step" else None
+            note = getattr(step, "reason", None) if variant.runner == "train_step" else \
+                compile_note(variant, warmup, counts0, counts_warm, compile_counts())
         return make_record(status="ok", samples_ms=samples, final_loss=final_loss,
-                           graph_captured=captured, reason=note,
+                           graph_captured=captured, reason=note, compile_s=compile_s,
                            peak_memory_bytes=peak_memory(device), final_scale=final_scale,
                            skipped_steps=skipped_from_scale(final_scale, built.total_steps()),
                            wall_s=time.perf_counter() - t_start, **common)

@@ -2,8 +2,9 @@
 
 A case file names builders (model, data, loss, optimizer) and, per profile, the sizes
 that the builders take plus how long to run. A variant says which autocast (none,
-torch, ampkit), which scaler (none, torch, ampkit), which dtype and on which devices
-and from which languages it runs. Both runners (Python and R) read the same files
+torch, ampkit), which scaler (none, torch, ampkit), which dtype, whether the model goes
+through torch.compile (and in which mode), and on which devices and from which
+languages it runs. Both runners (Python and R) read the same files
 through these functions, so a case runs identically from either language.
 
 >>> cases = load_cases()
@@ -32,6 +33,7 @@ DTYPES = ("none", "auto", "float16", "bfloat16")
 DEVICES = ("cpu", "cuda")
 LANGUAGES = ("python", "r")
 RUNNERS = ("loop", "train_step")
+COMPILES = ("none", "default", "reduce-overhead")  # torch.compile's mode ("default": no mode given)
 
 
 class BenchSpecError(ValueError):
@@ -195,6 +197,16 @@ class Variant:
     languages: tuple = LANGUAGES
     runner: str = "loop"
     fused_optimizer: bool = False
+    compile: str = "none"
+
+    def warmup_steps(self, profile_warmup: int) -> int:
+        """The untimed steps this variant runs first: the profile's, and at least one for a
+        compiled variant, whose first step compiles (its time is recorded apart, as compile_s).
+
+        >>> Variant("x", "d", compile="default").warmup_steps(0), Variant("y", "d").warmup_steps(0)
+        (1, 0)
+        """
+        return max(int(profile_warmup), 1) if self.compile != "none" else int(profile_warmup)
 
     def resolved_dtype(self, device: str):
         """'float16' / 'bfloat16' / None for this device ('auto': fp16 on CUDA, bf16 on CPU)."""
@@ -224,8 +236,9 @@ def load_variants(path=None) -> dict:
         if not isinstance(v, dict):
             raise _fail(path, where[:-1], "must be a mapping")
         _check_keys(path, where, v, ("description",), ("autocast", "scaler", "dtype", "tf32", "devices",
-                                                         "languages", "runner", "fused_optimizer"))
-        for key, valid in (("autocast", AUTOCASTS), ("scaler", SCALERS), ("dtype", DTYPES), ("runner", RUNNERS)):
+                                                         "languages", "runner", "fused_optimizer", "compile"))
+        for key, valid in (("autocast", AUTOCASTS), ("scaler", SCALERS), ("dtype", DTYPES), ("runner", RUNNERS),
+                           ("compile", COMPILES)):
             if key in v and v[key] not in valid:
                 raise _fail(path, where + key, "got %r; valid: %s" % (v[key], ", ".join(valid)))
         for key, valid in (("devices", DEVICES), ("languages", LANGUAGES)):
@@ -234,6 +247,9 @@ def load_variants(path=None) -> dict:
                 raise _fail(path, where + key, "got %r; valid: %s" % (v[key], ", ".join(valid)))
         if v.get("autocast", "none") != "none" and v.get("dtype", "none") == "none":
             raise _fail(path, where + "dtype", "an autocast variant needs a dtype (auto, float16 or bfloat16)")
+        if v.get("compile", "none") != "none" and v.get("runner", "loop") != "loop":
+            raise _fail(path, where + "compile", "torch.compile applies to the loop runner's model; "
+                        "runner %r builds its own step" % v["runner"])
         kw = {k: (tuple(x) if k in ("devices", "languages") else x) for k, x in v.items()}
         kw["description"] = str(kw["description"]).strip()
         out[name] = Variant(name=name, **kw)

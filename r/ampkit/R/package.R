@@ -29,9 +29,15 @@ py_torch <- NULL
     stop(ampkit_condition(missing_python_message(conditionMessage(e)),
                           class = "ampkit_python_missing"))
   }
-  lazy <- list(before_load = keep_torch_blas, on_error = on_error)
+  lazy <- list(before_load = python_startup, on_error = on_error)
   py_ampkit <<- reticulate::import("ampkit", delay_load = lazy)
   py_torch <<- reticulate::import("torch", delay_load = lazy)
+}
+
+# What the embedded Python needs before torch is imported (see below).
+python_startup <- function() {
+  keep_torch_blas()
+  find_python_headers()
 }
 
 # R has loaded Debian's reference BLAS (libblas.so.3) before Python starts, and
@@ -46,6 +52,25 @@ keep_torch_blas <- function() {
     "import os, sys",
     "if 'torch' not in sys.modules and hasattr(os, 'RTLD_DEEPBIND'):",
     "    sys.setdlopenflags(sys.getdlopenflags() | os.RTLD_DEEPBIND)",
+    sep = "\n"), convert = FALSE)
+  invisible(TRUE)
+}
+
+# reticulate starts a virtual environment's Python with sys.base_prefix set to the
+# environment, so sysconfig's include path is <venv>/include/pythonX.Y, where there are
+# no headers: C++ compiled at run time fails with "Python.h: No such file or directory"
+# (torch.compile on the CPU: inductor's kernels include Python.h). The interpreter's
+# own INCLUDEPY has them: it goes on CPATH, which gcc and clang read, for the compilers
+# that Python starts from now on.
+find_python_headers <- function() {
+  reticulate::py_run_string(paste(
+    "import os, sysconfig",
+    "_inc, _real = sysconfig.get_path('include'), sysconfig.get_config_var('INCLUDEPY')",
+    "if (_real and not os.path.exists(os.path.join(_inc, 'Python.h'))",
+    "        and os.path.exists(os.path.join(_real, 'Python.h'))",
+    "        and _real not in os.environ.get('CPATH', '').split(os.pathsep)):",
+    "    os.environ['CPATH'] = os.pathsep.join(p for p in (os.environ.get('CPATH'), _real) if p)",
+    "del _inc, _real",
     sep = "\n"), convert = FALSE)
   invisible(TRUE)
 }
@@ -115,7 +140,7 @@ py_ready <- function() {
       class = "ampkit_python_missing"))
   }
   ok <- tryCatch({
-    keep_torch_blas()  # before py_module_available(), which imports the module
+    python_startup()  # before py_module_available(), which imports the module
     reticulate::py_module_available("ampkit") && reticulate::py_module_available("torch")
   }, error = function(e) FALSE)
   if (!ok) {

@@ -24,6 +24,20 @@ test_that("ampkit_config() names the Python and the versions in use", {
   expect_type(cfg$cuda, "logical")
 })
 
+test_that("the embedded Python finds its C headers, which torch.compile's C++ includes", {
+  skip_if_no_ampkit()
+  # reticulate points a venv's sys.base_prefix at the venv, whose include folder has no
+  # Python.h; the start-up puts the interpreter's INCLUDEPY on CPATH, which the compiler reads.
+  found <- py_golden(paste(
+    "import os, sysconfig",
+    "dirs = [sysconfig.get_path('include')] + os.environ.get('CPATH', '').split(os.pathsep)",
+    "found = any(d and os.path.exists(os.path.join(d, 'Python.h')) for d in dirs)",
+    "has_headers = os.path.exists(os.path.join(sysconfig.get_config_var('INCLUDEPY') or '', 'Python.h'))",
+    sep = "\n"))
+  skip_if_not(found$has_headers, "this Python was installed without its C headers")
+  expect_true(found$found)
+})
+
 test_that("torch is loaded with its own BLAS, not R's (RTLD_DEEPBIND before the first import)", {
   skip_if_no_ampkit()
   skip_if(Sys.getenv("AMPKIT_R_DEEPBIND") == "0", "AMPKIT_R_DEEPBIND=0 turns it off")
