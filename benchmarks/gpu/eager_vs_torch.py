@@ -10,6 +10,8 @@ seeded copies of the case's model with the case's optimizer and data:
 - ``ampkit_override``: the same with a one-op policy override active (``cdist`` moved to
                        lower_precision_fp, an op no case calls): ampkit's handler is pushed
                        and sees every call, which is what any changed policy costs
+- with ``--compiled``: ``torch_compile_amp`` and ``ampkit_compile_amp``, the first two
+  with ``torch.compile(model)`` (compiled during the warm-up)
 
 Each repeat times one epoch of every loop, in an order that rotates from repeat to
 repeat, after a warm-up; the device is synchronized before each clock read. Reported:
@@ -32,6 +34,7 @@ import ampkit.bench as bench
 
 OVERRIDE = ampkit.load_policy("torch_default").with_ops(lower_precision_fp=["cdist"])
 LOOPS = ("torch_amp", "ampkit_amp", "ampkit_override")
+COMPILED = ("torch_compile_amp", "ampkit_compile_amp")
 
 
 def make_loop(name, built):
@@ -39,7 +42,9 @@ def make_loop(name, built):
     dtype = torch.float16 if device == "cuda" else torch.bfloat16
     model = built.new_model()
     opt = built.new_optimizer(model)
-    if name == "torch_amp":
+    if name in COMPILED:
+        model = torch.compile(model)
+    if name.startswith("torch"):
         region = lambda: torch.autocast(device, dtype=dtype)  # noqa: E731
         scaler = torch.amp.GradScaler(device)
     else:
@@ -68,21 +73,24 @@ def epoch(step, built):
     return (time.perf_counter() - t0) * 1000.0 / built.num_batches
 
 
-def run_case(case, profile, device, repeats):
+def run_case(case, profile, device, repeats, names=LOOPS):
     built = bench.build_case(case, profile, seed=0, device=device)
-    loops = {name: make_loop(name, built) for name in LOOPS}
+    loops = {name: make_loop(name, built) for name in names}
     for step in loops.values():  # warm-up: allocator, cuDNN/cuBLAS heuristics, first-call costs
         for i in range(max(3, built.warmup_steps)):
             step(*built.batches[i % built.num_batches])
-    samples = {name: [] for name in LOOPS}
+    samples = {name: [] for name in names}
     for r in range(repeats):
-        order = LOOPS[r % len(LOOPS):] + LOOPS[:r % len(LOOPS)]
+        order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
             samples[name].append(epoch(loops[name], built))
     out = {"case": case, "ms_per_step": {n: statistics.median(s) for n, s in samples.items()}, "samples": samples}
     out["time_vs_torch_amp"] = {
-        n: statistics.median(a / t for a, t in zip(samples[n], samples["torch_amp"])) for n in LOOPS[1:]
+        n: statistics.median(a / t for a, t in zip(samples[n], samples["torch_amp"])) for n in names[1:]
     }
+    if "torch_compile_amp" in names:
+        out["compiled_ampkit_vs_torch"] = statistics.median(
+            a / t for a, t in zip(samples["ampkit_compile_amp"], samples["torch_compile_amp"]))
     return out
 
 
@@ -92,8 +100,10 @@ def main(argv=None):
     ap.add_argument("--cases", default=None, help="comma-separated case names (default: every case)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--compiled", action="store_true", help="also the torch.compile'd loops")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
+    names = LOOPS + COMPILED if a.compiled else LOOPS
     device = bench.resolve_device(a.device)
     cases = a.cases.split(",") if a.cases else list(bench.load_cases())
     card = torch.cuda.get_device_name() if device == "cuda" else "cpu"
@@ -101,10 +111,14 @@ def main(argv=None):
     print(f"{'case':<16} {'torch_amp':>10} {'ampkit_amp':>11} {'ratio':>6} {'1 override':>11} {'ratio':>6}  (ms/step; ratio = time vs torch_amp)")
     results = []
     for case in cases:
-        r = run_case(case, a.profile, device, a.repeats)
+        r = run_case(case, a.profile, device, a.repeats, names)
         m, q = r["ms_per_step"], r["time_vs_torch_amp"]
-        print(f"{case:<16} {m['torch_amp']:>10.3f} {m['ampkit_amp']:>11.3f} {q['ampkit_amp']:>6.3f}"
-              f" {m['ampkit_override']:>11.3f} {q['ampkit_override']:>6.3f}", flush=True)
+        line = (f"{case:<16} {m['torch_amp']:>10.3f} {m['ampkit_amp']:>11.3f} {q['ampkit_amp']:>6.3f}"
+                f" {m['ampkit_override']:>11.3f} {q['ampkit_override']:>6.3f}")
+        if a.compiled:
+            line += (f"   compiled: torch {m['torch_compile_amp']:.3f} ampkit {m['ampkit_compile_amp']:.3f}"
+                     f" ratio {r['compiled_ampkit_vs_torch']:.3f}")
+        print(line, flush=True)
         results.append(r)
     if a.json:
         with open(a.json, "w") as f:
