@@ -804,6 +804,33 @@ def _default_policy() -> Policy:
 _DEFAULT = load_policy("torch_default")
 
 
+def _region_args(device_type, dtype, enabled, cache_enabled, policy):
+    """Validated region arguments: (device_type, dtype, enabled, cache_enabled, Policy)."""
+    if not isinstance(device_type, str):
+        raise ValueError(f"ampkit.autocast: device_type must be a string such as 'cpu' or 'cuda', got {device_type!r}")
+    pol = _default_policy() if policy is None else load_policy(policy)
+    rules = pol.rules(device_type)  # PolicyError (a ValueError) names the valid device types
+    if dtype is None:
+        dtype = rules.lower_precision_dtype
+    elif dtype not in _REGION_DTYPES:
+        raise ValueError(
+            f"ampkit.autocast: dtype {dtype!r} is not a lower-precision dtype; valid: torch.float16, torch.bfloat16"
+        )
+    if not isinstance(enabled, bool):
+        raise ValueError(f"ampkit.autocast: enabled must be True or False, got {enabled!r}")
+    if cache_enabled is not None and not isinstance(cache_enabled, bool):
+        raise ValueError(f"ampkit.autocast: cache_enabled must be True, False or None, got {cache_enabled!r}")
+    return device_type, dtype, enabled, cache_enabled, pol
+
+
+@contextlib.contextmanager
+def _compiled_region(device_type, dtype, enabled, cache_enabled, index):
+    """A changed-policy region inside traced code: torch's autocast plus the delta's handler."""
+    with torch.amp.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled), \
+            _CompiledMode(index):
+        yield
+
+
 class autocast(torch.amp.autocast):
     """An ampkit autocast region: a ``torch.autocast`` region whose casts follow a policy.
 
@@ -834,31 +861,23 @@ class autocast(torch.amp.autocast):
     (True, torch.bfloat16)
     """
 
-    def __init__(self, device_type, dtype=None, enabled=True, cache_enabled=None, *, policy=None):
-        if not isinstance(device_type, str):
-            raise ValueError(f"ampkit.autocast: device_type must be a string such as 'cpu' or 'cuda', got {device_type!r}")
-        self.device = device_type  # first: dynamo may read it as soon as the object exists
-        pol = _default_policy() if policy is None else load_policy(policy)
-        rules = pol.rules(device_type)  # PolicyError (a ValueError) names the valid device types
-        if dtype is None:
-            dtype = rules.lower_precision_dtype
-        elif dtype not in _REGION_DTYPES:
-            raise ValueError(
-                f"ampkit.autocast: dtype {dtype!r} is not a lower-precision dtype; valid: torch.float16, torch.bfloat16"
-            )
-        if not isinstance(enabled, bool):
-            raise ValueError(f"ampkit.autocast: enabled must be True or False, got {enabled!r}")
-        if cache_enabled is not None and not isinstance(cache_enabled, bool):
-            raise ValueError(f"ampkit.autocast: cache_enabled must be True, False or None, got {cache_enabled!r}")
+    def __new__(cls, device_type, dtype=None, enabled=True, cache_enabled=None, *, policy=None):
         if torch.compiler.is_compiling():
-            # torch.amp.autocast.__init__ checks the device through a builtin that some
-            # dynamo releases (torch 2.11) cannot trace: set what __enter__ reads here
-            self.fast_dtype = dtype
-            self._enabled = enabled
-            self._cache_enabled = torch.is_autocast_cache_enabled() if cache_enabled is None else cache_enabled
-        else:
-            super().__init__(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
-        self.device_type = device_type
+            # Made inside code that torch.compile traces: a torch.autocast (which every dynamo
+            # release knows) and, for a changed policy, a handler over a table built once at
+            # trace time. __init__ does not run: the object is not an ampkit.autocast.
+            dev, dtype, enabled, cache_enabled, pol = _region_args(device_type, dtype, enabled, cache_enabled, policy)
+            cache = torch.is_autocast_cache_enabled() if cache_enabled is None else cache_enabled
+            index = _compiled_table(dev, enabled, dtype, pol, cache)
+            if index < 0:
+                return torch.amp.autocast(dev, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+            return _compiled_region(dev, dtype, enabled, cache_enabled, index)
+        return super().__new__(cls)
+
+    def __init__(self, device_type, dtype=None, enabled=True, cache_enabled=None, *, policy=None):
+        dev, dtype, enabled, cache_enabled, pol = _region_args(device_type, dtype, enabled, cache_enabled, policy)
+        super().__init__(dev, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+        self.device_type = dev
         self.enabled = enabled
         self.cache_enabled = cache_enabled
         self.policy = pol
@@ -890,9 +909,9 @@ class autocast(torch.amp.autocast):
             self._native_exit()
         return False
 
-    # Inside code that torch.compile traces, the region is torch's autocast plus, for a
-    # changed policy, a fresh mode over a table built once at trace time (dynamo inlines
-    # both; the engine's per-thread bookkeeping stays out of the graph).
+    # A region built outside traced code and entered inside it (most dynamo releases
+    # treat it as a plain torch.autocast and never call these): torch's autocast plus,
+    # for a changed policy, a fresh handler over a table built once at trace time.
     def _enter_compiled(self):
         super().__enter__()
         index = _compiled_table(self.device_type, self.enabled, self.fast_dtype, self.policy, self._cache_enabled)
