@@ -47,8 +47,8 @@ def run_r(*args):
 
 
 # The compiled variants from R on one case: R's side of them (calling the compiled model
-# in R's loop) is the same on every case, and compiling costs seconds a case (R's
-# embedded Python does not share inductor's cache with the Python runner's: other keys).
+# in R's loop) is the same on every case, and compiling costs seconds a case, tens of
+# seconds on a cold inductor cache (from R it was ~70 s for the four tiny cases).
 # test_bench.py compiles every case from Python; `make bench` every case from both.
 COMPILED = [n for n, v in bench.load_variants().items() if v.compile != "none" and "r" in v.languages]
 EAGER = [n for n, v in bench.load_variants().items() if v.compile == "none" and "r" in v.languages]
