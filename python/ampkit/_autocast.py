@@ -65,7 +65,7 @@ import torch
 from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_function
 
 from ampkit import _decompositions, _narrow_casts, _native, _ops
-from ampkit._policy import CATEGORIES, Policy, PolicyError, load_policy
+from ampkit._policy import CATEGORIES, Policy, PolicyError, live_policy, load_policy
 
 Tensor = torch.Tensor
 _F32 = torch.float32
@@ -296,8 +296,10 @@ _COMPILED_INDEX: dict = {}
 
 
 @torch._dynamo.assume_constant_result
-def _compiled_table(device_type, enabled, dtype, policy, cache_enabled) -> int:
-    """Index in _COMPILED_TABLES of a region's delta table, -1 when it has none (run at trace time)."""
+def _compiled_table(device_type, enabled, dtype, policy_id, cache_enabled) -> int:
+    """Index in _COMPILED_TABLES of a region's delta table, -1 when it has none (run at trace
+    time). The policy comes as its id(): dynamo cannot rebuild a frozen dataclass argument."""
+    policy = live_policy(policy_id)
     key = (_ops.VERSION[0], device_type, enabled, dtype, policy, cache_enabled)
     index = _COMPILED_INDEX.get(key)
     if index is None:
@@ -868,7 +870,7 @@ class autocast(torch.amp.autocast):
             # trace time. __init__ does not run: the object is not an ampkit.autocast.
             dev, dtype, enabled, cache_enabled, pol = _region_args(device_type, dtype, enabled, cache_enabled, policy)
             cache = torch.is_autocast_cache_enabled() if cache_enabled is None else cache_enabled
-            index = _compiled_table(dev, enabled, dtype, pol, cache)
+            index = _compiled_table(dev, enabled, dtype, id(pol), cache)
             if index < 0:
                 return torch.amp.autocast(dev, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
             return _compiled_region(dev, dtype, enabled, cache_enabled, index)
@@ -914,7 +916,7 @@ class autocast(torch.amp.autocast):
     # for a changed policy, a fresh handler over a table built once at trace time.
     def _enter_compiled(self):
         super().__enter__()
-        index = _compiled_table(self.device_type, self.enabled, self.fast_dtype, self.policy, self._cache_enabled)
+        index = _compiled_table(self.device_type, self.enabled, self.fast_dtype, id(self.policy), self._cache_enabled)
         mode = _CompiledMode(index) if index >= 0 else None
         if mode is not None:
             mode.__enter__()

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import weakref
 from pathlib import Path
 
 import torch
@@ -50,6 +51,16 @@ _DEVICE_KEYS = ("lower_precision_dtype",) + CATEGORIES  # required
 _OPTIONAL_DEVICE_KEYS = ("decompose",)  # optional, [] when absent
 DEFAULT_BAN_MESSAGE = "{op} is banned in ampkit autocast regions by the active policy."
 SPEC_DIR = Path(__file__).resolve().parents[2] / "shared_specs" / "policies"
+
+
+# Every live policy by id(): code that torch.compile traces names a policy by its id, a
+# number dynamo can pass to a function it runs at trace time (it cannot rebuild the object).
+_LIVE: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+
+
+def live_policy(policy_id: int) -> "Policy":
+    """The live Policy whose id() is ``policy_id``."""
+    return _LIVE[policy_id]
 
 
 class PolicyError(ValueError):
@@ -123,6 +134,9 @@ class Policy:
     description: str = ""
     source: str = dataclasses.field(default="", compare=False)
 
+    def __post_init__(self):
+        _LIVE[id(self)] = self
+
     def __hash__(self):  # cached: regions key their compiled tables by policy
         h = self.__dict__.get("_hash")
         if h is None:
@@ -136,6 +150,7 @@ class Policy:
     def __setstate__(self, state):
         for k, v in state.items():
             object.__setattr__(self, k, v)
+        _LIVE[id(self)] = self
 
     # -- reading --------------------------------------------------------------
     def device_types(self) -> tuple:
