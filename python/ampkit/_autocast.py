@@ -827,10 +827,15 @@ def _region_args(device_type, dtype, enabled, cache_enabled, policy):
 
 @contextlib.contextmanager
 def _compiled_region(device_type, dtype, enabled, cache_enabled, index):
-    """A changed-policy region inside traced code: torch's autocast plus the delta's handler."""
-    with torch.amp.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled), \
-            _CompiledMode(index):
-        yield
+    """A region inside traced code: torch's autocast, plus the delta's handler if any
+    (index >= 0). A generator context, not a torch.autocast: some dynamo releases (2.11)
+    cannot ask isinstance() of the torch.autocast that ampkit.autocast() would return."""
+    with torch.amp.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled):
+        if index < 0:
+            yield
+        else:
+            with _CompiledMode(index):
+                yield
 
 
 class autocast(torch.amp.autocast):
@@ -867,12 +872,11 @@ class autocast(torch.amp.autocast):
         if torch.compiler.is_compiling():
             # Made inside code that torch.compile traces: a torch.autocast (which every dynamo
             # release knows) and, for a changed policy, a handler over a table built once at
-            # trace time. __init__ does not run: the object is not an ampkit.autocast.
+            # trace time (_compiled_region). __init__ does not run: the object is not an
+            # ampkit.autocast.
             dev, dtype, enabled, cache_enabled, pol = _region_args(device_type, dtype, enabled, cache_enabled, policy)
             cache = torch.is_autocast_cache_enabled() if cache_enabled is None else cache_enabled
             index = _compiled_table(dev, enabled, dtype, id(pol), cache)
-            if index < 0:
-                return torch.amp.autocast(dev, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
             return _compiled_region(dev, dtype, enabled, cache_enabled, index)
         return super().__new__(cls)
 
