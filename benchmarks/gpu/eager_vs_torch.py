@@ -10,6 +10,8 @@ seeded copies of the case's model with the case's optimizer and data:
 - ``ampkit_override``: the same with a one-op policy override active (``cdist`` moved to
                        lower_precision_fp, an op no case calls): ampkit's handler is pushed
                        and sees every call, which is what any changed policy costs
+- with ``--split``: ``ampkit_region_torch_scaler``, ampkit.autocast with torch's scaler, which
+  tells the region's cost from the scaler's
 - with ``--compiled``: ``torch_compile_amp`` and ``ampkit_compile_amp``, the first two
   with ``torch.compile(model)`` (compiled during the warm-up)
 
@@ -35,6 +37,7 @@ import ampkit.bench as bench
 OVERRIDE = ampkit.load_policy("torch_default").with_ops(lower_precision_fp=["cdist"])
 LOOPS = ("torch_amp", "ampkit_amp", "ampkit_override")
 COMPILED = ("torch_compile_amp", "ampkit_compile_amp")
+SPLIT = ("ampkit_region_torch_scaler",)
 
 
 def make_loop(name, built):
@@ -46,11 +49,10 @@ def make_loop(name, built):
         model = torch.compile(model)
     if name.startswith("torch"):
         region = lambda: torch.autocast(device, dtype=dtype)  # noqa: E731
-        scaler = torch.amp.GradScaler(device)
     else:
         policy = OVERRIDE if name == "ampkit_override" else None
         region = lambda: ampkit.autocast(device, dtype=dtype, policy=policy)  # noqa: E731
-        scaler = ampkit.GradScaler(device)
+    scaler = torch.amp.GradScaler(device) if name.startswith("torch") or name in SPLIT else ampkit.GradScaler(device)
 
     def step(x, y):
         with region():
@@ -101,9 +103,10 @@ def main(argv=None):
     ap.add_argument("--device", default="auto")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--compiled", action="store_true", help="also the torch.compile'd loops")
+    ap.add_argument("--split", action="store_true", help="also ampkit.autocast with torch's scaler")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    names = LOOPS + COMPILED if a.compiled else LOOPS
+    names = LOOPS + (COMPILED if a.compiled else ()) + (SPLIT if a.split else ())
     device = bench.resolve_device(a.device)
     cases = a.cases.split(",") if a.cases else list(bench.load_cases())
     card = torch.cuda.get_device_name() if device == "cuda" else "cpu"
@@ -115,6 +118,8 @@ def main(argv=None):
         m, q = r["ms_per_step"], r["time_vs_torch_amp"]
         line = (f"{case:<16} {m['torch_amp']:>10.3f} {m['ampkit_amp']:>11.3f} {q['ampkit_amp']:>6.3f}"
                 f" {m['ampkit_override']:>11.3f} {q['ampkit_override']:>6.3f}")
+        if a.split:
+            line += f"   ampkit region + torch scaler {m['ampkit_region_torch_scaler']:.3f} ratio {q['ampkit_region_torch_scaler']:.3f}"
         if a.compiled:
             line += (f"   compiled: torch {m['torch_compile_amp']:.3f} ampkit {m['ampkit_compile_amp']:.3f}"
                      f" ratio {r['compiled_ampkit_vs_torch']:.3f}")
