@@ -53,17 +53,7 @@ def make_loop(name, built):
         policy = OVERRIDE if name == "ampkit_override" else None
         region = lambda: ampkit.autocast(device, dtype=dtype, policy=policy)  # noqa: E731
     scaler = torch.amp.GradScaler(device) if name.startswith("torch") or name in SPLIT else ampkit.GradScaler(device)
-
-    def step(x, y):
-        with region():
-            loss = built.loss_fn(model(x), y)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
-    return step
+    return bench.loop_step(model, built.loss_fn, opt, region, scaler)
 
 
 def epoch(step, built):

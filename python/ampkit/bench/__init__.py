@@ -35,6 +35,7 @@ from ampkit.bench._results import merge
 from ampkit.bench._results import read_document
 from ampkit.bench._results import validate
 from ampkit.bench._results import write_document
+from ampkit.bench._runner import loop_step
 from ampkit.bench._runner import peak_memory
 from ampkit.bench._runner import progress
 from ampkit.bench._runner import reset_peak_memory
@@ -58,6 +59,7 @@ __all__ = [
     "load_cases",
     "load_variants",
     "make_record",
+    "loop_step",
     "merge",
     "peak_memory",
     "plan",

@@ -146,6 +146,19 @@ def make_step(variant: Variant, built: BuiltCase, model, opt, scaler):
     else:
         region = contextlib.nullcontext
 
+    return loop_step(model, loss_fn, opt, region, scaler)
+
+
+def loop_step(model, loss_fn, opt, region, scaler=None):
+    """The hand-written AMP training step: forward and loss in ``region()``, then backward
+    and the optimizer step (through ``scaler`` when given). Returns step(x, y) -> loss.
+
+    >>> import torch, contextlib
+    >>> lin = torch.nn.Linear(3, 1); opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    >>> step = loop_step(lin, torch.nn.functional.mse_loss, opt, contextlib.nullcontext)
+    >>> step(torch.randn(4, 3), torch.randn(4, 1)).dim()
+    0
+    """
     if scaler is None:
         def step(x, y):
             with region():
