@@ -11,6 +11,8 @@ the CPU (bfloat16) and, marked ``cuda``, on a GPU (float16).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn as nn
@@ -250,6 +252,15 @@ def test_torch_autocast_disabled_inside_a_changed_region_switches_the_policy_off
 
 
 # --------------------------------------------------------------------- torch.compile
+def compiles_correctly_here(dev):
+    """torch.compile's CPU kernels ignore ATEN_CPU_CAPABILITY (the AVX2 emulation on an
+    AVX-512 machine): under it even a float32 compiled Linear differs from eager (NaN), so
+    there is no oracle to compare with."""
+    if dev == "cpu" and os.environ.get("ATEN_CPU_CAPABILITY"):
+        pytest.skip("torch.compile on the CPU under ATEN_CPU_CAPABILITY emulation gives wrong results "
+                    "even without autocast; run on a machine whose CPU is that kind")
+
+
 def _graphs(fn, *args):
     torch._dynamo.reset()
     ex = torch._dynamo.explain(fn)(*args)
@@ -288,6 +299,7 @@ def test_a_region_inside_a_compiled_function_needs_the_graphs_torch_needs(dev):
 @pytest.mark.parametrize("fullgraph", [False, pytest.param(True, marks=needs_dynamo_2_5)],
                          ids=["graph_breaks_allowed", "fullgraph"])
 def test_a_region_inside_a_compiled_function_equals_torch_autocast(dev, fullgraph):
+    compiles_correctly_here(dev)
     block, x = fresh(dev)
     native, ours, _ = regions(dev)
     want = torch.compile(in_region(native, block), fullgraph=fullgraph)(x)
@@ -306,6 +318,7 @@ def assert_stages_as_changed(got, want, low):
 
 @needs_dynamo_2_5
 def test_a_changed_policy_is_honoured_inside_a_compiled_function(dev):
+    compiles_correctly_here(dev)
     block, x = fresh(dev)
     native, _, changed = regions(dev)
     want = torch.compile(in_region(native, block.stages_as_changed), fullgraph=True)(x)
@@ -315,6 +328,7 @@ def test_a_changed_policy_is_honoured_inside_a_compiled_function(dev):
 
 
 def test_a_compiled_model_called_inside_a_region_equals_torch_autocast(dev):
+    compiles_correctly_here(dev)
     block, x = fresh(dev)
     compiled = torch.compile(block)
     with torch.autocast(dev):
@@ -331,6 +345,7 @@ def test_a_compiled_model_called_inside_a_region_equals_torch_autocast(dev):
 
 
 def test_training_a_compiled_model_inside_a_region_matches_torch(dev):
+    compiles_correctly_here(dev)
     block, x = fresh(dev)
     compiled = torch.compile(block)
     outs = []
