@@ -69,7 +69,9 @@ CASES = {
     ),
     "lstm": (lambda: nn.LSTM(4, 6, batch_first=True), lambda: torch.randn(2, 3, 4), True, True, True),
     "lstm_two_layers": (lambda: nn.LSTM(4, 6, num_layers=2), lambda: torch.randn(3, 2, 4), True, True, True),
-    "gru_cell": (Cell, lambda: torch.randn(3, 2, 4), True, True, False),
+    # bitwise: a default region is torch's autocast, which casts only the cell's inner
+    # linear layers (C++); ampkit's tables leave the cell unlisted (docs/autocast.md)
+    "gru_cell": (Cell, lambda: torch.randn(3, 2, 4), True, True, True),
     "embedding_layernorm": (EmbedNorm, lambda: torch.randint(0, 10, (2, 5)), True, True, True),
 }
 
@@ -100,11 +102,15 @@ def assert_match(a, b, bitwise, what):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
 def test_model_matches_native(name, dtype):
     factory, inputs, train, grad, bitwise = CASES[name]
-    if name.startswith("lstm") and dtype is torch.float16:
-        pytest.skip("native CPU autocast's oneDNN LSTM has no float16 kernel (known gap, docs/autocast.md)")
     torch.manual_seed(0)
     x = inputs()
-    ny, ng = run_model(factory, x, train, grad, torch.autocast("cpu", dtype=dtype))
+    try:
+        ny, ng = run_model(factory, x, train, grad, torch.autocast("cpu", dtype=dtype))
+    except RuntimeError as e:  # e.g. oneDNN's LSTM without a float16 (or, on AVX2, bf16) kernel
+        with pytest.raises(RuntimeError) as ours:
+            run_model(factory, x, train, grad, ampkit.autocast("cpu", dtype=dtype))
+        assert str(ours.value) == str(e)  # the region is torch's: the same error
+        return
     ay, ag = run_model(factory, x, train, grad, ampkit.autocast("cpu", dtype=dtype))
     assert_match(ay, ny, bitwise, f"{name} output")
     for i, (a, n) in enumerate(zip(ag, ng)):
