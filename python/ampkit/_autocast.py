@@ -144,16 +144,21 @@ class _Frame:
 
 
 class _Engine:
-    """The state of one thread: frames, the mode, compiled tables, the cast cache."""
+    """The state of one thread: frames, the mode, compiled tables, the cast cache.
+
+    Per pushed frame (parallel lists): whether its region pushed the mode, its table kind
+    (REFERENCE inside reference(), else DELTA; the trace overrides DELTA while it records),
+    and, per device, the torch checkpoint the region setting that device was entered in
+    (see _refuse_plain_checkpoint)."""
 
     def __init__(self):
         self.frames = [_Frame({})]
-        self.owners = [False]  # per frame: whether its region pushed the mode
+        self.owners = [False]
+        self.kinds = [DELTA]
+        self.tokens = [{}]
         self.cache = {}  # (id(fp32 leaf), dtype) -> (leaf, cast)
         self.trace = None
-        self.reference = 0  # > 0 inside reference(): regions use the REFERENCE kind
-        self.kind = DELTA
-        self.checkpoint_safe = 0  # > 0 inside ampkit.checkpoint's function
+        self.reference = 0  # > 0 inside reference(): regions entered there use REFERENCE
         self.active_clones = set()
         self.mode = _Mode(self)
         self.mode_pushed = False
@@ -162,13 +167,17 @@ class _Engine:
     def depth(self):
         return len(self.frames) - 1
 
-    def _set_kind(self):
-        self.kind = REFERENCE if self.reference else (TRACE if self.trace is not None else DELTA)
-
     def push(self, device_type, enabled, dtype, policy, cache_enabled):
         frame = self.frames[-1].child((device_type, enabled, dtype, policy, cache_enabled, _ops.VERSION[0]))
-        self._use(frame)  # (compiling a table may raise: nothing is changed then)
+        kind = REFERENCE if self.reference else DELTA
+        table = self._use(frame, kind)  # (compiling a table may raise: nothing is changed then)
+        tokens = self.tokens[-1]
+        if table.changes or device_type in tokens:
+            tokens = dict(tokens)
+            tokens[device_type] = _checkpoint_token() if table.changes else None
         self.frames.append(frame)
+        self.kinds.append(kind)
+        self.tokens.append(tokens)
         owns = not self.mode_pushed and (self.mode.real_size or self.trace is not None)
         if owns:
             self.mode.__enter__()
@@ -177,32 +186,36 @@ class _Engine:
 
     def pop(self):
         self.frames.pop()
+        self.kinds.pop()
+        self.tokens.pop()
         if self.owners.pop():
             self.mode_pushed = False
             self.mode.__exit__(None, None, None)
         if len(self.frames) == 1:
             self.cache.clear()
-        self._use(self.frames[-1])
+        self._use(self.frames[-1], self.kinds[-1])
 
-    def _use(self, frame):
-        table = frame.tables.get(self.kind)
+    def _use(self, frame, kind):
+        if kind == DELTA and self.trace is not None:
+            kind = TRACE
+        table = frame.tables.get(kind)
         if table is None:
-            table = frame.tables[self.kind] = _compile(self, frame.devs, self.kind)
+            table = frame.tables[kind] = _compile(self, frame.devs, kind)
         mode = self.mode
         mode.real = table
         mode.real_size = table.changes
         mode.table = table if self.trace is None else mode.recording
         _COMPILE_TABLE[0] = table.frozen
-
-    def set_reference(self, step):
-        self.reference += step
-        self._set_kind()
+        return table
 
     def set_trace(self, tr):
         """Start or stop recording; returns whether the mode was pushed for it."""
-        self.trace = tr
-        self._set_kind()
-        self._use(self.frames[-1])
+        prev, self.trace = self.trace, tr
+        try:
+            self._use(self.frames[-1], self.kinds[-1])
+        except BaseException:
+            self.trace = prev
+            raise
         if tr is not None and not self.mode_pushed and len(self.frames) > 1:
             self.mode.__enter__()
             self.mode_pushed = True
@@ -500,6 +513,7 @@ def _action(engine, name, category, device_type, cache_enabled, message, kind):
         is_enabled = torch.is_autocast_enabled
         live = kind != REFERENCE  # native's switch is the region's (a nested torch.autocast counts)
         guard = kind == DELTA  # a change from native that a plain checkpoint would not replay
+        tokens = engine.tokens
 
         def act(func, args, kwargs):
             t = _first_tensor(args, kwargs)
@@ -507,8 +521,8 @@ def _action(engine, name, category, device_type, cache_enabled, message, kind):
                 return func(*args, **kwargs)
             if live and not is_enabled(device_type):
                 return func(*args, **kwargs)
-            if guard and not engine.checkpoint_safe:
-                _refuse_plain_checkpoint(name)
+            if guard:
+                _refuse_plain_checkpoint(name, tokens[-1].get(device_type))
             return rule(func, args, kwargs, get_dtype(device_type))
 
     act.rule = category or "none"
@@ -613,48 +627,58 @@ _CHECKPOINT_CODE = getattr(inspect.unwrap(torch.utils.checkpoint.checkpoint), "_
 _TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)  # torch >= 2.5
 
 
-def _on_stack(codes) -> bool:
-    f = sys._getframe(3)
-    while f is not None:
-        if f.f_code in codes:
-            return True
-        f = f.f_back
-    return False
+def _checkpoint_token():
+    """An identity of the innermost torch.utils.checkpoint forward running now, or None.
 
-
-def _in_torch_checkpoint() -> bool:
-    """Whether this call runs in the forward of torch.utils.checkpoint (either kind)."""
+    Non-reentrant: its saved-tensor pack hook (a new function per checkpoint call);
+    reentrant (forward without grad): the frame of CheckpointFunction.forward; torch 2.4
+    (no hooks query): the frame of checkpoint() itself."""
     if torch.compiler.is_compiling():
-        return False
-    if _TOP_HOOKS is None:  # torch 2.4: look for checkpoint's own frame
-        return _on_stack((_CHECKPOINT_CODE, _REENTRANT_CODE))
+        return None
+    if _TOP_HOOKS is None:
+        return _frame_on_stack((_CHECKPOINT_CODE, _REENTRANT_CODE))
     hooks = _TOP_HOOKS(False)
     if hooks is not None and "_checkpoint_hook" in getattr(hooks[0], "__qualname__", ""):
-        return True
-    return not torch.is_grad_enabled() and _on_stack((_REENTRANT_CODE,))  # reentrant: forward runs without grad
+        return hooks[0]
+    return None if torch.is_grad_enabled() else _frame_on_stack((_REENTRANT_CODE,))
 
 
-def _refuse_plain_checkpoint(op):
-    if _in_torch_checkpoint():
+def _frame_on_stack(codes):
+    f = sys._getframe(2)
+    while f is not None:
+        if f.f_code in codes:
+            return f
+        f = f.f_back
+    return None
+
+
+def _refuse_plain_checkpoint(op, entered_in):
+    """Raise if a torch checkpoint began inside the region that changes ``op``: its
+    recomputation would run outside that region. A region entered inside the checkpointed
+    function (``entered_in`` is the current checkpoint) is re-entered when it recomputes."""
+    current = _checkpoint_token()
+    if current is not None and current is not entered_in:
         raise RuntimeError(
             f"ampkit autocast: the active policy handles {op!r} differently from torch's autocast, and "
             "torch.utils.checkpoint recomputes the forward outside ampkit's region (it restores only torch's "
             "own autocast state), so the recomputed values would differ. Use ampkit.checkpoint(function, "
             "*args, use_reentrant=..., ...) in place of torch.utils.checkpoint.checkpoint: it takes the same "
-            "arguments and replays the region's policy in the recomputation."
+            "arguments and replays the region's policy in the recomputation (or enter the region inside "
+            "the checkpointed function)."
         )
 
 
 def checkpoint(function, *args, use_reentrant=None, **kwargs):
-    """``torch.utils.checkpoint.checkpoint`` that recomputes inside the same ampkit region.
+    """``torch.utils.checkpoint.checkpoint`` that recomputes under the same ampkit policy.
 
     torch's checkpoint restores torch's own autocast state when it recomputes the
     forward (during backward, outside any ``with`` block), but not a policy's changes
     to it. This function takes the same arguments and wraps ``function`` so that the
-    recomputation runs in the ampkit regions active now: gradients equal those of
-    the same code without checkpointing. With the default policy it is torch's
-    checkpoint, and both give the same gradients; with a changed policy plain torch
-    checkpointing raises a RuntimeError that names this function.
+    policies of the ampkit regions active now are applied again in the recomputation
+    (torch's state itself is left to torch): gradients equal those of the same code
+    without checkpointing. With the default policy it is torch's checkpoint; with a
+    changed policy plain torch checkpointing raises a RuntimeError that names this
+    function.
 
     >>> import torch, ampkit
     >>> lin = torch.nn.Linear(4, 4)
@@ -667,22 +691,22 @@ def checkpoint(function, *args, use_reentrant=None, **kwargs):
     """
     if not callable(function):
         raise TypeError(f"ampkit.checkpoint: function must be callable, got {function!r}")
-    saved = [(d, s) for d, s in _engine().frames[-1].devs.items()]
+    saved = list(_engine().frames[-1].devs.items())
 
-    def in_region(*a, **k):
+    def under_policy(*a, **k):
+        # ampkit's frames only: torch's autocast state is the one torch's checkpoint restores
         eng = _engine()
-        with contextlib.ExitStack() as stack:
+        pushed = 0
+        try:
             for d, (enabled, dtype, policy, cache) in saved:
-                stack.enter_context(autocast(d, dtype, enabled, cache, policy=policy))
-            eng.checkpoint_safe += 1
-            stack.callback(_leave_checkpoint, eng)
+                eng.push(d, enabled, dtype, policy, cache)
+                pushed += 1
             return function(*a, **k)
+        finally:
+            for _ in range(pushed):
+                eng.pop()
 
-    return torch.utils.checkpoint.checkpoint(in_region, *args, use_reentrant=use_reentrant, **kwargs)
-
-
-def _leave_checkpoint(eng):
-    eng.checkpoint_safe -= 1
+    return torch.utils.checkpoint.checkpoint(under_policy, *args, use_reentrant=use_reentrant, **kwargs)
 
 
 # --------------------------------------------------------------------------- composites
@@ -960,11 +984,11 @@ def reference():
     torch's autocast off underneath: the YAML alone decides every cast. For proving a
     table against ``torch.autocast`` (the drift check, the table tests); slower."""
     eng = _engine()
-    eng.set_reference(1)
+    eng.reference += 1
     try:
         yield
     finally:
-        eng.set_reference(-1)
+        eng.reference -= 1
 
 
 def is_autocast_enabled(device_type: str) -> bool:

@@ -168,6 +168,51 @@ def test_ampkit_checkpoint_with_the_default_policy_is_torchs(dev):
         ampkit.checkpoint(3, torch.randn(2), use_reentrant=False)
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_ampkit_checkpoint_leaves_torchs_own_state_to_torch(dev, reentrant):
+    """Only the policy is replayed: a torch.autocast nested in the region decides as under
+    torch's checkpoint."""
+    other = F16 if LOW[dev] is BF16 else BF16
+
+    def run(ckpt_fn, inner):
+        block, x = fresh(dev)
+        x.requires_grad_(True)
+        with ampkit.autocast(dev), inner:
+            return ckpt_fn(block.fc1, x, use_reentrant=reentrant).dtype
+
+    for inner in (lambda: torch.autocast(dev, enabled=False), lambda: torch.autocast(dev, dtype=other)):
+        assert run(ampkit.checkpoint, inner()) == run(ckpt.checkpoint, inner())
+    assert run(ampkit.checkpoint, torch.autocast(dev, enabled=False)) == F32
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_a_changed_region_inside_the_checkpointed_function_needs_no_remedy(dev, reentrant):
+    """The recomputation enters that region again: plain torch checkpoint is exact."""
+    def inside(block, x):
+        def body(a):
+            with ampkit.autocast(dev, policy=CHANGED):
+                return block(a)
+        return ckpt.checkpoint(body, x, use_reentrant=reentrant)
+
+    def plain(block, x):
+        with ampkit.autocast(dev, policy=CHANGED):
+            return block(x)
+
+    assert same_all(grads_of(dev, inside), grads_of(dev, plain))
+
+
+def test_a_plain_checkpoint_nested_in_ampkit_checkpoint_still_raises(dev):
+    block, x = fresh(dev)
+    x.requires_grad_(True)
+
+    def outer(a):
+        return ckpt.checkpoint(block, a, use_reentrant=False)
+
+    with pytest.raises(RuntimeError, match=r"ampkit\.checkpoint\(function"):
+        with ampkit.autocast(dev, policy=CHANGED):
+            ampkit.checkpoint(outer, x, use_reentrant=False).sum().backward()
+
+
 # --------------------------------------------------------------------- custom_fwd
 def third_party(dev):
     """A library's function written for torch.autocast, knowing nothing of ampkit."""

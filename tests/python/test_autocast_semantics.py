@@ -114,6 +114,17 @@ def test_exception_inside_restores_everything():
         assert ampkit.is_autocast_enabled("cpu") and lin().dtype == BF16
 
 
+def test_reference_inside_a_region_leaves_that_region_as_it_was():
+    changed = ampkit.load_policy("torch_default").with_ops("cpu", fp32=["linear"])
+    a = torch.randn(4, 4)
+    with ampkit.autocast("cpu", policy=changed):
+        with _autocast.reference(), ampkit.autocast("cpu", policy=changed):
+            pass
+        with torch.autocast("cpu", enabled=False):  # the outer region still follows torch's switch
+            assert torch.mm(a, a).dtype == F32 and F.linear(a.to(BF16), a.to(BF16)).dtype == BF16
+        assert torch.mm(a, a).dtype == BF16 and F.linear(a, a).dtype == F32
+
+
 # --------------------------------------------------------------------- threads
 def test_other_threads_are_unaffected():
     out = {}
