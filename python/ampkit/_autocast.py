@@ -836,8 +836,9 @@ def _region_args(device_type, dtype, enabled, cache_enabled, policy):
         raise ValueError(f"ampkit.autocast: device_type must be a string such as 'cpu' or 'cuda', got {device_type!r}")
     pol = _default_policy() if policy is None else load_policy(policy)
     rules = pol.rules(device_type)  # PolicyError (a ValueError) names the valid device types
-    if dtype is None:
-        dtype = rules.lower_precision_dtype
+    if dtype is None:  # as torch.autocast: an enclosing region's dtype, else the policy's
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) \
+            else rules.lower_precision_dtype
     elif dtype not in _REGION_DTYPES:
         raise ValueError(
             f"ampkit.autocast: dtype {dtype!r} is not a lower-precision dtype; valid: torch.float16, torch.bfloat16"
@@ -868,7 +869,9 @@ class autocast(torch.amp.autocast):
     Args:
       device_type: ``"cpu"`` or ``"cuda"`` (a device type of the policy).
       dtype: the lower-precision dtype (``torch.float16`` or ``torch.bfloat16``);
-        None takes the policy's ``lower_precision_dtype`` for the device.
+        None takes the dtype of the enclosing autocast region for the device when one is
+        on (ampkit's or torch's, as ``torch.autocast`` does), else the policy's
+        ``lower_precision_dtype`` for the device.
       enabled: False makes the region a pure pass-through (it still nests).
       cache_enabled: cache casts of fp32 leaf tensors that require grad for the
         outermost region; None follows ``torch.is_autocast_cache_enabled()``.

@@ -283,6 +283,22 @@ def test_nesting_either_way_is_nesting_two_torch_autocasts(dev, outer, inner):
     assert walk(regions[outer], regions[inner]) == walk(torch.autocast, torch.autocast)
 
 
+@pytest.mark.parametrize("inner", ["torch", "ampkit"])
+@pytest.mark.parametrize("outer", ["torch", "ampkit"])
+def test_an_inner_region_without_a_dtype_takes_the_enclosing_regions(dev, outer, inner):
+    regions = {"torch": torch.autocast, "ampkit": ampkit.autocast}
+    x, w, norm = _operands(dev)
+    other = F16 if LOW[dev] is BF16 else BF16
+
+    def walk(o, i):
+        with o(dev, dtype=other):
+            with i(dev):
+                return _ops_dtypes(x, w, norm), torch.get_autocast_dtype(dev)
+
+    assert walk(regions[outer], regions[inner]) == walk(torch.autocast, torch.autocast)
+    assert walk(torch.autocast, torch.autocast)[1] == other
+
+
 def test_torch_autocast_disabled_inside_a_changed_region_switches_the_policy_off_too(dev):
     x, w, norm = _operands(dev)
     low = LOW[dev]

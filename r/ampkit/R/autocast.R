@@ -17,8 +17,9 @@
 #' @param device_type `"cuda"` or `"cpu"`.
 #' @param dtype The lower-precision dtype of the region: `"float16"`,
 #'   `"bfloat16"` or a torch dtype (such as `torch_float16()` of R torch's
-#'   naming, or `torch$float16` from reticulate). `NULL` takes the policy's
-#'   default for the device.
+#'   naming, or `torch$float16` from reticulate). `NULL` takes the dtype of
+#'   an enclosing autocast region for the device when one is on (as torch does),
+#'   else the policy's default for the device.
 #' @param enabled `TRUE` or `FALSE`: whether autocast is on in the region.
 #' @param cache_enabled Whether casts of parameters are cached in the region
 #'   (`NULL`: the core's default).
