@@ -100,13 +100,24 @@ def _short(d):
     return {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16", torch.float64: "f64"}.get(d, str(d).replace("torch.", ""))
 
 
+# Errors that say the machine lacks a kernel (oneDNN has no primitive for this CPU's ISA
+# and dtype, e.g. the bf16 LSTM on an AVX2-only CPU): native cannot run, so it is no oracle.
+ORACLE_CANNOT_RUN = ("could not create a primitive",)
+UNAVAILABLE = "unavailable"
+
+
+def oracle_cannot_run(error: BaseException) -> bool:
+    """Whether ``error`` (raised by native autocast) says this machine has no kernel for the call."""
+    return any(m in str(error) for m in ORACLE_CANNOT_RUN)
+
+
 def _outcome(fn, keep=None):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             out = fn()
     except Exception as e:  # noqa: BLE001 - an error is an outcome to compare
-        return f"error:{type(e).__name__}"
+        return UNAVAILABLE if oracle_cannot_run(e) else f"error:{type(e).__name__}"
     for t in out if isinstance(out, (tuple, list)) else (out,):
         if isinstance(t, torch.Tensor):
             if keep is not None:
@@ -211,6 +222,8 @@ def check(device="cpu", dtype=None, policy="torch_default", ops=None, verbose=Fa
         status = "ok"
         if bad:
             status = "gap" if all(known_gap(op, device, low, k) for k in bad) else "DRIFT"
+            if status == "DRIFT" and all(res[k][1] == UNAVAILABLE for k in bad):
+                status = "no oracle"  # native has no kernel here: nothing to compare with
         nat = infer(res, low)
         if status == "DRIFT":
             drift += 1
@@ -218,6 +231,8 @@ def check(device="cpu", dtype=None, policy="torch_default", ops=None, verbose=Fa
             detail = "; ".join(f"{k}: native {res[k][1]} ampkit {res[k][2]}" for k in (bad or res))
             if status == "gap":
                 detail += f" (known gap: {known_gap(op, device, low, bad[0])})"
+            if status == "no oracle":
+                detail += " (native raised that this machine has no kernel for it: not compared)"
             rows.append((op, cat, nat, status, detail))
     head = ("op", "spec", "native (inferred)", "status", "probes (output dtype)")
     w = [max(len(str(r[i])) for r in rows + [head]) for i in range(5)]

@@ -279,3 +279,27 @@ def test_drift_check_cuda_without_gpu_says_so(capsys):
 def test_without_ops_rejects_what_is_not_listed(names, device, match):
     with pytest.raises(ampkit.PolicyError, match=match):
         DEFAULT.without_ops(*names, device=device)
+
+
+def test_drift_check_tells_a_missing_kernel_from_drift(monkeypatch):
+    """Native raising that this machine has no kernel (oneDNN's bf16 LSTM on an AVX2-only
+    CPU) is no oracle: the op is reported as such, not as drift."""
+    from ampkit import policy as drift
+
+    def no_primitive():
+        raise RuntimeError("could not create a primitive descriptor for the LSTM forward propagation primitive")
+
+    assert drift._outcome(no_primitive) == drift.UNAVAILABLE
+    assert drift._outcome(lambda: 1 / 0) == "error:ZeroDivisionError"
+    real = drift.probe
+
+    def probe(op, device, low, pol, values=False):
+        res = real(op, device, low, pol, values=values)
+        if op == "linear":  # as if native had no kernel for linear here
+            res = {k: (p, drift.UNAVAILABLE, a) for k, (p, n, a) in res.items()}
+        return res
+
+    monkeypatch.setattr(drift, "probe", probe)
+    out = io.StringIO()
+    assert drift.check("cpu", ops=["linear", "mm"], out=out) == 0
+    assert "linear" in out.getvalue() and "no oracle" in out.getvalue()
