@@ -287,14 +287,13 @@ class _Recording(dict):
 
     def __init__(self, engine):
         super().__init__()
-        mode_of = engine
 
         def record(func, args, kwargs):
             try:
-                act = mode_of.mode.real[func]
+                act = engine.mode.real[func]
             except TypeError:
                 act = None
-            return mode_of.trace._record(func, act, args, kwargs)
+            return engine.trace._record(func, act, args, kwargs)
 
         self.record = record
 
@@ -601,6 +600,7 @@ def _compile(engine, devs, kind) -> dict:
         for name, cat, changing in _entries(policy, device_type, kind):
             changes += changing
             msg = rules.ban_message(name) if cat == "banned" else None
+            # an entry that keeps native's result (a narrow cast) needs no checkpoint guard: as in a trace
             act = _action(engine, name, cat, device_type, cache_enabled, msg, kind if changing else TRACE)
             for func in _ops.resolve(name):
                 if _is_inplace(func):
@@ -916,8 +916,6 @@ class autocast(torch.amp.autocast):
         self.policy = pol
 
     def __enter__(self):
-        if torch.compiler.is_compiling():
-            return self._enter_compiled()
         eng = _engine()
         if eng.reference:  # native off underneath: the tables alone decide
             self._ampkit_native = torch.autocast(self.device, dtype=self.fast_dtype, enabled=False,
@@ -934,30 +932,10 @@ class autocast(torch.amp.autocast):
         return self
 
     def __exit__(self, exc_type, exc_val, exc_tb):
-        if torch.compiler.is_compiling():
-            return self._exit_compiled()
         try:
             _engine().pop()
         finally:
             self._native_exit()
-        return False
-
-    # A region built outside traced code and entered inside it (most dynamo releases
-    # treat it as a plain torch.autocast and never call these): torch's autocast plus,
-    # for a changed policy, a fresh handler over a table built once at trace time.
-    def _enter_compiled(self):
-        super().__enter__()
-        index = _compiled_table(self.device_type, self.enabled, self.fast_dtype, id(self.policy), self._cache_enabled)
-        mode = _CompiledMode(index) if index >= 0 else None
-        if mode is not None:
-            mode.__enter__()
-        self._ampkit_compiled_mode = mode
-        return self
-
-    def _exit_compiled(self):
-        if self._ampkit_compiled_mode is not None:
-            self._ampkit_compiled_mode.__exit__(None, None, None)
-        super().__exit__(None, None, None)
         return False
 
     def _native_exit(self):
