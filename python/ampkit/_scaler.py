@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from ._distributed import InfFlagSync
+
 __all__ = ["GradScaler", "OptState", "ScalerStats", "cuda_amp_grad_scaler", "HISTORY_SIZE"]
 
 #: Number of recent ``update()`` calls whose scale is kept on the device.
@@ -265,6 +267,10 @@ class GradScaler:
         enabled: ``False`` makes every method a pass-through.
         hysteresis: int >= 1, consecutive overflows tolerated + 1 (see above).
         min_scale, max_scale: optional clamps of the scale, finite and > 0.
+        process_group: the ranks whose inf flags are combined (one all-reduce of one
+            float a device, no host sync). ``None`` (default) detects it: FSDP1's sharded
+            gradients are reduced over the default group; DDP's (already all-reduced) and
+            FSDP2's (DTensor, reduced by torch's check) need nothing. See docs/distributed.md.
 
     Example (runs on CPU; a fused optimizer on CUDA makes it sync-free)::
 
@@ -298,6 +304,7 @@ class GradScaler:
         hysteresis: int = 1,
         min_scale: float | None = None,
         max_scale: float | None = None,
+        process_group: Any = None,
     ) -> None:
         device_type = _device_type(device)
         if not isinstance(enabled, bool):
@@ -324,8 +331,10 @@ class GradScaler:
                 stacklevel=2,
             )
             enabled = False
+        sync = InfFlagSync(process_group)  # validates the group
 
         self._device = device_type
+        self._sync = sync
         self._enabled = enabled
         self._growth_factor = growth_factor
         self._backoff_factor = backoff_factor
@@ -426,6 +435,13 @@ class GradScaler:
         False
         """
         return not self._enabled or bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+    def _settings(self) -> tuple:
+        """What every rank of a distributed run must agree on (checked at the first step)."""
+        return (
+            self._enabled, self._pending["scale"], self._growth_factor, self._backoff_factor,
+            self._growth_interval, self._hysteresis, self._min_scale, self._max_scale,
+        )
 
     def reset_iteration(self) -> None:
         """Forget this iteration's per-optimizer stages (all back to ``READY``).
@@ -595,6 +611,8 @@ class GradScaler:
         self._check_ready_for_unscale(optimizer)
         grouped = self._collect_grads(optimizer, allow_fp16=False)
         found = self._found_inf(grouped, unscale=True)
+        if self._sync.needed(optimizer):
+            self._sync.combine(found)
         self._per_optimizer[id(optimizer)] = _OptRecord(OptState.UNSCALED, found)
 
     # ------------------------------------------------------------------ step
@@ -608,6 +626,7 @@ class GradScaler:
         before them reads the gradients without writing them. Other optimizers: gradients
         unscaled in place, then one host read of the inf flag.
         """
+        self._sync.check_settings(self._settings(), self._device)
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
@@ -631,6 +650,8 @@ class GradScaler:
                 raise _NoGrads()
             # Fused: only read the gradients; the optimizer unscales them in its kernel.
             found = self._found_inf(grouped, unscale=not fused)
+            if self._sync.needed(optimizer):
+                self._sync.combine(found)
             if not fused:  # as unscale_() records it: a failing step() won't unscale twice
                 self._per_optimizer[id(optimizer)] = _OptRecord(OptState.UNSCALED, found)
         else:

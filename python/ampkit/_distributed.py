@@ -1,0 +1,136 @@
+"""One inf flag for all ranks: what the scaler needs from torch.distributed.
+
+Every rank must skip the same steps and keep the same scale, or the replicas part for
+good. Whether the ranks already agree depends on how the gradients are laid out:
+
+- DDP: gradients are all-reduced before the scaler reads them, so every rank sees the
+  same inf/NaN: nothing to do.
+- FSDP2 (``fully_shard``) and other DTensor gradients: torch's inf check on a DTensor
+  reduces its flag over the mesh itself: nothing to do.
+- FSDP1 (``FullyShardedDataParallel``): each rank holds a plain local shard of the
+  gradients, so an overflow in rank 1's shard is invisible to rank 0. The flag is
+  all-reduced (``MAX``) over the process group: one collective of one float a device,
+  asynchronous, no host sync, capturable in a CUDA graph with NCCL.
+
+:class:`InfFlagSync` decides per optimizer which case applies (auto-detection), or always
+reduces over a group the user names. At the first step of a distributed run it also
+checks, once, that every rank built its scaler with the same settings, and raises on
+every rank when they differ (a rank that backs off on its own would otherwise part
+silently).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+__all__ = ["InfFlagSync"]
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() else None
+
+
+def _is_flat_parameter(p: torch.Tensor) -> bool:
+    """FSDP1's FlatParameter: its gradient is this rank's shard alone."""
+    return bool(getattr(p, "_is_flat_param", False)) or type(p).__name__ == "FlatParameter"
+
+
+def _group_name(group: Any) -> str:
+    return "the default group" if group is None else f"process group {group!r}"
+
+
+class InfFlagSync:
+    """Combines one scaler's per-device inf flags over the ranks that share the model.
+
+    Args:
+        process_group: ``None`` (auto: reduce over the default group only for gradients that
+            are local shards, FSDP1's flat parameters), or a ``ProcessGroup`` to reduce
+            over whatever the gradients are (for sharding schemes ampkit cannot detect).
+    """
+
+    def __init__(self, process_group: Any = None) -> None:
+        self.explicit = process_group is not None
+        if self.explicit:
+            dist = _dist()
+            if dist is None or not dist.is_initialized():
+                raise RuntimeError(
+                    f"GradScaler(process_group={process_group!r}) needs torch.distributed: "
+                    "call torch.distributed.init_process_group(...) before building the "
+                    "scaler, or leave process_group=None"
+                )
+            if process_group is dist.GroupMember.NON_GROUP_MEMBER or (
+                isinstance(process_group, dist.ProcessGroup) and dist.get_rank(process_group) < 0
+            ):
+                raise ValueError(
+                    f"process_group does not include this rank (global rank "
+                    f"{dist.get_rank()}); pass a group this rank belongs to (on every rank, "
+                    "torch.distributed.new_group(ranks=[...]) returns a usable group only to "
+                    "its members)"
+                )
+            if not isinstance(process_group, dist.ProcessGroup):
+                raise TypeError(
+                    f"process_group must be a torch.distributed.ProcessGroup or None, got "
+                    f"{type(process_group).__name__} ({process_group!r:.60})"
+                )
+        self.group = process_group
+        self._reduce_for: dict[int, bool] = {}  # id(optimizer) -> local shards seen
+        self._checked = False
+
+    def needed(self, optimizer: torch.optim.Optimizer) -> bool:
+        """True when this optimizer's flags must be reduced across ranks."""
+        if self.explicit:
+            return True
+        key = id(optimizer)
+        need = self._reduce_for.get(key)
+        if need is None:
+            need = any(_is_flat_parameter(p) for g in optimizer.param_groups for p in g["params"])
+            if need:
+                dist = _dist()
+                if dist is None or not dist.is_initialized():
+                    raise RuntimeError(
+                        "this optimizer holds FSDP flat parameters, but torch.distributed is "
+                        "not initialized; call torch.distributed.init_process_group(...) "
+                        "first"
+                    )
+            self._reduce_for[key] = need
+        return need
+
+    def combine(self, found_per_device: dict[torch.device, torch.Tensor]) -> None:
+        """All-reduce (MAX) every per-device flag in place: 1.0 on every rank if any had 1.0."""
+        dist = _dist()
+        works = [
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+            for flag in found_per_device.values()
+        ]
+        for work in works:
+            work.wait()  # on CUDA: the stream waits, the host does not
+
+    def check_settings(self, settings: Sequence[Any], device: str) -> None:
+        """Once, at the first step of a distributed run: the same settings on every rank.
+
+        One host-side all-gather (the only one this class ever makes). Every rank receives
+        every rank's settings, so all raise together instead of hanging or parting.
+        """
+        if self._checked:
+            return
+        dist = _dist()
+        if dist is None or not dist.is_initialized() or dist.get_world_size(self.group) < 2:
+            self._checked = True
+            return
+        everyone: list = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(everyone, (device, tuple(settings)), group=self.group)
+        self._checked = True
+        mine = everyone[dist.get_rank(self.group)]
+        differing = [r for r, s in enumerate(everyone) if s != mine]
+        if differing:
+            lines = "; ".join(f"rank {r}: {s[1]!r} on {s[0]}" for r, s in enumerate(everyone))
+            raise RuntimeError(
+                f"the GradScaler settings differ across the ranks of {_group_name(self.group)} "
+                f"(enabled, init/current scale, growth_factor, backoff_factor, "
+                f"growth_interval, hysteresis, min_scale, max_scale): {lines}. Build the "
+                "scaler with the same arguments (and load the same state) on every rank."
+            )

@@ -1,0 +1,116 @@
+"""The scaler on torch's distributed engines, two CPU processes over gloo.
+
+The oracle is torch's own scaler for each engine (``ShardedGradScaler`` for FSDP1,
+``GradScaler`` for DDP and FSDP2), run in the same processes on identically seeded
+copies (distributed_workers.py). An overflow is planted on rank 1 only.
+"""
+
+from __future__ import annotations
+
+import pickle
+import socket
+
+import pytest
+import torch
+
+import ampkit
+
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available() or not dist.is_gloo_available():
+    pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+
+import distributed_workers as workers  # noqa: E402
+
+ENGINES = ("ddp", "fsdp1", "fsdp2")
+TIMEOUT_S = 240
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """Both ranks' results, from one spawn of two processes (bounded in time)."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    out = tmp_path_factory.mktemp("ranks")
+    port = _free_port()
+    procs = [ctx.Process(target=workers.run, args=(r, 2, port, str(out))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(TIMEOUT_S)
+    hung = [i for i, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    if hung:
+        pytest.fail(f"ranks {hung} did not finish within {TIMEOUT_S} s (a collective hung?)")
+    results = {}
+    for rank in range(2):
+        path = out / f"rank{rank}.pkl"
+        if not path.exists():
+            pytest.fail(f"rank {rank} wrote no result (exit code {procs[rank].exitcode})")
+        result = pickle.loads(path.read_bytes())
+        if isinstance(result, str):
+            pytest.fail(f"rank {rank} raised:\n{result}")
+        results[rank] = result
+    return results
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_every_rank_skips_the_overflow_step_with_the_reference_scale(ranks, engine):
+    for rank in (0, 1):
+        mine, ref = ranks[rank][engine]["ampkit"], ranks[rank][engine]["torch"]
+        assert [s["scale"] for s in mine] == [s["scale"] for s in ref], f"rank {rank}"
+        assert [s["changed"] for s in mine] == [s["changed"] for s in ref], f"rank {rank}"
+        # The planted overflow is skipped everywhere: no rank's parameters move at that step.
+        assert not mine[workers.OVERFLOW_AT]["changed"], f"rank {rank} stepped on the overflow"
+        assert all(s["changed"] for i, s in enumerate(mine) if i != workers.OVERFLOW_AT)
+    # Both ranks agree step by step.
+    assert [s["scale"] for s in ranks[0][engine]["ampkit"]] == [
+        s["scale"] for s in ranks[1][engine]["ampkit"]
+    ]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_parameters_equal_the_reference_bitwise(ranks, engine):
+    for rank in (0, 1):
+        for i, (a, b) in enumerate(zip(ranks[rank][engine]["ampkit"], ranks[rank][engine]["torch"])):
+            for pa, pb in zip(a["params"], b["params"]):
+                assert pa == pb, f"rank {rank}, step {i}: parameters differ from {engine}'s reference"
+
+
+def test_a_group_without_this_rank_is_refused(ranks):
+    assert ranks[0]["misuse"]["not_a_member"] is None  # rank 0 is in the group
+    kind, message = ranks[1]["misuse"]["not_a_member"]
+    assert kind == "ValueError" and "does not include this rank" in message and "rank 1" in message
+
+
+def test_mismatched_settings_raise_on_every_rank(ranks):
+    for rank in (0, 1):
+        kind, message = ranks[rank]["misuse"]["mismatch"]
+        assert kind == "RuntimeError", message
+        assert "differ across the ranks" in message and "rank 0" in message and "rank 1" in message
+        assert "2.0" in message and "3.0" in message  # the two growth factors, named
+
+
+def test_a_process_group_before_init_process_group_is_refused():
+    if dist.is_initialized():
+        pytest.skip("this process already runs torch.distributed")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ampkit.GradScaler("cpu", process_group=object())
+
+
+def test_a_single_process_run_makes_no_collective():
+    # No process group: step() must not need torch.distributed at all.
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ampkit.GradScaler("cpu")
+    scaler.scale(model(torch.randn(2, 4)).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert not dist.is_initialized()
+    assert scaler.stats().steps == 1
