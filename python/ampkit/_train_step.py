@@ -44,6 +44,7 @@ and optimizer state unchanged and backs the scale off, whether replayed or eager
 
 from __future__ import annotations
 
+import copy
 import sys
 import warnings
 from collections.abc import Callable
@@ -180,6 +181,17 @@ class TrainStep:
     def __call__(self, inputs, targets) -> torch.Tensor:
         flat_in = _as_tensors("inputs", inputs)
         flat_tg = _as_tensors("targets", targets)
+        # All or nothing: a call that raises (in the forward, the loss, backward,
+        # optimizer.step or the scaler) leaves the step object, the gradients, the model's
+        # buffers, the parameters, the optimizer state and the scaler as they were.
+        saved = self._save_for_rollback()
+        try:
+            return self._call(flat_in, flat_tg)
+        except BaseException:
+            self._rollback(saved)
+            raise
+
+    def _call(self, flat_in, flat_tg) -> torch.Tensor:
         self.calls += 1
         self._last_replayed = False
         if not self._eligible:  # (a step that gave up has dropped its graph)
@@ -219,12 +231,12 @@ class TrainStep:
                 f"captures={self.captures}, reason={self.reason!r})")
 
     # -- the step itself ------------------------------------------------------------------
-    def _body(self, flat_in, flat_tg, cache_enabled=None) -> torch.Tensor:
+    def _body(self, flat_in, flat_tg, capturing=False) -> torch.Tensor:
         import ampkit
 
         kw = dict(self._autocast)
-        if cache_enabled is not None:
-            kw["cache_enabled"] = cache_enabled
+        if capturing:  # a cast cached at capture would be a stale copy on replay
+            kw["cache_enabled"] = False
         with ampkit.autocast(**kw):
             loss = self.loss_fn(self.model(*flat_in), *flat_tg)
         if not isinstance(loss, torch.Tensor):
@@ -234,8 +246,18 @@ class TrainStep:
                 f"loss_fn must return a scalar tensor, got shape {tuple(loss.shape)}; "
                 "reduce it (e.g. .mean())")
         self.scaler.scale(loss).backward()
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
+        # Eager only (a capture records, it does not run): the optimizer writes parameters
+        # and state in place, and may fail half-way (a second param group, a hook), as may
+        # update() after it; keep a copy to put back. Taken after backward, when the
+        # activations are freed.
+        before = None if capturing else _OptimizerCopy(self.optimizer)
+        try:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        except BaseException:
+            if before is not None:
+                before.restore()
+            raise
         return loss.detach()
 
     def _eager(self, flat_in, flat_tg, keep_grads=False) -> torch.Tensor:
@@ -243,6 +265,33 @@ class TrainStep:
         # address); zero them in place instead of dropping them.
         self.optimizer.zero_grad(set_to_none=not keep_grads)
         return self._body(flat_in, flat_tg)
+
+    # -- rollback of a failed call ----------------------------------------------------------
+    def _save_for_rollback(self):
+        attrs = {k: v for k, v in vars(self).items() if k not in _NOT_ROLLED_BACK}
+        grads = [p.grad for p in self._params]
+        # Gradients the graph owns are zeroed in place by an eager fallback: copy them.
+        values = None if self._graph is None else [
+            None if g is None else g.detach().clone() for g in grads]
+        buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
+        return attrs, grads, values, buffers
+
+    def _rollback(self, saved):
+        attrs, grads, values, buffers = saved
+        vars(self).update(attrs)
+        with torch.no_grad():
+            for p, g in zip(self._params, grads):
+                p.grad = g
+            if values is not None:
+                for g, v in zip(grads, values):
+                    if g is not None:
+                        g.copy_(v)
+            for b, v in buffers:
+                b.copy_(v)
+        # The failed iteration's stages (an unscale_ that ran before optimizer.step raised,
+        # say) must not leak into the next call; the scale itself changes only in update(),
+        # which changes nothing when it raises.
+        self.scaler.reset_iteration()
 
     def _side_stream(self):
         if self._stream is None:
@@ -265,8 +314,7 @@ class TrainStep:
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, stream=self._side_stream()):
-                static_loss = self._body(self._static_in, self._static_tg,
-                                         cache_enabled=False)
+                static_loss = self._body(self._static_in, self._static_tg, capturing=True)
             torch.cuda.current_stream().wait_stream(self._stream)
         except Exception as e:  # noqa: BLE001 - reported, then eager or re-raised
             self._after_failed_capture(state_before)
@@ -361,6 +409,55 @@ class TrainStep:
         self._warned = True
         warnings.warn(f"ampkit.make_train_step: running eagerly, not as a CUDA graph: {why}",
                       UserWarning, stacklevel=_user_stacklevel())
+
+
+# The warning is issued once per step object (a failed call does not take it back); the
+# side stream is a cache.
+_NOT_ROLLED_BACK = ("_warned", "_stream")
+
+
+class _OptimizerCopy:
+    """A copy of an optimizer's parameters, state and hyperparameters, to put back in place.
+
+    In place: tensors keep their identity (a captured graph and the optimizer's own
+    references read them by address); state created after the copy is dropped.
+    """
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        with torch.no_grad():
+            self.params = [(p, p.detach().clone())
+                           for g in optimizer.param_groups for p in g["params"]]
+            self.state = {p: {k: (v, _copy(v)) for k, v in s.items()}
+                          for p, s in optimizer.state.items()}
+        self.groups = [dict(g) for g in optimizer.param_groups]
+
+    def restore(self):
+        opt = self.optimizer
+        with torch.no_grad():
+            for p, v in self.params:
+                p.copy_(v)
+            for p in [p for p in opt.state if p not in self.state]:
+                del opt.state[p]
+            for p, saved in self.state.items():
+                now = opt.state[p]
+                for k in [k for k in now if k not in saved]:
+                    del now[k]
+                for k, (obj, v) in saved.items():
+                    if isinstance(obj, torch.Tensor):
+                        obj.copy_(v)
+                        now[k] = obj
+                    else:
+                        now[k] = v
+        for g, saved in zip(opt.param_groups, self.groups):
+            g.clear()
+            g.update(saved)
+
+
+def _copy(v):
+    if isinstance(v, torch.Tensor):
+        return v.detach().clone()
+    return copy.deepcopy(v)
 
 
 # -- helpers ------------------------------------------------------------------------------
