@@ -914,8 +914,15 @@ class autocast(torch.amp.autocast):
         self.enabled = enabled
         self.cache_enabled = cache_enabled
         self.policy = pol
+        self._ampkit_entered_in = None  # the thread it is active in, else None
 
     def __enter__(self):
+        # torch's autocast keeps the state it restores on the object: entering an active
+        # object again would overwrite it, so that is refused (a new object nests).
+        if self._ampkit_entered_in is not None:
+            raise RuntimeError(
+                f"{self!r} is already active (entered and not exited); enter a new "
+                "ampkit.autocast(...) to nest a region, or use it as a decorator")
         eng = _engine()
         if eng.reference:  # native off underneath: the tables alone decide
             self._ampkit_native = torch.autocast(self.device, dtype=self.fast_dtype, enabled=False,
@@ -929,9 +936,17 @@ class autocast(torch.amp.autocast):
         except BaseException:
             self._native_exit()
             raise
+        self._ampkit_entered_in = threading.get_ident()
         return self
 
     def __exit__(self, exc_type, exc_val, exc_tb):
+        entered_in = getattr(self, "_ampkit_entered_in", None)
+        if entered_in != threading.get_ident():  # checked before anything changes
+            where = "was never entered" if entered_in is None else "was entered in another thread"
+            raise RuntimeError(
+                f"{self!r}.__exit__() called, but this region {where}; exit a region in "
+                "the thread that entered it, once per __enter__() (a `with` block does)")
+        self._ampkit_entered_in = None
         try:
             _engine().pop()
         finally:
@@ -974,14 +989,34 @@ def reference():
 
 def is_autocast_enabled(device_type: str) -> bool:
     """Whether autocast is on for ``device_type`` in this thread: an ampkit region or
-    torch's own (they are the same state). Raises for an unknown device type."""
-    return torch.is_autocast_enabled(device_type)
+    torch's own (they are the same state). Raises like torch for a device type autocast
+    does not know (``RuntimeError``; ``TypeError`` for a non-string), naming it.
+
+    >>> import ampkit
+    >>> ampkit.is_autocast_enabled("cpu")
+    False
+    """
+    return _ask_torch(torch.is_autocast_enabled, device_type)
 
 
 def get_autocast_dtype(device_type: str) -> torch.dtype:
     """The dtype of the innermost autocast region for ``device_type`` in this thread
-    (torch's default for the device when none is active)."""
-    return torch.get_autocast_dtype(device_type)
+    (torch's default for the device when none is active). Raises like
+    :func:`is_autocast_enabled` for an unknown device type."""
+    return _ask_torch(torch.get_autocast_dtype, device_type)
+
+
+def _ask_torch(query, device_type):
+    name = query.__name__
+    if not isinstance(device_type, str):
+        raise TypeError(f"ampkit.{name}: device_type must be a string such as 'cpu' or "
+                        f"'cuda', got {device_type!r}")
+    try:
+        return query(device_type)
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"ampkit.{name}: device_type {device_type!r} is not a device type torch's "
+            f"autocast knows ({e}); ampkit's policies cover 'cpu' and 'cuda'") from e
 
 
 def _current_policy(device_type):

@@ -25,6 +25,8 @@ do not reach Python.
 from __future__ import annotations
 
 import dataclasses
+import threading
+
 import torch
 
 from ampkit import _ops
@@ -134,6 +136,21 @@ class trace:
     of the region's policy is cast by ampkit's Python engine (so that each cast can
     be recorded) rather than by torch's C++ autocast: the same casts, a few
     microseconds more per call.
+
+    One trace object is one block: entering it again while it is active raises
+    ``RuntimeError`` (nest a new ``ampkit.trace()`` instead; a finished one may be entered
+    again and appends to its records). Exiting one that is not active in this thread, or
+    that is not the innermost active trace, raises ``RuntimeError`` and changes nothing:
+    the enclosing trace keeps recording.
+
+    >>> import ampkit
+    >>> tr = ampkit.trace()
+    >>> with tr:
+    ...     with tr:
+    ...         pass
+    Traceback (most recent call last):
+    ...
+    RuntimeError: this ampkit.trace() is already active; nest a new ampkit.trace() instead
     """
 
     def __init__(self):
@@ -141,20 +158,35 @@ class trace:
         self._prev = None
         self._pushed = False
         self._entered = False
+        self._thread = None
 
     def __enter__(self) -> CastTrace:
         from ampkit._autocast import _engine
 
+        if self._entered:
+            raise RuntimeError(
+                "this ampkit.trace() is already active; nest a new ampkit.trace() instead")
         eng = _engine()
-        self._prev = eng.trace
+        prev = eng.trace
         self._pushed = eng.set_trace(self.result)
+        self._prev = prev
         self._entered = True
+        self._thread = threading.get_ident()
         return self.result
 
     def __exit__(self, exc_type, exc_val, exc_tb):
         from ampkit._autocast import _engine
 
         eng = _engine()
+        if not self._entered or self._thread != threading.get_ident():
+            where = "was never entered (or was already exited)" if not self._entered \
+                else "was entered in another thread"
+            raise RuntimeError(f"ampkit.trace().__exit__(): this trace {where}; nothing changed")
+        if eng.trace is not self.result:
+            raise RuntimeError(
+                "ampkit.trace().__exit__(): this trace is not the innermost active one (a "
+                "trace entered inside it is still active); exit traces in the reverse order "
+                "of entering them (nested `with` blocks do); nothing changed")
         self._entered = False
         if self._pushed:
             eng.drop_trace_push()
