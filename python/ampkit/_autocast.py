@@ -1069,7 +1069,7 @@ def custom_bwd(bwd=None, *, device_type: str):
 _USER_WRAPPERS: dict = {}  # wrapper -> original function
 
 
-def op(fn=None, *, name=None):
+def op(fn=None, *, name=None, replace=False):
     """Make a user function an op that policies can list under ``name``.
 
     Inside an ampkit region the function takes part in torch's function dispatch,
@@ -1077,6 +1077,11 @@ def op(fn=None, *, name=None):
     runs as one leaf op, with autocast off, like a native op). Unlisted, its body
     runs in the region. Outside regions it behaves exactly as before; torch is never
     patched. Register before building a policy that names it.
+
+    A name is registered once: registering another function under a taken name raises
+    ``ValueError`` (the first registration stays and keeps working) unless
+    ``replace=True`` (re-running a notebook cell, say); the replaced wrapper is then an
+    unlisted op. Registering the same function again returns its wrapper.
 
     >>> import torch, ampkit
     >>> @ampkit.op
@@ -1088,10 +1093,12 @@ def op(fn=None, *, name=None):
     ...     toy_attention(q, q, q).dtype
     torch.bfloat16
     """
+    if not isinstance(replace, bool):
+        raise TypeError(f"ampkit.op: replace must be True or False, got {replace!r}")
     if isinstance(fn, str) and name is None:
-        return functools.partial(op, name=fn)
+        return functools.partial(op, name=fn, replace=replace)
     if fn is None:
-        return functools.partial(op, name=name)
+        return functools.partial(op, name=name, replace=replace)
     if not callable(fn):
         raise TypeError(f"ampkit.op: expected a function to register, got {fn!r}")
     if name is None:
@@ -1100,6 +1107,16 @@ def op(fn=None, *, name=None):
         raise ValueError(f"ampkit.op: op name must be an identifier, got {name!r}")
     if name not in _ops.USER_OPS and _ops.resolve(name):
         raise ValueError(f"ampkit.op: {name!r} already names a torch op; register your function under another name")
+    taken = _ops.USER_OPS.get(name)
+    if taken is not None and _USER_WRAPPERS.get(taken) is fn:
+        return taken  # the same function again: nothing to change
+    if taken is not None and not replace:
+        first = _USER_WRAPPERS.get(taken)
+        raise ValueError(
+            f"ampkit.op: the name {name!r} is already registered for "
+            f"{getattr(first, '__module__', '?')}.{getattr(first, '__qualname__', first)!r}; "
+            "pass replace=True to register this function in its place (the first one then "
+            "runs as an unlisted op), or register it under another name")
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):

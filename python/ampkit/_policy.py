@@ -209,6 +209,10 @@ class Policy:
             return self.device_types()
         if isinstance(device, str):
             device = (device,)
+        if not isinstance(device, (list, tuple)):
+            raise PolicyError(
+                f"device must be a device type such as 'cpu', a list of them, or None for "
+                f"all of {', '.join(self.device_types())}; got {device!r}")
         for d in device:
             self.rules(d)
         return tuple(device)
@@ -233,6 +237,10 @@ class Policy:
                 _check_category(cat, "with_ops")
             if isinstance(names, str):
                 raise PolicyError(f"with_ops: {cat}= must be a list of op names, got the string {names!r}")
+            if not isinstance(names, (list, tuple, set, frozenset, dict)):
+                raise PolicyError(
+                    f"with_ops: {cat}= must be a list of op names"
+                    f"{' (or a dict {op: message})' if cat == 'banned' else ''}, got {names!r}")
             if cat == "banned" and isinstance(names, dict):
                 items = list(names.items())
             else:
@@ -380,6 +388,11 @@ def load_policy(path_or_name) -> Policy:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise PolicyError(f"{path}: cannot read the policy file ({e.strerror or e})") from e
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise PolicyError(
+            f"{path}:{line}: the policy file is not UTF-8 text (byte {e.object[e.start:e.start + 1]!r} "
+            f"at offset {e.start}); save it as UTF-8") from e
     policy = parse_policy(text, str(path))
     if len(_LOADED) > 32:
         _LOADED.clear()

@@ -501,6 +501,15 @@ def _autocast_kwargs(autocast, model):
         raise ValueError(
             f"autocast device_type={kw['device_type']!r} is not valid; use 'cuda' or 'cpu'")
     kw.setdefault("dtype", _default_dtype(kw["device_type"]))
+    # Validated now, not at the first call: the region is built from these arguments.
+    import ampkit
+
+    try:
+        region = ampkit.autocast(**kw)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"make_train_step(autocast={autocast!r}): {e}") from e
+    if "policy" in kw:
+        kw["policy"] = region.policy  # loaded once, not at every call
     return kw
 
 

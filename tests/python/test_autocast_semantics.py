@@ -585,3 +585,36 @@ def test_unknown_device_types_raise_like_torch_naming_the_value(query):
     with pytest.raises(TypeError, match=r"device_type must be a string.*got 3"):
         getattr(ampkit, query)(3)
     assert getattr(ampkit, query)("cpu") == getattr(torch, query)("cpu")
+
+
+# --------------------------------------------------------------------- re-registering an op
+def _double_linear(x, w):
+    return F.linear(x, w) * 2
+
+
+def _triple_linear(x, w):
+    return F.linear(x, w) * 3
+
+
+def test_a_taken_op_name_is_refused_and_the_first_wrapper_keeps_being_cast():
+    first = ampkit.op(_double_linear, name="robust_scaled_linear")
+    policy = ampkit.load_policy("torch_default").with_ops("cpu", fp32=["robust_scaled_linear"])
+    x, w = torch.randn(2, 4).to(BF16), torch.randn(3, 4).to(BF16)
+    with pytest.raises(ValueError, match=r"'robust_scaled_linear' is already registered for .*_double_linear.*replace=True"):
+        ampkit.op(_triple_linear, name="robust_scaled_linear")
+    assert ampkit.op(_double_linear, name="robust_scaled_linear") is first  # same function: a no-op
+    with ampkit.autocast("cpu", policy=policy):
+        assert first(x, w).dtype == F32  # still listed, still cast
+    with pytest.raises(TypeError, match="replace must be True or False, got 'yes'"):
+        ampkit.op(_triple_linear, name="robust_scaled_linear", replace="yes")
+
+
+def test_replace_true_registers_the_new_function_in_place_of_the_first():
+    first = ampkit.op(_double_linear, name="robust_replaced_linear")
+    second = ampkit.op(_triple_linear, name="robust_replaced_linear", replace=True)
+    policy = ampkit.load_policy("torch_default").with_ops("cpu", fp32=["robust_replaced_linear"])
+    x, w = torch.randn(2, 4).to(BF16), torch.randn(3, 4).to(BF16)
+    with ampkit.autocast("cpu", policy=policy):
+        assert second(x, w).dtype == F32
+        assert first(x, w).dtype == BF16  # now an unlisted op: its body runs in the region
+    assert torch.equal(second(x, w), F.linear(x, w) * 3)
