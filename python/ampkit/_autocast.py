@@ -691,6 +691,8 @@ def checkpoint(function, *args, use_reentrant=None, **kwargs):
     """
     if not callable(function):
         raise TypeError(f"ampkit.checkpoint: function must be callable, got {function!r}")
+    if use_reentrant is not None and not isinstance(use_reentrant, bool):
+        raise TypeError(f"ampkit.checkpoint: use_reentrant must be True, False or None, got {use_reentrant!r}")
     saved = list(_engine().frames[-1].devs.items())
 
     def under_policy(*a, **k):
@@ -960,6 +962,9 @@ class autocast(torch.amp.autocast):
             super().__exit__(None, None, None)
 
     def __call__(self, func):
+        if not callable(func):
+            raise TypeError(f"{self!r} used as a decorator needs a function, got {func!r}")
+
         @functools.wraps(func)
         def decorated(*args, **kwargs):
             with autocast(self.device_type, self.fast_dtype, self.enabled, self.cache_enabled, policy=self.policy):
@@ -1034,6 +1039,8 @@ def custom_fwd(fwd=None, *, device_type: str, cast_inputs=None):
     """
     if not isinstance(device_type, str):
         raise ValueError(f"custom_fwd: device_type must be a string such as 'cuda', got {device_type!r}")
+    if cast_inputs is not None and not (isinstance(cast_inputs, torch.dtype) and cast_inputs.is_floating_point):
+        raise ValueError(f"custom_fwd: cast_inputs must be a floating torch.dtype or None, got {cast_inputs!r}")
     if fwd is None:
         return functools.partial(custom_fwd, device_type=device_type, cast_inputs=cast_inputs)
     inner = torch.amp.custom_fwd(fwd, device_type=device_type, cast_inputs=cast_inputs)

@@ -148,6 +148,12 @@ def _check_outputs(value: Any, where: str = "outputs") -> torch.Tensor | None:
     )
 
 
+def _check_optimizer(optimizer, method: str) -> None:
+    if getattr(optimizer, "param_groups", None) is None:
+        raise TypeError(f"{method}() expected a torch.optim.Optimizer (something with "
+                        f"param_groups), got {optimizer!r:.60}")
+
+
 class _NoGrads(RuntimeError):
     def __init__(self):
         super().__init__(
@@ -435,6 +441,7 @@ class GradScaler:
 
     def stage(self, optimizer: torch.optim.Optimizer) -> OptState:
         """The stage of ``optimizer`` in the current iteration."""
+        _check_optimizer(optimizer, "stage")
         record = self._per_optimizer.get(id(optimizer))
         return OptState.READY if record is None else record.stage
 
@@ -455,6 +462,7 @@ class GradScaler:
         >>> scaler.is_sync_free(torch.optim.SGD(params, lr=0.1))
         False
         """
+        _check_optimizer(optimizer, "is_sync_free")
         return not self._enabled or bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
     def reset_iteration(self) -> None:
@@ -635,6 +643,7 @@ class GradScaler:
         """
         if not self._enabled:
             return
+        _check_optimizer(optimizer, "unscale_")
         self._require_scale("unscale_")
         self._check_ready_for_unscale(optimizer)
         grouped = self._collect_grads(optimizer, allow_fp16=False)
@@ -661,6 +670,7 @@ class GradScaler:
                 "closure would recompute gradients after they were checked. Run the forward "
                 "and scaler.scale(loss).backward() yourself, then call scaler.step(optimizer)."
             )
+        _check_optimizer(optimizer, "step")
         scale = self._require_scale("step")
         stage = self.stage(optimizer)
         if stage is OptState.STEPPED:

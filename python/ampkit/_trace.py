@@ -32,6 +32,9 @@ import torch
 from ampkit import _ops
 
 _SEQ = (list, tuple)
+#: What ``CastRecord.rule`` can be: a policy category, or how the call was handled.
+RULES = ("lower_precision_fp", "fp32", "fp32_output", "promote", "banned", "decompose",
+         "composite", "none")
 
 
 def _dtype_name(d) -> str:
@@ -90,6 +93,15 @@ class CastTrace:
 
     def table(self, rules=None) -> str:
         """An aligned text table; ``rules``: only records whose rule is in it."""
+        if rules is not None:
+            if isinstance(rules, str) or not isinstance(rules, (list, tuple, set, frozenset)):
+                raise TypeError(f"table(rules=...) takes a list or set of rule names such as "
+                                f"{{'fp32', 'lower_precision_fp'}}, got {rules!r}")
+            unknown = [r for r in rules  # a call dispatched on its arguments: "fp32/promote"
+                       if not isinstance(r, str) or not all(p in RULES for p in r.split("/"))]
+            if unknown:
+                raise ValueError(f"table(rules=...): unknown rule(s) {unknown}; valid: "
+                                 f"{', '.join(RULES)}")
         rows = [r for r in self.as_rows() if rules is None or r["rule"] in rules]
         head = {"op": "op", "rule": "rule", "device": "device", "input_dtypes": "inputs", "output_dtype": "output"}
         cols = ("op", "rule", "device", "input_dtypes", "output_dtype")
