@@ -263,31 +263,33 @@ class TrainStep:
     def _eager(self, flat_in, flat_tg, keep_grads=False) -> torch.Tensor:
         # keep_grads: a graph exists and owns the .grad tensors (it writes them by
         # address); zero them in place instead of dropping them.
-        self.optimizer.zero_grad(set_to_none=not keep_grads)
-        return self._body(flat_in, flat_tg)
+        # A failure puts back what this eager step writes in place: the model's buffers
+        # (BatchNorm statistics, in the forward) and graph-owned gradients (zeroed here).
+        saved = [(b, b.detach().clone()) for b in self.model.buffers()]
+        if keep_grads:
+            saved += [(p.grad, p.grad.detach().clone()) for p in self._params
+                      if p.grad is not None]
+        try:
+            self.optimizer.zero_grad(set_to_none=not keep_grads)
+            return self._body(flat_in, flat_tg)
+        except BaseException:
+            with torch.no_grad():
+                for t, v in saved:
+                    t.copy_(v)
+            raise
 
     # -- rollback of a failed call ----------------------------------------------------------
     def _save_for_rollback(self):
+        # Host objects only (no tensor work: a replay must stay one launch); what an eager
+        # step writes in place is kept by _eager and _body.
         attrs = {k: v for k, v in vars(self).items() if k not in _NOT_ROLLED_BACK}
-        grads = [p.grad for p in self._params]
-        # Gradients the graph owns are zeroed in place by an eager fallback: copy them.
-        values = None if self._graph is None else [
-            None if g is None else g.detach().clone() for g in grads]
-        buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
-        return attrs, grads, values, buffers
+        return attrs, [p.grad for p in self._params]
 
     def _rollback(self, saved):
-        attrs, grads, values, buffers = saved
+        attrs, grads = saved
         vars(self).update(attrs)
-        with torch.no_grad():
-            for p, g in zip(self._params, grads):
-                p.grad = g
-            if values is not None:
-                for g, v in zip(grads, values):
-                    if g is not None:
-                        g.copy_(v)
-            for b, v in buffers:
-                b.copy_(v)
+        for p, g in zip(self._params, grads):
+            p.grad = g
         # The failed iteration's stages (an unscale_ that ran before optimizer.step raised,
         # say) must not leak into the next call; the scale itself changes only in update(),
         # which changes nothing when it raises.
@@ -300,10 +302,11 @@ class TrainStep:
         return self._stream
 
     def _warmup(self, flat_in, flat_tg):
-        with torch.cuda.stream(self._side_stream()):
-            out = self._eager(flat_in, flat_tg)
-        torch.cuda.current_stream().wait_stream(self._stream)
-        return out
+        try:
+            with torch.cuda.stream(self._side_stream()):
+                return self._eager(flat_in, flat_tg)
+        finally:  # the rollback of a failed step ran on the side stream too
+            torch.cuda.current_stream().wait_stream(self._stream)
 
     def _capture_and_replay(self, flat_in, flat_tg) -> torch.Tensor:
         self._static_in = [t.detach().clone() for t in flat_in]
