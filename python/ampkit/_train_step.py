@@ -92,7 +92,13 @@ def make_train_step(
 
     Returns:
       A ``TrainStep``. ``step.captured`` says whether the last call replayed a graph,
-      ``step.reason`` why it did not (``None`` when it did or still may).
+      ``step.reason`` why it did not (``None`` when it did or still may). A call that
+      raises (anywhere: forward, loss, backward, optimizer step, scaler) changes nothing:
+      parameters, gradients, buffers, optimizer state, scaler and step are as before it.
+
+    Raises:
+      TypeError/ValueError (``PolicyError`` for a policy) at construction, naming the bad
+      argument: the autocast arguments are checked here, not at the first call.
 
     Example:
       >>> import torch, ampkit
