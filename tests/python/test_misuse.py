@@ -342,8 +342,14 @@ NOTHING_TO_MISUSE = {
     "GradScaler.state_dict": "takes no arguments and is valid in every state",
     "GradScaler.stats": "takes no arguments and is valid in every state",
 }
+_LINEAR = torch.nn.Linear(1, 1)
+_STEP_CLASS = type(ampkit.make_train_step(_LINEAR, torch.nn.functional.mse_loss,
+                                          torch.optim.SGD(_LINEAR.parameters(), lr=0.1),
+                                          capture=False))
 CLASSES = {"GradScaler": ampkit.GradScaler, "Policy": ampkit.Policy, "CastTrace": ampkit.CastTrace,
-           "autocast": ampkit.autocast, "trace": ampkit.trace}
+           "autocast": ampkit.autocast, "trace": ampkit.trace,
+           # what make_train_step returns (not exported by name)
+           "TrainStep": _STEP_CLASS}
 DUNDERS = ("__enter__", "__exit__", "__call__")
 
 
