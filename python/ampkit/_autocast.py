@@ -691,6 +691,8 @@ def checkpoint(function, *args, use_reentrant=None, **kwargs):
     """
     if not callable(function):
         raise TypeError(f"ampkit.checkpoint: function must be callable, got {function!r}")
+    if use_reentrant is not None and not isinstance(use_reentrant, bool):
+        raise TypeError(f"ampkit.checkpoint: use_reentrant must be True, False or None, got {use_reentrant!r}")
     saved = list(_engine().frames[-1].devs.items())
 
     def under_policy(*a, **k):
@@ -914,8 +916,15 @@ class autocast(torch.amp.autocast):
         self.enabled = enabled
         self.cache_enabled = cache_enabled
         self.policy = pol
+        self._ampkit_entered_in = None  # the thread it is active in, else None
 
     def __enter__(self):
+        # torch's autocast keeps the state it restores on the object: entering an active
+        # object again would overwrite it, so that is refused (a new object nests).
+        if self._ampkit_entered_in is not None:
+            raise RuntimeError(
+                f"{self!r} is already active (entered and not exited); enter a new "
+                "ampkit.autocast(...) to nest a region, or use it as a decorator")
         eng = _engine()
         if eng.reference:  # native off underneath: the tables alone decide
             self._ampkit_native = torch.autocast(self.device, dtype=self.fast_dtype, enabled=False,
@@ -929,9 +938,17 @@ class autocast(torch.amp.autocast):
         except BaseException:
             self._native_exit()
             raise
+        self._ampkit_entered_in = threading.get_ident()
         return self
 
     def __exit__(self, exc_type, exc_val, exc_tb):
+        entered_in = getattr(self, "_ampkit_entered_in", None)
+        if entered_in != threading.get_ident():  # checked before anything changes
+            where = "was never entered" if entered_in is None else "was entered in another thread"
+            raise RuntimeError(
+                f"{self!r}.__exit__() called, but this region {where}; exit a region in "
+                "the thread that entered it, once per __enter__() (a `with` block does)")
+        self._ampkit_entered_in = None
         try:
             _engine().pop()
         finally:
@@ -945,6 +962,9 @@ class autocast(torch.amp.autocast):
             super().__exit__(None, None, None)
 
     def __call__(self, func):
+        if not callable(func):
+            raise TypeError(f"{self!r} used as a decorator needs a function, got {func!r}")
+
         @functools.wraps(func)
         def decorated(*args, **kwargs):
             with autocast(self.device_type, self.fast_dtype, self.enabled, self.cache_enabled, policy=self.policy):
@@ -974,14 +994,34 @@ def reference():
 
 def is_autocast_enabled(device_type: str) -> bool:
     """Whether autocast is on for ``device_type`` in this thread: an ampkit region or
-    torch's own (they are the same state). Raises for an unknown device type."""
-    return torch.is_autocast_enabled(device_type)
+    torch's own (they are the same state). Raises like torch for a device type autocast
+    does not know (``RuntimeError``; ``TypeError`` for a non-string), naming it.
+
+    >>> import ampkit
+    >>> ampkit.is_autocast_enabled("cpu")
+    False
+    """
+    return _ask_torch(torch.is_autocast_enabled, device_type)
 
 
 def get_autocast_dtype(device_type: str) -> torch.dtype:
     """The dtype of the innermost autocast region for ``device_type`` in this thread
-    (torch's default for the device when none is active)."""
-    return torch.get_autocast_dtype(device_type)
+    (torch's default for the device when none is active). Raises like
+    :func:`is_autocast_enabled` for an unknown device type."""
+    return _ask_torch(torch.get_autocast_dtype, device_type)
+
+
+def _ask_torch(query, device_type):
+    name = query.__name__
+    if not isinstance(device_type, str):
+        raise TypeError(f"ampkit.{name}: device_type must be a string such as 'cpu' or "
+                        f"'cuda', got {device_type!r}")
+    try:
+        return query(device_type)
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"ampkit.{name}: device_type {device_type!r} is not a device type torch's "
+            f"autocast knows ({e}); ampkit's policies cover 'cpu' and 'cuda'") from e
 
 
 def _current_policy(device_type):
@@ -999,6 +1039,8 @@ def custom_fwd(fwd=None, *, device_type: str, cast_inputs=None):
     """
     if not isinstance(device_type, str):
         raise ValueError(f"custom_fwd: device_type must be a string such as 'cuda', got {device_type!r}")
+    if cast_inputs is not None and not (isinstance(cast_inputs, torch.dtype) and cast_inputs.is_floating_point):
+        raise ValueError(f"custom_fwd: cast_inputs must be a floating torch.dtype or None, got {cast_inputs!r}")
     if fwd is None:
         return functools.partial(custom_fwd, device_type=device_type, cast_inputs=cast_inputs)
     inner = torch.amp.custom_fwd(fwd, device_type=device_type, cast_inputs=cast_inputs)
@@ -1034,7 +1076,7 @@ def custom_bwd(bwd=None, *, device_type: str):
 _USER_WRAPPERS: dict = {}  # wrapper -> original function
 
 
-def op(fn=None, *, name=None):
+def op(fn=None, *, name=None, replace=False):
     """Make a user function an op that policies can list under ``name``.
 
     Inside an ampkit region the function takes part in torch's function dispatch,
@@ -1042,6 +1084,11 @@ def op(fn=None, *, name=None):
     runs as one leaf op, with autocast off, like a native op). Unlisted, its body
     runs in the region. Outside regions it behaves exactly as before; torch is never
     patched. Register before building a policy that names it.
+
+    A name is registered once: registering another function under a taken name raises
+    ``ValueError`` (the first registration stays and keeps working) unless
+    ``replace=True`` (re-running a notebook cell, say); the replaced wrapper is then an
+    unlisted op. Registering the same function again returns its wrapper.
 
     >>> import torch, ampkit
     >>> @ampkit.op
@@ -1053,10 +1100,12 @@ def op(fn=None, *, name=None):
     ...     toy_attention(q, q, q).dtype
     torch.bfloat16
     """
+    if not isinstance(replace, bool):
+        raise TypeError(f"ampkit.op: replace must be True or False, got {replace!r}")
     if isinstance(fn, str) and name is None:
-        return functools.partial(op, name=fn)
+        return functools.partial(op, name=fn, replace=replace)
     if fn is None:
-        return functools.partial(op, name=name)
+        return functools.partial(op, name=name, replace=replace)
     if not callable(fn):
         raise TypeError(f"ampkit.op: expected a function to register, got {fn!r}")
     if name is None:
@@ -1065,6 +1114,16 @@ def op(fn=None, *, name=None):
         raise ValueError(f"ampkit.op: op name must be an identifier, got {name!r}")
     if name not in _ops.USER_OPS and _ops.resolve(name):
         raise ValueError(f"ampkit.op: {name!r} already names a torch op; register your function under another name")
+    taken = _ops.USER_OPS.get(name)
+    if taken is not None and _USER_WRAPPERS.get(taken) is fn:
+        return taken  # the same function again: nothing to change
+    if taken is not None and not replace:
+        first = _USER_WRAPPERS.get(taken)
+        raise ValueError(
+            f"ampkit.op: the name {name!r} is already registered for "
+            f"{getattr(first, '__module__', '?')}.{getattr(first, '__qualname__', first)!r}; "
+            "pass replace=True to register this function in its place (the first one then "
+            "runs as an unlisted op), or register it under another name")
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):

@@ -116,6 +116,11 @@ class DeviceRules:
         return d
 
 
+def _check_op_name(op, where):
+    if not isinstance(op, str):
+        raise PolicyError(f"{where}: op must be an op name (a string), got {op!r}")
+
+
 def _check_category(cat, where):
     if cat not in CATEGORIES:
         raise PolicyError(f"{where}: unknown category {cat!r}; valid: {', '.join(CATEGORIES)}")
@@ -135,6 +140,17 @@ class Policy:
     source: str = dataclasses.field(default="", compare=False)
 
     def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise PolicyError(f"Policy: name must be a non-empty string, got {self.name!r}")
+        if not isinstance(self.description, str):
+            raise PolicyError(f"Policy: description must be a string, got {self.description!r}")
+        if not isinstance(self.devices, tuple) or not all(
+                isinstance(d, tuple) and len(d) == 2 and isinstance(d[0], str)
+                and isinstance(d[1], DeviceRules) for d in self.devices):
+            raise PolicyError(
+                f"Policy: devices must be a tuple of (device_type, DeviceRules) pairs, got "
+                f"{self.devices!r:.80}; build a policy with ampkit.load_policy() and change it "
+                "with its with_* methods")
         _LIVE[id(self)] = self
 
     def __hash__(self):  # cached: regions key their compiled tables by policy
@@ -168,6 +184,7 @@ class Policy:
 
     def category(self, device_type: str, op: str):
         """The category of ``op`` on ``device_type`` or None when unlisted (or decomposed)."""
+        _check_op_name(op, "category")
         return self.rules(device_type).category(op)
 
     def decomposes(self, device_type: str, op: str) -> bool:
@@ -178,6 +195,7 @@ class Policy:
         >>> p.decomposes("cuda", "cross_entropy"), p.category("cuda", "cross_entropy")
         (True, None)
         """
+        _check_op_name(op, "decomposes")
         return self.rules(device_type).decomposes(op)
 
     def to_dict(self) -> dict:
@@ -209,6 +227,10 @@ class Policy:
             return self.device_types()
         if isinstance(device, str):
             device = (device,)
+        if not isinstance(device, (list, tuple)):
+            raise PolicyError(
+                f"device must be a device type such as 'cpu', a list of them, or None for "
+                f"all of {', '.join(self.device_types())}; got {device!r}")
         for d in device:
             self.rules(d)
         return tuple(device)
@@ -233,6 +255,10 @@ class Policy:
                 _check_category(cat, "with_ops")
             if isinstance(names, str):
                 raise PolicyError(f"with_ops: {cat}= must be a list of op names, got the string {names!r}")
+            if not isinstance(names, (list, tuple, set, frozenset, dict)):
+                raise PolicyError(
+                    f"with_ops: {cat}= must be a list of op names"
+                    f"{' (or a dict {op: message})' if cat == 'banned' else ''}, got {names!r}")
             if cat == "banned" and isinstance(names, dict):
                 items = list(names.items())
             else:
@@ -380,6 +406,11 @@ def load_policy(path_or_name) -> Policy:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise PolicyError(f"{path}: cannot read the policy file ({e.strerror or e})") from e
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise PolicyError(
+            f"{path}:{line}: the policy file is not UTF-8 text (byte {e.object[e.start:e.start + 1]!r} "
+            f"at offset {e.start}); save it as UTF-8") from e
     policy = parse_policy(text, str(path))
     if len(_LOADED) > 32:
         _LOADED.clear()

@@ -59,6 +59,9 @@ class _OptRecord:
     stage: OptState
     found_inf_per_device: dict[torch.device, torch.Tensor]
     host_found: bool | None = None  # known on the host (plain step synced), else None
+    # UNSCALED: the gradient tensors that were unscaled. A step() that finds others (a new
+    # backward after zero_grad, because the iteration that unscaled failed) refuses them.
+    grads: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +150,12 @@ def _check_outputs(value: Any, where: str = "outputs") -> torch.Tensor | None:
     )
 
 
+def _check_optimizer(optimizer, method: str) -> None:
+    if getattr(optimizer, "param_groups", None) is None:
+        raise TypeError(f"{method}() expected a torch.optim.Optimizer (something with "
+                        f"param_groups), got {optimizer!r:.60}")
+
+
 class _NoGrads(RuntimeError):
     def __init__(self):
         super().__init__(
@@ -154,6 +163,14 @@ class _NoGrads(RuntimeError):
             "nothing to check or apply. Call scaler.scale(loss).backward() on a loss that "
             "depends on its parameters first."
         )
+
+
+def _grads_of(optimizer) -> tuple:
+    return tuple(p.grad for group in optimizer.param_groups for p in group["params"])
+
+
+def _same_tensors(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
 def _to_device_counters(counters: list[int]) -> list[int]:
@@ -166,6 +183,10 @@ def _to_device_counters(counters: list[int]) -> list[int]:
 def _from_device_counters(values: list[int]) -> list[int]:
     steps, skipped, gap, _ = values
     return [steps, skipped, steps - 1 - gap if skipped else -1]
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _any_flag(flags, device: torch.device) -> torch.Tensor:
@@ -249,6 +270,21 @@ class GradScaler:
 
     Each optimizer goes through the stages ``OptState.READY -> UNSCALED -> STEPPED`` between
     two ``update()`` calls; calls out of order raise ``RuntimeError`` naming the order.
+
+    After a failed iteration (an exception anywhere between ``scale`` and ``update``), call
+    ``reset_iteration()`` before the next one: every optimizer goes back to ``READY``; the
+    scale, growth tracker, hysteresis and stats are kept (they change only in ``update()``,
+    which changes nothing when it raises). Every method either completes or raises before
+    changing anything, except ``step()`` when ``optimizer.step`` itself raises: the
+    gradients were unscaled in place by then, so the optimizer stays ``UNSCALED`` (a retry
+    of ``step()`` does not unscale twice). ``scale()`` does not reset the stages by itself:
+    a second loss scaled after ``step(opt_a)``, for ``opt_b``, is a valid iteration (GAN
+    training). Forgetting the reset is caught where it would corrupt the step: ``step()`` on
+    an ``UNSCALED`` optimizer whose gradients are other tensors than the ones unscaled
+    raises, naming ``reset_iteration()``, and so do a second ``unscale_()``/``step()``.
+    (``torch.amp.GradScaler`` has no reset: its records persist until ``update()``, so
+    after a failure its next ``unscale_()`` raises and its ``step()`` applies the new,
+    still scaled gradients with the old inf flag; the way out there is a new scaler.)
 
     Host-device syncs: none in ``scale``, ``unscale_``, ``update`` (hysteresis, clamps and
     stats included) and in ``step`` for optimizers that take ``grad_scale``/``found_inf``
@@ -414,6 +450,7 @@ class GradScaler:
 
     def stage(self, optimizer: torch.optim.Optimizer) -> OptState:
         """The stage of ``optimizer`` in the current iteration."""
+        _check_optimizer(optimizer, "stage")
         record = self._per_optimizer.get(id(optimizer))
         return OptState.READY if record is None else record.stage
 
@@ -434,6 +471,7 @@ class GradScaler:
         >>> scaler.is_sync_free(torch.optim.SGD(params, lr=0.1))
         False
         """
+        _check_optimizer(optimizer, "is_sync_free")
         return not self._enabled or bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
     def _settings(self) -> tuple:
@@ -449,6 +487,19 @@ class GradScaler:
         For an iteration abandoned half-way (an exception, an aborted CUDA-graph capture):
         the scale, the growth tracker, the hysteresis and the stats are untouched, and
         gradients already unscaled stay unscaled (zero them before the next iteration).
+        No sync.
+
+        >>> import torch, ampkit
+        >>> w = torch.nn.Parameter(torch.ones(2))
+        >>> opt = torch.optim.SGD([w], lr=0.1)
+        >>> scaler = ampkit.GradScaler("cpu", init_scale=4.0)
+        >>> scaler.scale(w.sum()).backward()
+        >>> scaler.unscale_(opt)  # ... then the iteration fails before step()
+        >>> scaler.reset_iteration()
+        >>> opt.zero_grad()
+        >>> scaler.scale(w.sum()).backward(); scaler.step(opt); scaler.update()
+        >>> w.tolist()
+        [0.8999999761581421, 0.8999999761581421]
         """
         self._per_optimizer = {}
 
@@ -590,7 +641,8 @@ class GradScaler:
             raise RuntimeError(
                 "unscale_() was already called for this optimizer since the last update(); "
                 f"call it at most once per optimizer per iteration ({_ORDER}), after all "
-                "backward passes of the iteration."
+                "backward passes of the iteration. If the iteration that called it failed, "
+                "call scaler.reset_iteration() before starting a new one."
             )
         if stage is OptState.STEPPED:
             raise RuntimeError(
@@ -607,13 +659,15 @@ class GradScaler:
         """
         if not self._enabled:
             return
+        _check_optimizer(optimizer, "unscale_")
         self._require_scale("unscale_")
         self._check_ready_for_unscale(optimizer)
         grouped = self._collect_grads(optimizer, allow_fp16=False)
         found = self._found_inf(grouped, unscale=True)
         if self._sync.needed(optimizer):
             self._sync.combine(found)
-        self._per_optimizer[id(optimizer)] = _OptRecord(OptState.UNSCALED, found)
+        self._per_optimizer[id(optimizer)] = _OptRecord(
+            OptState.UNSCALED, found, grads=_grads_of(optimizer))
 
     # ------------------------------------------------------------------ step
 
@@ -635,13 +689,15 @@ class GradScaler:
                 "closure would recompute gradients after they were checked. Run the forward "
                 "and scaler.scale(loss).backward() yourself, then call scaler.step(optimizer)."
             )
+        _check_optimizer(optimizer, "step")
         scale = self._require_scale("step")
         stage = self.stage(optimizer)
         if stage is OptState.STEPPED:
             raise RuntimeError(
                 "step() was already called for this optimizer since the last update(); the "
                 f"order is {_ORDER}. Call scaler.update() once per iteration after stepping "
-                "every optimizer, before the next step()."
+                "every optimizer, before the next step() (or scaler.reset_iteration() if "
+                "the iteration failed and must not count)."
             )
         fused = self.is_sync_free(optimizer)
         if stage is OptState.READY:
@@ -653,11 +709,21 @@ class GradScaler:
             if self._sync.needed(optimizer):
                 self._sync.combine(found)
             if not fused:  # as unscale_() records it: a failing step() won't unscale twice
-                self._per_optimizer[id(optimizer)] = _OptRecord(OptState.UNSCALED, found)
+                self._per_optimizer[id(optimizer)] = _OptRecord(
+                    OptState.UNSCALED, found, grads=_grads_of(optimizer))
         else:
-            found = self._per_optimizer[id(optimizer)].found_inf_per_device
+            record = self._per_optimizer[id(optimizer)]
+            found = record.found_inf_per_device
             if not found:
                 raise _NoGrads()
+            if not _same_tensors(record.grads, _grads_of(optimizer)):
+                raise RuntimeError(
+                    "step(): this optimizer's gradients are not the ones unscale_() unscaled "
+                    "(a new backward after zero_grad(): the iteration that unscaled them "
+                    "failed before step()); stepping would apply still-scaled gradients with "
+                    "a stale inf check. Call scaler.reset_iteration() when an iteration "
+                    "fails, then run the new one from scale(loss).backward()."
+                )
         if fused:
             return self._fused_step(optimizer, stage, scale, found, args, kwargs)
         # The one sync of the plain path: the host must know whether to call step().
@@ -712,7 +778,10 @@ class GradScaler:
         """End the iteration: back off on inf/NaN, grow after ``growth_interval`` clean steps.
 
         ``new_scale`` (a float, or a one-element float tensor on the scaler's device) sets
-        the scale instead; it is not counted in ``stats()``. No sync.
+        the scale instead; it is not counted in ``stats()``. It must be finite and > 0
+        (``ValueError`` naming it otherwise): a float must also lie within the clamps, a
+        tensor is clamped into them. No sync, except one read of a ``new_scale`` tensor to
+        validate it (skipped while a CUDA graph is being captured).
         """
         if not self._enabled:
             return
@@ -749,6 +818,13 @@ class GradScaler:
                     f"{tuple(new_scale.shape)}, dtype {new_scale.dtype}, device "
                     f"{new_scale.device}, requires_grad={new_scale.requires_grad}"
                 )
+            if not _capturing(new_scale.device):  # the one read (a capture cannot read)
+                value = float(new_scale.item())
+                if not (math.isfinite(value) and 0.0 < value <= _F32_MAX):
+                    raise ValueError(
+                        f"update(new_scale=tensor({value!r})) is invalid; the scale must be "
+                        "finite and > 0 (within the clamps, if any, it is clamped)"
+                    )
             scale.copy_(new_scale.reshape(()))
             if self._min_scale is not None or self._max_scale is not None:
                 scale.clamp_(min=self._min_scale, max=self._max_scale)
@@ -926,8 +1002,11 @@ class GradScaler:
             "growth_factor": _real(q("growth_factor"), sd["growth_factor"], 1, math.inf, True, True),
             "backoff_factor": _real(q("backoff_factor"), sd["backoff_factor"], 0, 1, True, True),
             "growth_interval": _int(q("growth_interval"), sd["growth_interval"], 1, _INT32_MAX),
-            "growth_tracker": _int(q("_growth_tracker"), sd["_growth_tracker"], 0, _INT32_MAX),
         }
+        # torch's kernel grows when the tracker *reaches* the interval: one at or past it
+        # would never grow again.
+        new["growth_tracker"] = _int(q("_growth_tracker"), sd["_growth_tracker"], 0,
+                                     new["growth_interval"] - 1)
         if not ours:  # a torch state dict: keep our config and stats
             h = self._host_state()
             new.update(

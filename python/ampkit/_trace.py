@@ -25,11 +25,16 @@ do not reach Python.
 from __future__ import annotations
 
 import dataclasses
+import threading
+
 import torch
 
 from ampkit import _ops
 
 _SEQ = (list, tuple)
+#: What ``CastRecord.rule`` can be: a policy category, or how the call was handled.
+RULES = ("lower_precision_fp", "fp32", "fp32_output", "promote", "banned", "decompose",
+         "composite", "none")
 
 
 def _dtype_name(d) -> str:
@@ -88,6 +93,15 @@ class CastTrace:
 
     def table(self, rules=None) -> str:
         """An aligned text table; ``rules``: only records whose rule is in it."""
+        if rules is not None:
+            if isinstance(rules, str) or not isinstance(rules, (list, tuple, set, frozenset)):
+                raise TypeError(f"table(rules=...) takes a list or set of rule names such as "
+                                f"{{'fp32', 'lower_precision_fp'}}, got {rules!r}")
+            unknown = [r for r in rules  # a call dispatched on its arguments: "fp32/promote"
+                       if not isinstance(r, str) or not all(p in RULES for p in r.split("/"))]
+            if unknown:
+                raise ValueError(f"table(rules=...): unknown rule(s) {unknown}; valid: "
+                                 f"{', '.join(RULES)}")
         rows = [r for r in self.as_rows() if rules is None or r["rule"] in rules]
         head = {"op": "op", "rule": "rule", "device": "device", "input_dtypes": "inputs", "output_dtype": "output"}
         cols = ("op", "rule", "device", "input_dtypes", "output_dtype")
@@ -134,6 +148,21 @@ class trace:
     of the region's policy is cast by ampkit's Python engine (so that each cast can
     be recorded) rather than by torch's C++ autocast: the same casts, a few
     microseconds more per call.
+
+    One trace object is one block: entering it again while it is active raises
+    ``RuntimeError`` (nest a new ``ampkit.trace()`` instead; a finished one may be entered
+    again and appends to its records). Exiting one that is not active in this thread, or
+    that is not the innermost active trace, raises ``RuntimeError`` and changes nothing:
+    the enclosing trace keeps recording.
+
+    >>> import ampkit
+    >>> tr = ampkit.trace()
+    >>> with tr:
+    ...     with tr:
+    ...         pass
+    Traceback (most recent call last):
+    ...
+    RuntimeError: this ampkit.trace() is already active; nest a new ampkit.trace() instead
     """
 
     def __init__(self):
@@ -141,20 +170,35 @@ class trace:
         self._prev = None
         self._pushed = False
         self._entered = False
+        self._thread = None
 
     def __enter__(self) -> CastTrace:
         from ampkit._autocast import _engine
 
+        if self._entered:
+            raise RuntimeError(
+                "this ampkit.trace() is already active; nest a new ampkit.trace() instead")
         eng = _engine()
-        self._prev = eng.trace
+        prev = eng.trace
         self._pushed = eng.set_trace(self.result)
+        self._prev = prev
         self._entered = True
+        self._thread = threading.get_ident()
         return self.result
 
     def __exit__(self, exc_type, exc_val, exc_tb):
         from ampkit._autocast import _engine
 
         eng = _engine()
+        if not self._entered or self._thread != threading.get_ident():
+            where = "was never entered (or was already exited)" if not self._entered \
+                else "was entered in another thread"
+            raise RuntimeError(f"ampkit.trace().__exit__(): this trace {where}; nothing changed")
+        if eng.trace is not self.result:
+            raise RuntimeError(
+                "ampkit.trace().__exit__(): this trace is not the innermost active one (a "
+                "trace entered inside it is still active); exit traces in the reverse order "
+                "of entering them (nested `with` blocks do); nothing changed")
         self._entered = False
         if self._pushed:
             eng.drop_trace_push()

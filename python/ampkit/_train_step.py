@@ -44,6 +44,7 @@ and optimizer state unchanged and backs the scale off, whether replayed or eager
 
 from __future__ import annotations
 
+import copy
 import sys
 import warnings
 from collections.abc import Callable
@@ -91,7 +92,13 @@ def make_train_step(
 
     Returns:
       A ``TrainStep``. ``step.captured`` says whether the last call replayed a graph,
-      ``step.reason`` why it did not (``None`` when it did or still may).
+      ``step.reason`` why it did not (``None`` when it did or still may). A call that
+      raises (anywhere: forward, loss, backward, optimizer step, scaler) changes nothing:
+      parameters, gradients, buffers, optimizer state, scaler and step are as before it.
+
+    Raises:
+      TypeError/ValueError (``PolicyError`` for a policy) at construction, naming the bad
+      argument: the autocast arguments are checked here, not at the first call.
 
     Example:
       >>> import torch, ampkit
@@ -180,6 +187,17 @@ class TrainStep:
     def __call__(self, inputs, targets) -> torch.Tensor:
         flat_in = _as_tensors("inputs", inputs)
         flat_tg = _as_tensors("targets", targets)
+        # All or nothing: a call that raises (in the forward, the loss, backward,
+        # optimizer.step or the scaler) leaves the step object, the gradients, the model's
+        # buffers, the parameters, the optimizer state and the scaler as they were.
+        saved = self._save_for_rollback()
+        try:
+            return self._call(flat_in, flat_tg)
+        except BaseException:
+            self._rollback(saved)
+            raise
+
+    def _call(self, flat_in, flat_tg) -> torch.Tensor:
         self.calls += 1
         self._last_replayed = False
         if not self._eligible:  # (a step that gave up has dropped its graph)
@@ -219,12 +237,12 @@ class TrainStep:
                 f"captures={self.captures}, reason={self.reason!r})")
 
     # -- the step itself ------------------------------------------------------------------
-    def _body(self, flat_in, flat_tg, cache_enabled=None) -> torch.Tensor:
+    def _body(self, flat_in, flat_tg, capturing=False) -> torch.Tensor:
         import ampkit
 
         kw = dict(self._autocast)
-        if cache_enabled is not None:
-            kw["cache_enabled"] = cache_enabled
+        if capturing:  # a cast cached at capture would be a stale copy on replay
+            kw["cache_enabled"] = False
         with ampkit.autocast(**kw):
             loss = self.loss_fn(self.model(*flat_in), *flat_tg)
         if not isinstance(loss, torch.Tensor):
@@ -234,15 +252,54 @@ class TrainStep:
                 f"loss_fn must return a scalar tensor, got shape {tuple(loss.shape)}; "
                 "reduce it (e.g. .mean())")
         self.scaler.scale(loss).backward()
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
+        # Eager only (a capture records, it does not run): the optimizer writes parameters
+        # and state in place, and may fail half-way (a second param group, a hook), as may
+        # update() after it; keep a copy to put back. Taken after backward, when the
+        # activations are freed.
+        before = None if capturing else _OptimizerCopy(self.optimizer)
+        try:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        except BaseException:
+            if before is not None:
+                before.restore()
+            raise
         return loss.detach()
 
     def _eager(self, flat_in, flat_tg, keep_grads=False) -> torch.Tensor:
         # keep_grads: a graph exists and owns the .grad tensors (it writes them by
         # address); zero them in place instead of dropping them.
-        self.optimizer.zero_grad(set_to_none=not keep_grads)
-        return self._body(flat_in, flat_tg)
+        # A failure puts back what this eager step writes in place: the model's buffers
+        # (BatchNorm statistics, in the forward) and graph-owned gradients (zeroed here).
+        saved = [(b, b.detach().clone()) for b in self.model.buffers()]
+        if keep_grads:
+            saved += [(p.grad, p.grad.detach().clone()) for p in self._params
+                      if p.grad is not None]
+        try:
+            self.optimizer.zero_grad(set_to_none=not keep_grads)
+            return self._body(flat_in, flat_tg)
+        except BaseException:
+            with torch.no_grad():
+                for t, v in saved:
+                    t.copy_(v)
+            raise
+
+    # -- rollback of a failed call ----------------------------------------------------------
+    def _save_for_rollback(self):
+        # Host objects only (no tensor work: a replay must stay one launch); what an eager
+        # step writes in place is kept by _eager and _body.
+        attrs = {k: v for k, v in vars(self).items() if k not in _NOT_ROLLED_BACK}
+        return attrs, [p.grad for p in self._params]
+
+    def _rollback(self, saved):
+        attrs, grads = saved
+        vars(self).update(attrs)
+        for p, g in zip(self._params, grads):
+            p.grad = g
+        # The failed iteration's stages (an unscale_ that ran before optimizer.step raised,
+        # say) must not leak into the next call; the scale itself changes only in update(),
+        # which changes nothing when it raises.
+        self.scaler.reset_iteration()
 
     def _side_stream(self):
         if self._stream is None:
@@ -251,10 +308,11 @@ class TrainStep:
         return self._stream
 
     def _warmup(self, flat_in, flat_tg):
-        with torch.cuda.stream(self._side_stream()):
-            out = self._eager(flat_in, flat_tg)
-        torch.cuda.current_stream().wait_stream(self._stream)
-        return out
+        try:
+            with torch.cuda.stream(self._side_stream()):
+                return self._eager(flat_in, flat_tg)
+        finally:  # the rollback of a failed step ran on the side stream too
+            torch.cuda.current_stream().wait_stream(self._stream)
 
     def _capture_and_replay(self, flat_in, flat_tg) -> torch.Tensor:
         self._static_in = [t.detach().clone() for t in flat_in]
@@ -265,8 +323,7 @@ class TrainStep:
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, stream=self._side_stream()):
-                static_loss = self._body(self._static_in, self._static_tg,
-                                         cache_enabled=False)
+                static_loss = self._body(self._static_in, self._static_tg, capturing=True)
             torch.cuda.current_stream().wait_stream(self._stream)
         except Exception as e:  # noqa: BLE001 - reported, then eager or re-raised
             self._after_failed_capture(state_before)
@@ -363,6 +420,55 @@ class TrainStep:
                       UserWarning, stacklevel=_user_stacklevel())
 
 
+# The warning is issued once per step object (a failed call does not take it back); the
+# side stream is a cache.
+_NOT_ROLLED_BACK = ("_warned", "_stream")
+
+
+class _OptimizerCopy:
+    """A copy of an optimizer's parameters, state and hyperparameters, to put back in place.
+
+    In place: tensors keep their identity (a captured graph and the optimizer's own
+    references read them by address); state created after the copy is dropped.
+    """
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        with torch.no_grad():
+            self.params = [(p, p.detach().clone())
+                           for g in optimizer.param_groups for p in g["params"]]
+            self.state = {p: {k: (v, _copy(v)) for k, v in s.items()}
+                          for p, s in optimizer.state.items()}
+        self.groups = [dict(g) for g in optimizer.param_groups]
+
+    def restore(self):
+        opt = self.optimizer
+        with torch.no_grad():
+            for p, v in self.params:
+                p.copy_(v)
+            for p in [p for p in opt.state if p not in self.state]:
+                del opt.state[p]
+            for p, saved in self.state.items():
+                now = opt.state[p]
+                for k in [k for k in now if k not in saved]:
+                    del now[k]
+                for k, (obj, v) in saved.items():
+                    if isinstance(obj, torch.Tensor):
+                        obj.copy_(v)
+                        now[k] = obj
+                    else:
+                        now[k] = v
+        for g, saved in zip(opt.param_groups, self.groups):
+            g.clear()
+            g.update(saved)
+
+
+def _copy(v):
+    if isinstance(v, torch.Tensor):
+        return v.detach().clone()
+    return copy.deepcopy(v)
+
+
 # -- helpers ------------------------------------------------------------------------------
 def _user_stacklevel():
     # Point the warning at the caller's line, outside this file.
@@ -404,6 +510,15 @@ def _autocast_kwargs(autocast, model):
         raise ValueError(
             f"autocast device_type={kw['device_type']!r} is not valid; use 'cuda' or 'cpu'")
     kw.setdefault("dtype", _default_dtype(kw["device_type"]))
+    # Validated now, not at the first call: the region is built from these arguments.
+    import ampkit
+
+    try:
+        region = ampkit.autocast(**kw)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"make_train_step(autocast={autocast!r}): {e}") from e
+    if "policy" in kw:
+        kw["policy"] = region.policy  # loaded once, not at every call
     return kw
 
 

@@ -7,6 +7,7 @@ custom_bwd, user ops registered with ampkit.op, bad arguments.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 import weakref
@@ -493,3 +494,127 @@ def test_bad_arguments(kwargs, exc, match):
 def test_bad_custom_fwd_device():
     with pytest.raises(ValueError, match="device_type must be a string"):
         ampkit.custom_fwd(device_type=None)
+
+
+# --------------------------------------------------------------------- enter/exit misuse
+def _region_state():
+    eng = _autocast._engine()
+    return (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), eng.depth,
+            modes(), eng.mode_pushed)
+
+
+def _regions_still_work():
+    """Every kind of later region in this thread behaves as torch.autocast does."""
+    policy = ampkit.load_policy("torch_default").with_ops("cpu", fp32=["linear"])
+    with torch.autocast("cpu", dtype=BF16):
+        want = lin().dtype
+    with ampkit.autocast("cpu", dtype=BF16):
+        assert lin().dtype == want
+        with ampkit.autocast("cpu", enabled=False):
+            assert lin().dtype == F32
+    with ampkit.autocast("cpu", policy=policy):
+        assert lin().dtype == F32
+    assert _region_state() == (False, BF16, 0, 0, False)
+
+
+@pytest.mark.parametrize("inside", [False, True], ids=["outside", "inside-a-region"])
+def test_exit_without_enter_raises_and_changes_nothing(inside):
+    stray = ampkit.autocast("cpu", dtype=F16)
+    with contextlib.ExitStack() as stack:
+        if inside:
+            stack.enter_context(ampkit.autocast("cpu", dtype=BF16))
+        before = _region_state()
+        with pytest.raises(RuntimeError, match=r"__exit__\(\) called, but this region was never entered"):
+            stray.__exit__(None, None, None)
+        assert _region_state() == before
+        if inside:
+            assert lin().dtype == BF16
+    _regions_still_work()
+
+
+def test_exit_twice_raises_the_second_time_and_changes_nothing():
+    region = ampkit.autocast("cpu")
+    with region:
+        pass
+    with pytest.raises(RuntimeError, match="never entered"):
+        region.__exit__(None, None, None)
+    _regions_still_work()
+    with region:  # a finished region can be entered again
+        assert lin().dtype == BF16
+
+
+def test_entering_an_active_region_again_raises_and_changes_nothing():
+    region = ampkit.autocast("cpu", dtype=BF16)
+    with region:
+        before = _region_state()
+        with pytest.raises(RuntimeError, match="already active.*new ampkit.autocast"):
+            region.__enter__()
+        assert _region_state() == before
+        assert lin().dtype == BF16
+    _regions_still_work()
+
+
+def test_exit_in_another_thread_raises_and_changes_nothing():
+    region = ampkit.autocast("cpu")
+    region.__enter__()
+    errors = []
+
+    def other():
+        try:
+            region.__exit__(None, None, None)
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert errors and "entered in another thread" in errors[0]
+    assert torch.is_autocast_enabled("cpu")
+    region.__exit__(None, None, None)
+    _regions_still_work()
+
+
+@pytest.mark.parametrize("query", ["is_autocast_enabled", "get_autocast_dtype"])
+def test_unknown_device_types_raise_like_torch_naming_the_value(query):
+    for bad in ("tpu", "CPU"):
+        with pytest.raises(RuntimeError) as native:
+            getattr(torch, query)(bad)
+        with pytest.raises(RuntimeError, match=rf"device_type '{bad}' is not a device type.*'cpu' and 'cuda'") as ours:
+            getattr(ampkit, query)(bad)
+        assert str(native.value) in str(ours.value)  # torch's list of device types
+    with pytest.raises(TypeError, match=r"device_type must be a string.*got 3"):
+        getattr(ampkit, query)(3)
+    assert getattr(ampkit, query)("cpu") == getattr(torch, query)("cpu")
+
+
+# --------------------------------------------------------------------- re-registering an op
+def _double_linear(x, w):
+    return F.linear(x, w) * 2
+
+
+def _triple_linear(x, w):
+    return F.linear(x, w) * 3
+
+
+def test_a_taken_op_name_is_refused_and_the_first_wrapper_keeps_being_cast():
+    first = ampkit.op(_double_linear, name="robust_scaled_linear")
+    policy = ampkit.load_policy("torch_default").with_ops("cpu", fp32=["robust_scaled_linear"])
+    x, w = torch.randn(2, 4).to(BF16), torch.randn(3, 4).to(BF16)
+    with pytest.raises(ValueError, match=r"'robust_scaled_linear' is already registered for .*_double_linear.*replace=True"):
+        ampkit.op(_triple_linear, name="robust_scaled_linear")
+    assert ampkit.op(_double_linear, name="robust_scaled_linear") is first  # same function: a no-op
+    with ampkit.autocast("cpu", policy=policy):
+        assert first(x, w).dtype == F32  # still listed, still cast
+    with pytest.raises(TypeError, match="replace must be True or False, got 'yes'"):
+        ampkit.op(_triple_linear, name="robust_scaled_linear", replace="yes")
+
+
+def test_replace_true_registers_the_new_function_in_place_of_the_first():
+    first = ampkit.op(_double_linear, name="robust_replaced_linear")
+    second = ampkit.op(_triple_linear, name="robust_replaced_linear", replace=True)
+    policy = ampkit.load_policy("torch_default").with_ops("cpu", fp32=["robust_replaced_linear"])
+    x, w = torch.randn(2, 4).to(BF16), torch.randn(3, 4).to(BF16)
+    with ampkit.autocast("cpu", policy=policy):
+        assert second(x, w).dtype == F32
+        assert first(x, w).dtype == BF16  # now an unlisted op: its body runs in the region
+    assert torch.equal(second(x, w), F.linear(x, w) * 3)

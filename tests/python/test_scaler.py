@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -761,6 +762,15 @@ BAD_SD = [
     (lambda sd: sd.update(_scale_history=[1.0]), ValueError, r"list of 1024 floats"),
     (lambda sd: sd.update(_scale_history=[1.0] * 1023 + ["x"]), TypeError, r"_scale_history'\]\[1023\]"),
     (lambda sd: sd.clear(), ValueError, r"empty dict.*disabled"),
+    # torch's kernel grows when the tracker reaches the interval: at or past it, never.
+    (lambda sd: sd.update(_growth_tracker=sd["growth_interval"]), ValueError,
+     r"_growth_tracker'\]=2000 .*\[0, 1999\]"),
+    (lambda sd: sd.update(growth_interval=4, _growth_tracker=9), ValueError,
+     r"_growth_tracker'\]=9 .*\[0, 3\]"),
+    (lambda sd: sd.update(_growth_tracker=-1), ValueError, r"_growth_tracker'\]=-1"),
+    (lambda sd: sd.update(growth_factor="2"), TypeError, r"state_dict\['growth_factor'\]"),
+    (lambda sd: sd.update(backoff_factor=1.5), ValueError, r"state_dict\['backoff_factor'\]=1.5"),
+    (lambda sd: sd.update(_last_skipped=-1), ValueError, r"_last_skipped'\]=-1"),
 ]
 
 
@@ -1005,3 +1015,92 @@ def test_fused_check_reads_gradients_only_and_flags_like_torch(case):
     assert list(ours) == [torch.device("cpu")] and bits_equal(ours[torch.device("cpu")], theirs)
     assert theirs.item() == (1.0 if any(v != v or abs(v) == INF for _, _, v in pokes) else 0.0)
     assert writes.ops == [] and all(bits_equal(g, c) for g, c in zip(grads, saved))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -4.0, 0.0, float("inf"), -float("inf")])
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["float", "tensor"])
+def test_update_refuses_a_non_finite_or_non_positive_new_scale_naming_it(bad, as_tensor):
+    scaler = ampkit.GradScaler("cpu", init_scale=8.0, hysteresis=2)
+    toy = Toy(scaler)
+    toy.iterate(True)
+    toy.backward()
+    scaler.step(toy.opt)
+    before = full_state(scaler, toy.opt)
+    value = torch.tensor(bad) if as_tensor else bad
+    with pytest.raises(ValueError, match=rf"new_scale=(tensor\()?{re.escape(repr(bad))}"):
+        scaler.update(new_scale=value)
+    assert_unchanged(before, scaler, toy.opt)
+    scaler.update()  # the iteration is still there to finish
+    assert scaler.stats().steps == 2
+
+
+def _torch_reference_after(scaler_state, flags):
+    """torch.amp.GradScaler from a state, driven through iterations with these inf flags."""
+    ref = torch.amp.GradScaler("cpu")
+    ref.load_state_dict(scaler_state)
+    toy = Toy(ref)
+    for found in flags:
+        toy.iterate(found)
+    return ref.get_scale(), ref.state_dict()["_growth_tracker"]
+
+
+@pytest.mark.parametrize("opt_kw", [{}, {"fused": True}], ids=["plain", "fused"])
+@pytest.mark.parametrize("fails_at", ["after_scale", "after_unscale", "in_optimizer_step",
+                                      "after_step"])
+def test_after_a_failed_iteration_reset_iteration_starts_a_clean_one(fails_at, opt_kw):
+    """The documented recovery: whatever stage the failed iteration stopped at,
+    reset_iteration() then a normal iteration gives what torch's scaler gives when the
+    failed iteration never happened (scale and tracker), and changes nothing else."""
+    scaler = ampkit.GradScaler("cpu", init_scale=8.0, growth_interval=2)
+    toy = Toy(scaler, **opt_kw)
+    toy.iterate(False)
+    start = scaler.state_dict()
+    toy.backward()
+    if fails_at in ("after_unscale", "in_optimizer_step"):
+        scaler.unscale_(toy.opt)
+    if fails_at == "in_optimizer_step":
+        real = toy.opt.step
+        toy.opt.step = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))
+        with pytest.raises(RuntimeError, match="boom"):
+            scaler.step(toy.opt)
+        toy.opt.step = real
+    if fails_at == "after_step":
+        scaler.step(toy.opt)
+    assert scaler.state_dict() == start  # only update() changes the scale state
+    scaler.reset_iteration()
+    assert scaler.stage(toy.opt) is OptState.READY
+    for found in (False, True, False):
+        toy.iterate(found)
+    got = scaler.state_dict()
+    assert (got["scale"], got["_growth_tracker"]) == _torch_reference_after(start, [False, True, False])
+
+
+def test_a_stale_unscale_from_a_failed_iteration_is_refused_not_applied():
+    """Without reset_iteration(), step() would apply the new, still-scaled gradients with
+    the failed iteration's inf check (what torch's scaler does): it raises instead."""
+    scaler = ampkit.GradScaler("cpu", init_scale=2.0**10)
+    toy = Toy(scaler)
+    toy.opt.param_groups[0]["lr"] = 0.1
+    toy.backward()
+    scaler.unscale_(toy.opt)  # ... and the iteration fails here
+    toy.backward()  # the next one: zero_grad, a new backward
+    before = toy.p.detach().clone()
+    with pytest.raises(RuntimeError, match=r"not the ones unscale_\(\) unscaled.*reset_iteration\(\)"):
+        scaler.step(toy.opt)
+    assert torch.equal(toy.p, before)
+    scaler.reset_iteration()
+    toy.backward()
+    scaler.step(toy.opt)
+    scaler.update()
+    assert torch.equal(toy.p.detach(), before - 0.1)  # unscaled: a gradient of ones
+
+
+def test_clipping_between_unscale_and_step_is_not_a_stale_unscale():
+    scaler = ampkit.GradScaler("cpu", init_scale=2.0**10)
+    toy = Toy(scaler)
+    toy.backward()
+    scaler.unscale_(toy.opt)
+    torch.nn.utils.clip_grad_norm_([toy.p], 0.5)  # in place: the same gradient tensors
+    scaler.step(toy.opt)
+    scaler.update()
+    assert scaler.stats().steps == 1

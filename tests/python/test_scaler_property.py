@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import ampkit
@@ -220,3 +220,170 @@ def test_bfloat16_inf_norms_equal_the_widened_norms(sizes, pokes, transpose):
     torch._amp_foreach_non_finite_check_and_unscale_(ours, flag, torch.ones(()))
     torch._amp_foreach_non_finite_check_and_unscale_([g.float() for g in grads], theirs, torch.ones(()))
     assert bits_equal(flag, theirs)
+
+
+# --------------------------------------------------------------------------- call sequences
+# Random sequences of scaler calls, valid and not, against torch.amp.GradScaler driven
+# through the same sequence. Every action is applied to two identical systems (model,
+# optimizer, scaler): ours and torch's. A failed iteration (an exception between scale
+# and update) is recovered the documented way on ours, scaler.reset_iteration(), and on
+# torch's the only way it has, a new scaler loaded from its state_dict; an invalid call is
+# made on ours only and must raise and change nothing. After every action the two systems
+# hold bitwise the same parameters, optimizer state, scale and growth tracker, and every
+# step with inf/NaN gradients leaves parameters and optimizer state as they were.
+SEQ_KW = dict(init_scale=2.0**6, growth_factor=2.0, backoff_factor=0.5, growth_interval=2)
+SEQ_OPTIMIZERS = {
+    "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+    "sgd_fused": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, fused=True),
+    "adam": lambda p: torch.optim.Adam(p, lr=0.01),
+}
+
+
+class _Injected(Exception):
+    pass
+
+
+class _System:
+    def __init__(self, make_opt, scaler):
+        self.net = Net(sparse=False)
+        self.opt = make_opt(list(self.net.parameters()))
+        self.scaler = scaler
+        self.gen = torch.Generator().manual_seed(7)
+
+    def backward(self, poison):
+        self.opt.zero_grad()
+        self.scaler.scale(self.net.loss(self.gen)).backward()
+        if poison is not None:
+            self.net.w2.grad[1, 2] = poison
+
+    def fail_inside_optimizer_step(self):
+        real = self.opt.step
+        self.opt.step = lambda *a, **k: (_ for _ in ()).throw(_Injected())
+        try:
+            self.scaler.step(self.opt)
+        except _Injected:
+            pass
+        finally:
+            self.opt.step = real
+
+
+def _bad_calls(ours):
+    """(description, call) pairs that must raise on a scaler between iterations."""
+    sd = ours.scaler.state_dict()
+    return {
+        "update_without_step": lambda: ours.scaler.update(),
+        "update_nan_tensor": lambda: ours.scaler.update(new_scale=torch.tensor(float("nan"))),
+        "update_negative": lambda: ours.scaler.update(new_scale=-1.0),
+        "load_tracker_at_interval": lambda: ours.scaler.load_state_dict(
+            {**sd, "_growth_tracker": sd["growth_interval"]}),
+        "load_missing_key": lambda: ours.scaler.load_state_dict(
+            {k: v for k, v in sd.items() if k != "scale"}),
+        "set_growth_interval_0": lambda: ours.scaler.set_growth_interval(0),
+        "step_not_an_optimizer": lambda: ours.scaler.step(object()),
+        "scale_a_string": lambda: ours.scaler.scale("loss"),
+    }
+
+
+BAD_CALLS = ["update_without_step", "update_nan_tensor", "update_negative",
+             "load_tracker_at_interval", "load_missing_key", "set_growth_interval_0",
+             "step_not_an_optimizer", "scale_a_string"]
+_ACTIONS = st.one_of(
+    st.tuples(st.just("iterate"), st.sampled_from([None, float("inf"), float("nan")]),
+              st.booleans()),
+    st.tuples(st.just("fail"), st.sampled_from(
+        ["after_scale", "after_unscale", "in_optimizer_step", "after_step"]), st.booleans()),
+    st.tuples(st.just("invalid"), st.sampled_from(BAD_CALLS), st.booleans()),
+    st.tuples(st.just("round_trip"), st.none(), st.booleans()),
+    st.tuples(st.just("set_scale"), st.sampled_from([1.0, 512.0, 2.0**20]), st.booleans()),
+)
+
+
+def _tracker(scaler):
+    return scaler.state_dict()["_growth_tracker"]
+
+
+def _torch_restarted(scaler, opt=None):
+    # torch's scaler, when a fused optimizer's step raises, leaves its grad_scale (None
+    # after unscale_) and found_inf attributes on the optimizer, and its next step() then
+    # fails on them; part of torch's way out is to delete them. Ours removes them itself.
+    for name in ("grad_scale", "found_inf"):
+        if opt is not None and hasattr(opt, name):
+            delattr(opt, name)
+    fresh = torch.amp.GradScaler("cpu", **SEQ_KW)
+    fresh.load_state_dict(scaler.state_dict())
+    return fresh
+
+
+@settings(max_examples=40, deadline=None)
+@example(opt_name="sgd_fused", actions=[("fail", "in_optimizer_step", False), ("iterate", None, False)])
+@example(opt_name="sgd_momentum", actions=[("fail", "in_optimizer_step", True), ("iterate", None, True)])
+@given(opt_name=st.sampled_from(sorted(SEQ_OPTIMIZERS)),
+       actions=st.lists(_ACTIONS, min_size=1, max_size=10))
+def test_random_call_sequences_follow_torch_and_recover(opt_name, actions):
+    make_opt = SEQ_OPTIMIZERS[opt_name]
+    ours = _System(make_opt, ampkit.GradScaler("cpu", **SEQ_KW))
+    theirs = _System(make_opt, torch.amp.GradScaler("cpu", **SEQ_KW))
+    both = (ours, theirs)
+    # One clean iteration first: a skipped *first* fused-SGD step leaves torch's momentum
+    # buffer uninitialised (garbage; ours zeroes it, a documented difference).
+    for s in both:
+        s.backward(None)
+        s.scaler.step(s.opt)
+        s.scaler.update()
+    for i, (kind, arg, flag) in enumerate(actions):
+        if kind == "iterate":  # a valid iteration, optionally with unscale_ (for clipping)
+            before = _state(ours.net, ours.opt)
+            for s in both:
+                s.backward(arg)
+                if flag:
+                    s.scaler.unscale_(s.opt)
+                s.scaler.step(s.opt)
+                s.scaler.update()
+            if arg is not None:  # skipped: nothing moved
+                after = _state(ours.net, ours.opt)
+                assert len(after) == len(before)
+                for a, b in zip(before, after):
+                    assert bits_equal(a, b), "a step with inf/NaN gradients changed state"
+        elif kind == "fail":  # an exception between scale and update, then the recovery
+            for s in both:
+                s.backward(float("inf") if flag else None)
+                if arg in ("after_unscale", "in_optimizer_step"):
+                    s.scaler.unscale_(s.opt)
+                if arg == "in_optimizer_step":
+                    s.fail_inside_optimizer_step()
+                if arg == "after_step":
+                    s.scaler.step(s.opt)
+            assert not hasattr(ours.opt, "grad_scale") and not hasattr(ours.opt, "found_inf")
+            ours.scaler.reset_iteration()
+            theirs.scaler = _torch_restarted(theirs.scaler, theirs.opt)
+        elif kind == "invalid":  # ours only: raises, changes nothing
+            name = arg
+            sd, stage, st_before = (ours.scaler.state_dict(), ours.scaler.stage(ours.opt),
+                                    _state(ours.net, ours.opt))
+            with pytest.raises((RuntimeError, ValueError, TypeError)):
+                _bad_calls(ours)[name]()
+            assert ours.scaler.state_dict() == sd and ours.scaler.stage(ours.opt) is stage
+            assert all(bits_equal(a, b) for a, b in zip(st_before, _state(ours.net, ours.opt)))
+        elif kind == "round_trip":  # through a new scaler of each kind
+            fresh = ampkit.GradScaler("cpu", **SEQ_KW)
+            fresh.load_state_dict(ours.scaler.state_dict())
+            ours.scaler = fresh
+            theirs.scaler = _torch_restarted(theirs.scaler)
+        elif kind == "set_scale":  # a valid iteration ending in update(new_scale=...)
+            for s in both:
+                s.backward(None)
+                s.scaler.step(s.opt)
+                s.scaler.update(new_scale=arg)
+        # Same trajectory as torch, bit for bit.
+        assert ours.scaler.get_scale() == theirs.scaler.get_scale(), (i, kind, arg)
+        assert _tracker(ours.scaler) == _tracker(theirs.scaler), (i, kind, arg)
+        for a, b in zip(_state(ours.net, ours.opt), _state(theirs.net, theirs.opt)):
+            assert bits_equal(a, b), (i, kind, arg)
+    # A valid iteration can always follow, and it is torch's.
+    for s in both:
+        s.backward(None)
+        s.scaler.step(s.opt)
+        s.scaler.update()
+    assert ours.scaler.get_scale() == theirs.scaler.get_scale()
+    for a, b in zip(_state(ours.net, ours.opt), _state(theirs.net, theirs.opt)):
+        assert bits_equal(a, b)

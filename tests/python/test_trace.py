@@ -132,3 +132,60 @@ def test_results_are_unchanged_by_tracing():
     with ampkit.trace(), ampkit.autocast("cpu"):
         b = step()
     assert torch.equal(a, b)
+
+
+# -- enter/exit misuse -------------------------------------------------------------------
+def _tracing():
+    return _autocast._engine().trace
+
+
+def _records_linear(tr):
+    return [r.op for r in tr.records if r.rule != "none"]
+
+
+def test_exit_of_a_trace_never_entered_raises_and_keeps_the_enclosing_one():
+    stray = ampkit.trace()
+    with ampkit.trace() as outer, ampkit.autocast("cpu"):
+        with pytest.raises(RuntimeError, match="never entered"):
+            stray.__exit__(None, None, None)
+        assert _tracing() is outer
+        step()
+    assert "linear" in _records_linear(outer)
+    assert _tracing() is None and stray.result.records == []
+
+
+def test_entering_an_active_trace_again_raises_and_changes_nothing():
+    tr = ampkit.trace()
+    with tr as records:
+        with pytest.raises(RuntimeError, match="already active"):
+            tr.__enter__()
+        assert _tracing() is records
+    assert _tracing() is None
+    with ampkit.autocast("cpu"):  # a later region records into nothing old
+        step()
+    assert _records_linear(records) == []
+
+
+def test_exiting_an_outer_trace_before_the_inner_one_raises_and_changes_nothing():
+    outer, inner = ampkit.trace(), ampkit.trace()
+    outer.__enter__()
+    inner.__enter__()
+    with pytest.raises(RuntimeError, match="not the innermost"):
+        outer.__exit__(None, None, None)
+    assert _tracing() is inner.result
+    inner.__exit__(None, None, None)
+    assert _tracing() is outer.result
+    outer.__exit__(None, None, None)
+    assert _tracing() is None
+
+
+def test_exit_twice_raises_and_a_finished_trace_can_be_entered_again():
+    tr = ampkit.trace()
+    with tr, ampkit.autocast("cpu"):
+        step()
+    with pytest.raises(RuntimeError, match="never entered"):
+        tr.__exit__(None, None, None)
+    n = len(tr.result)
+    with tr, ampkit.autocast("cpu"):
+        step()
+    assert len(tr.result) == 2 * n and _tracing() is None

@@ -323,3 +323,123 @@ def test_an_aborted_capture_leaves_the_scaler_ready_for_the_eager_step():
     step(x, y)  # would raise "step() was already called" without the reset
     assert step.scaler.stats().steps == 1
     assert set(opt.state) == set(model.parameters())
+
+
+# -- a call that raises changes nothing ----------------------------------------------------
+FP16 = dict(device_type="cpu", dtype=torch.float16)  # the scaler is on for float16
+FAIL_AT = 4  # the call that raises once (after warm optimizer state and a grown scale)
+
+
+class _Boom(Exception):
+    pass
+
+
+class _Once:
+    """Raise _Boom the first time ``armed`` is set and ``where`` is reached."""
+
+    def __init__(self):
+        self.armed = False
+
+    def fire(self):
+        if self.armed:
+            self.armed = False
+            raise _Boom("injected")
+
+
+class _UpdateFailsOnce(ampkit.GradScaler):
+    trap = None
+
+    def update(self, new_scale=None):
+        self.trap.fire()
+        return super().update(new_scale)
+
+
+def _bn_model(seed=0):
+    torch.manual_seed(seed)
+    # BatchNorm: the forward changes buffers, which a failed call must put back too.
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32),
+                               torch.nn.ReLU(), torch.nn.Linear(32, 8))
+
+
+def _failing_step(where, opt_name, trap):
+    model = _bn_model()
+    opt = OPTIMIZERS[opt_name](model.parameters())
+    scaler = _UpdateFailsOnce("cpu", init_scale=2.0**10, growth_interval=3)
+    scaler.trap = trap if where == "scaler_update" else _Once()
+
+    def loss_fn(out, y):
+        if where == "loss":
+            trap.fire()
+        return torch.nn.functional.mse_loss(out, y)
+
+    if where == "forward":
+        model[1].register_forward_hook(lambda *a: trap.fire())
+    if where == "backward":
+        model[0].weight.register_hook(lambda g: trap.fire())
+    real_step = opt.step
+    if where == "optimizer_step_before":
+        opt.step = lambda *a, **k: (trap.fire(), real_step(*a, **k))[1]
+    if where == "optimizer_step_after":  # the update is applied, then the step raises
+        opt.step = lambda *a, **k: (real_step(*a, **k), trap.fire())[0]
+    step = ampkit.make_train_step(model, loss_fn, opt, scaler=scaler, autocast=FP16,
+                                  capture=False)
+    return model, opt, step
+
+
+def _everything(model, opt, step):
+    return dict(
+        params=[p.detach().clone() for p in model.parameters()],
+        grads=[None if p.grad is None else p.grad.clone() for p in model.parameters()],
+        buffers=[b.clone() for b in model.buffers()],
+        state={i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+               for i, s in enumerate(opt.state.values())},
+        scaler=step.scaler.state_dict(),
+        stages=step.scaler.stage(opt),
+        step=repr(step),
+    )
+
+
+def _assert_same(a, b):
+    assert a.keys() == b.keys()
+    assert_bitwise(a["params"], b["params"])
+    assert_bitwise(a["buffers"], b["buffers"])
+    assert [g is None for g in a["grads"]] == [g is None for g in b["grads"]]
+    assert_bitwise([g for g in a["grads"] if g is not None],
+                   [g for g in b["grads"] if g is not None])
+    assert a["state"].keys() == b["state"].keys()
+    for i in a["state"]:
+        assert a["state"][i].keys() == b["state"][i].keys()
+        for k in a["state"][i]:
+            assert_bitwise(a["state"][i][k], b["state"][i][k])
+    for key in ("scaler", "stages", "step"):
+        assert a[key] == b[key], key
+
+
+@pytest.mark.parametrize("opt_name", ["sgd_momentum_wd", "sgd_fused", "adam"])
+@pytest.mark.parametrize("where", ["forward", "loss", "backward", "optimizer_step_before",
+                                   "optimizer_step_after", "scaler_update"])
+def test_a_call_that_raises_changes_nothing_and_the_run_goes_on_as_a_clean_one(where, opt_name):
+    """Fault injected once at call FAIL_AT: that call leaves parameters, gradients, buffers,
+    optimizer state, scaler and step object bitwise as before; retrying the batch and
+    going on gives exactly the run in which nothing ever raised."""
+    batches = make_batches(n=8)  # infs at 3 and 7: skips and back-offs around the fault
+    clean_trap = _Once()
+    ref_model, ref_opt, ref_step = _failing_step(where, opt_name, clean_trap)
+    ref_losses = [ref_step(x, y) for x, y in batches]
+
+    trap = _Once()
+    model, opt, step = _failing_step(where, opt_name, trap)
+    losses = []
+    for i, (x, y) in enumerate(batches):
+        if i == FAIL_AT:
+            before = _everything(model, opt, step)
+            trap.armed = True
+            with pytest.raises(_Boom):
+                step(x, y)
+            assert not trap.armed  # the fault did fire inside the call
+            _assert_same(_everything(model, opt, step), before)
+        losses.append(step(x, y))
+
+    assert_bitwise(losses, ref_losses)
+    _assert_same(_everything(model, opt, step), _everything(ref_model, ref_opt, ref_step))
+    assert step.scaler.stats() == ref_step.scaler.stats()

@@ -258,3 +258,73 @@ def test_transformer_block_captures_and_matches_eager():
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
     for p, q in zip(res[True][1].parameters(), res[False][1].parameters()):
         torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-3)
+
+
+class _Boom(Exception):
+    pass
+
+
+@pytest.mark.parametrize("where", ["warmup_optimizer_step", "eager_fallback_loss"])
+def test_a_call_that_raises_changes_nothing_around_a_captured_graph(where):
+    """A fault during a warm-up step (after the fused optimizer stepped) or during the
+    eager fallback of a captured step (a smaller batch; the graph owns the gradients,
+    which that step zeroes in place): the call leaves everything as it was, and the run
+    (retrying that batch) ends bitwise where the run without the fault ends, replaying."""
+    batches = make_batches(n=12)
+    small = 5  # a smaller batch: runs eagerly next to the graph
+    batches[small] = (batches[small][0][:16], batches[small][1][:16])
+    fault_at = 1 if where == "warmup_optimizer_step" else small
+
+    def build(armed):
+        model = make_mlp()
+        opt = OPTIMIZERS["sgd_fused"](model.parameters())
+        trap = {"armed": armed}
+
+        def fire():
+            if trap["armed"]:
+                trap["armed"] = False
+                raise _Boom()
+
+        def loss_fn(out, y):
+            if where == "eager_fallback_loss" and out.shape[0] == 16:
+                fire()
+            return torch.nn.functional.mse_loss(out, y)
+
+        if where == "warmup_optimizer_step":
+            real = opt.step
+            opt.step = lambda *a, **k: (real(*a, **k), fire())[0]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            step = ampkit.make_train_step(model, loss_fn, opt, scaler=scaler(), autocast=AC)
+        return model, opt, step, trap
+
+    def state(model, opt, step):
+        torch.cuda.synchronize()
+        return ([p.detach().clone() for p in model.parameters()]
+                + [p.grad.clone() for p in model.parameters() if p.grad is not None]
+                + [t.clone() for t in state_tensors(opt)], step.scaler.state_dict(), repr(step))
+
+    def same(a, b):
+        assert len(a[0]) == len(b[0]) and all(torch.equal(x, y) for x, y in zip(a[0], b[0]))
+        assert a[1:] == b[1:]
+
+    ref_model, ref_opt, ref_step, _ = build(armed=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref_losses = [ref_step(x, y) for x, y in batches]
+    model, opt, step, trap = build(armed=False)
+    losses = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i, (x, y) in enumerate(batches):
+            if i == fault_at:
+                before = state(model, opt, step)
+                trap["armed"] = True
+                with pytest.raises(_Boom):
+                    step(x, y)
+                assert not trap["armed"]
+                same(state(model, opt, step), before)
+            losses.append(step(x, y))
+    assert step.captured and step.captures == ref_step.captures == 1
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+    same(state(model, opt, step), state(ref_model, ref_opt, ref_step))

@@ -26,7 +26,7 @@ import torch
 
 from ampkit.bench._build import BuiltCase
 from ampkit.bench._results import make_record
-from ampkit.bench._spec import Variant
+from ampkit.bench._spec import Variant, load_variants
 
 INIT_SCALE = 2.0 ** 16
 GROWTH_INTERVAL = 2000
@@ -188,6 +188,12 @@ def skipped_from_scale(final_scale, total_steps: int):
 def run_variant(built: BuiltCase, variant: Variant, language: str = "python") -> dict:
     """Train `built` under `variant`; a record with status ok, skipped (with the reason) or
     failed (with the error), never a zero."""
+    if not isinstance(variant, Variant):
+        raise TypeError(
+            "run_variant(built, variant): variant must be an ampkit.bench.Variant, got %r; "
+            "get one with ampkit.bench.load_variants()[%r] (names: %s)"
+            % (variant, variant if isinstance(variant, str) else "fp32",
+               ", ".join(sorted(load_variants()))))
     device = built.device
     common = dict(case=built, variant=variant, language=language, profile=built.profile, device=device)
     reason = variant.skip_reason(device)

@@ -93,6 +93,11 @@ def _builder_params(fn) -> tuple[set, set]:
     return names, required
 
 
+def _int_params(fn) -> set:
+    """The parameters a builder annotates as int (sizes that must be positive integers)."""
+    return {n for n, p in inspect.signature(fn).parameters.items() if p.annotation in (int, "int")}
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One benchmark case, as read from its YAML file (a value: frozen, comparable)."""
@@ -147,6 +152,7 @@ def load_case(path) -> Case:
     _check_keys(path, "profiles.", profiles, PROFILES)
     m_names, m_req = _builder_params(_models.MODELS[doc["model"]])
     d_names, d_req = _builder_params(_models.DATA[doc["data"]])
+    int_sizes = _int_params(_models.MODELS[doc["model"]]) | _int_params(_models.DATA[doc["data"]])
     for pname, prof in profiles.items():
         where = "profiles.%s." % pname
         if not isinstance(prof, dict):
@@ -161,6 +167,9 @@ def load_case(path) -> Case:
                             % (doc["model"], doc["data"], ", ".join(sorted(m_names | d_names))))
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
                 raise _fail(path, where + "sizes." + k, "must be a non-negative number, got %r" % (v,))
+            if k in int_sizes and (not isinstance(v, int) or v < 1):
+                raise _fail(path, where + "sizes." + k, "case %r: must be a positive integer (a "
+                            "count or a dimension), got %r" % (doc["name"], v))
         for k in sorted((m_req | d_req) - set(sizes)):
             raise _fail(path, where + "sizes." + k, "missing (model %r and data %r need %s)"
                         % (doc["model"], doc["data"], ", ".join(sorted(m_req | d_req))))
