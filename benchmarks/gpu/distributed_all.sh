@@ -10,11 +10,16 @@ mkdir -p "$out"
 export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
 ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 nvidia-smi --query-gpu=name --format=csv,noheader > "$out/cards.txt"
-python3 -m pytest -q -p no:cacheprovider tests/python/test_distributed.py > "$out/test_distributed.log" 2>&1
-tail -1 "$out/test_distributed.log"
+if [ -z "${SKIP_TESTS:-}" ]; then
+  python3 -m pytest -q -p no:cacheprovider tests/python/test_distributed.py > "$out/test_distributed.log" 2>&1
+  tail -1 "$out/test_distributed.log"
+fi
+# EXTRA: more distributed_step.py flags for every run (e.g. --bucket-view); the 2-GPU run
+# also compares captured and eager steps (--check).
 for n in 1 "$ngpu"; do
+  check=$([ "$n" -gt 1 ] && echo --check)
   timeout 400 torchrun --standalone --nproc-per-node "$n" benchmarks/gpu/distributed_step.py \
     --case "${CASE:-transformer}" --engines "${ENGINES:-ddp,fsdp2}" --repeats "${REPEATS:-5}" \
-    --json "$out/distributed-${n}gpu.json" > "$out/distributed-${n}gpu.log" 2>&1
-  echo "== $n GPU(s): rc=$?"; grep '^{' "$out/distributed-${n}gpu.log"
+    $check ${EXTRA:-} --json "$out/distributed-${n}gpu${TAG:-}.json" > "$out/distributed-${n}gpu${TAG:-}.log" 2>&1
+  echo "== $n GPU(s): rc=$?"; grep '^{' "$out/distributed-${n}gpu${TAG:-}.log"
 done

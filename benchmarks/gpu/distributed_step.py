@@ -41,12 +41,16 @@ import ampkit.bench as bench  # noqa: E402
 DDP_WARMUP = 11  # eager DDP iterations before a capture (torch's CUDA graphs notes)
 
 
+BUCKET_VIEW = False  # --bucket-view: DDP(gradient_as_bucket_view=True), for every variant
+
+
 def wrap(engine, model):
     if engine == "ddp":
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=[torch.cuda.current_device()])
+            wrapped = torch.nn.parallel.DistributedDataParallel(
+                model, device_ids=[torch.cuda.current_device()], gradient_as_bucket_view=BUCKET_VIEW)
         torch.cuda.current_stream().wait_stream(side)
         return wrapped
     if engine == "fsdp2":
@@ -79,6 +83,37 @@ def make(variant, engine, built):
     raise ValueError(f"unknown variant {variant!r}")
 
 
+def check_capture(engine, built, steps=12):
+    """A captured make_train_step against an eager one on the same data: losses and this
+    rank's parameters (its shard under FSDP2), bitwise, and for DDP the replicas agreeing
+    across ranks. Returns a dict of findings."""
+    runs = {}
+    for capture in (False, "auto"):
+        torch.manual_seed(0)
+        model = wrap(engine, built.new_model())
+        opt = built.new_optimizer(model, fused=True)
+        step = ampkit.make_train_step(model, built.loss_fn, opt, scaler=ampkit.GradScaler("cuda"),
+                                      autocast=dict(device_type="cuda", dtype=torch.float16), capture=capture,
+                                      warmup=DDP_WARMUP if engine == "ddp" else 3)
+        losses = [step(*built.batches[i % built.num_batches]).item() for i in range(steps)]
+        params = [(p.to_local() if hasattr(p, "to_local") else p).detach().clone() for p in model.parameters()]
+        runs[capture] = (losses, params, step.captures)
+    (le, pe, _), (lc, pc, captures) = runs[False], runs["auto"]
+    out = {"captured": captures > 0, "losses_equal": le == lc,
+           "params_equal": all(torch.equal(a, b) for a, b in zip(pe, pc)),
+           "max_param_diff": max(float((a.float() - b.float()).abs().max()) for a, b in zip(pe, pc)),
+           "last_loss_eager": le[-1], "last_loss_captured": lc[-1]}
+    if engine == "ddp":
+        total = torch.stack([p.double().sum() for p in pc]).sum().reshape(1)
+        both = [torch.zeros_like(total) for _ in range(dist.get_world_size())]
+        dist.all_gather(both, total)
+        out["replicas_agree"] = all(torch.equal(both[0], t) for t in both)
+    flags = torch.tensor([float(out["losses_equal"]), float(out["params_equal"])], device="cuda")
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)  # every rank's verdict
+    out["all_ranks_equal"] = bool(flags.min().item() == 1.0)
+    return out
+
+
 def timed_pass(step, built):
     torch.cuda.synchronize()
     dist.barrier()
@@ -99,7 +134,11 @@ def main(argv=None):
     ap.add_argument("--variants", default="torch_amp,ampkit_amp,ampkit_step")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--bucket-view", action="store_true", help="DDP(gradient_as_bucket_view=True)")
+    ap.add_argument("--check", action="store_true", help="also compare captured and eager steps")
     a = ap.parse_args(argv)
+    global BUCKET_VIEW
+    BUCKET_VIEW = a.bucket_view
     local = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
@@ -108,10 +147,19 @@ def main(argv=None):
     batch = built.batches[0][0].shape[0]
     card = torch.cuda.get_device_name()
     records = []
+    for engine in a.engines.split(",") if a.check else ():
+        try:
+            found = check_capture(engine, built)
+        except Exception as e:  # noqa: BLE001 - recorded
+            found = {"error": f"{type(e).__name__}: {e}"[:600]}
+        record = {"check": "captured_vs_eager", "engine": engine, "world_size": world, **found}
+        records.append(record)
+        if rank == 0:
+            print(json.dumps(record), flush=True)
     for engine in a.engines.split(","):
         for variant in a.variants.split(","):
             record = {"case": a.case, "profile": a.profile, "engine": engine, "variant": variant,
-                      "world_size": world, "card": card, "torch": torch.__version__}
+                      "world_size": world, "ddp_bucket_view": BUCKET_VIEW, "card": card, "torch": torch.__version__}
             step = train_step = None
             try:
                 step, train_step = make(variant, engine, built)
