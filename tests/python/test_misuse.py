@@ -264,6 +264,7 @@ CASES = [
     C("scaler-device-unknown", "GradScaler", lambda w: ampkit.GradScaler("gpu0"), ValueError, r"'gpu0'"),
     C("scaler-hysteresis-0", "GradScaler", lambda w: ampkit.GradScaler("cpu", hysteresis=0), ValueError, r"hysteresis=0"),
     C("scaler-clamps-crossed", "GradScaler", lambda w: ampkit.GradScaler("cpu", init_scale=3.0, min_scale=4.0, max_scale=2.0), ValueError, r"min_scale=4.0 is larger than max_scale=2.0"),
+    C("scaler-group-without-init", "GradScaler", lambda w: ampkit.GradScaler("cpu", process_group="world"), RuntimeError, r"process_group='world'.*init_process_group"),
     C("cuda-scaler-device", "cuda_amp_grad_scaler", lambda w: ampkit.cuda_amp_grad_scaler(device="cpu"), TypeError, r"device='cpu'"),
     C("cuda-scaler-interval-0", "cuda_amp_grad_scaler", lambda w: ampkit.cuda_amp_grad_scaler(growth_interval=0), ValueError, r"growth_interval=0"),
     # GradScaler: methods, values and order
