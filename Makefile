@@ -37,7 +37,7 @@ $(PY_STAMP): pyproject.toml
 	    echo "setup: reusing the system torch"; $(PYTHON) -m venv --system-site-packages $(VENV); \
 	  else $(PYTHON) -m venv $(VENV); fi; fi
 	@$(VPY) -c 'import torch' 2>/dev/null || $(VPY) -m pip install -q torch==2.13.0
-	$(VPY) -m pip install -q -e '.[test,bench]'
+	$(VPY) -m pip install -q -e '.[test,bench,r]'
 	@touch $@
 
 setup-r: $(R_STAMP)

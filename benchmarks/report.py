@@ -1,4 +1,4 @@
-"""Turn a results document (benchmarks/schema.json) into a markdown report and a PNG chart.
+"""Turn a results document (shared_specs/benchmarks/schema.json) into a markdown report and a PNG chart.
 
     python benchmarks/report.py benchmarks/results/results.json [--out-dir DIR]
     python benchmarks/report.py part1/results.json part2/results.json --out-dir DIR   # merge runs

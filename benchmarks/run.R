@@ -2,7 +2,7 @@
 # package (with_autocast(), amp_grad_scaler(), amp_train_step()), on the same seeded
 # models and data as the Python runner (built by ampkit.bench through reticulate), timed
 # by the same protocol (see python/ampkit/bench/_runner.py) and written in the same
-# schema (benchmarks/schema.json).
+# schema (shared_specs/benchmarks/schema.json).
 #
 #   Rscript benchmarks/run.R --profile cpu --out raw-r.json \
 #     [--cases a,b] [--variants x,y] [--repeats N] [--device auto|cpu|cuda] [--threads N] [--seed 0]

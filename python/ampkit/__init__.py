@@ -18,6 +18,8 @@ from ampkit._autocast import checkpoint
 from ampkit._autocast import custom_bwd
 from ampkit._autocast import custom_fwd
 from ampkit._autocast import get_autocast_dtype
+from ampkit._autocast import is_autocast_available
+from ampkit._autocast import is_autocast_cache_enabled
 from ampkit._autocast import is_autocast_enabled
 from ampkit._autocast import op
 from ampkit._trace import CastTrace
@@ -40,6 +42,8 @@ __all__ = [
     "custom_bwd",
     "custom_fwd",
     "get_autocast_dtype",
+    "is_autocast_available",
+    "is_autocast_cache_enabled",
     "is_autocast_enabled",
     "load_policy",
     "make_train_step",

@@ -41,6 +41,8 @@ from pathlib import Path
 import torch
 import yaml
 
+from ampkit._specs import SpecsNotFoundError, policy_dir
+
 CATEGORIES = ("lower_precision_fp", "fp32", "fp32_output", "promote", "banned")
 DEVICES = ("cpu", "cuda")
 SCHEMA_VERSION = 1
@@ -50,7 +52,6 @@ _TOP_KEYS = ("schema_version", "name", "description", "devices")
 _DEVICE_KEYS = ("lower_precision_dtype",) + CATEGORIES  # required
 _OPTIONAL_DEVICE_KEYS = ("decompose",)  # optional, [] when absent
 DEFAULT_BAN_MESSAGE = "{op} is banned in ampkit autocast regions by the active policy."
-SPEC_DIR = Path(__file__).resolve().parents[2] / "shared_specs" / "policies"
 
 
 # Every live policy by id(): code that torch.compile traces names a policy by its id, a
@@ -366,10 +367,14 @@ def load_policy(path_or_name) -> Policy:
         raise PolicyError(f"load_policy: expected a spec name or a path, got {path_or_name!r}")
     s = os.fspath(path_or_name)
     if os.sep not in s and "/" not in s and not s.endswith((".yaml", ".yml")):
-        path = SPEC_DIR / f"{s}.yaml"
+        try:
+            folder = policy_dir()
+        except SpecsNotFoundError as e:
+            raise PolicyError(f"load_policy: cannot look up the shipped policy {s!r}: {e}") from e
+        path = folder / f"{s}.yaml"
         if not path.is_file():
-            names = sorted(p.stem for p in SPEC_DIR.glob("*.yaml")) if SPEC_DIR.is_dir() else []
-            raise PolicyError(f"load_policy: no shipped policy named {s!r}; shipped: {', '.join(names) or 'none'} (in {SPEC_DIR})")
+            names = sorted(p.stem for p in folder.glob("*.yaml"))
+            raise PolicyError(f"load_policy: no shipped policy named {s!r}; shipped: {', '.join(names) or 'none'} (in {folder})")
     else:
         path = Path(s)
     try:

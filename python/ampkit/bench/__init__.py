@@ -3,7 +3,7 @@
 Cases and variants are YAML data (shared_specs/benchmarks); `build_case` makes the same
 seeded model and data for the Python runner (`python -m ampkit.bench`) and the R runner
 (benchmarks/run.R, through reticulate); `make_record`, `derive` and `write_document`
-write the one results schema (benchmarks/schema.json) for both.
+write the one results schema (shared_specs/benchmarks/schema.json) for both.
 
 >>> import ampkit.bench as bench
 >>> b = bench.build_case("seed_mlp", "tiny", seed=0, device="cpu")

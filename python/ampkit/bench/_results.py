@@ -1,4 +1,4 @@
-"""Benchmark results: one JSON schema for both languages (benchmarks/schema.json).
+"""Benchmark results: one JSON schema for both languages (shared_specs/benchmarks/schema.json).
 
 A results document is {"context": {...}, "records": [...]}: the context says where and
 with what it ran (host, CPU, card, library versions, commit, profile); each record is
@@ -19,6 +19,8 @@ import statistics
 import subprocess
 from pathlib import Path
 
+from ampkit._specs import specs_root
+
 SCHEMA_VERSION = 1
 NOISE = 0.05  # a ratio whose [low, high] lies wholly past 1 +/- NOISE is flagged as a change
 # The rivals every record is timed against (same case and language), and the field each
@@ -30,8 +32,8 @@ ERROR_CHARS = 600  # a failed record keeps the error's first characters, on one 
 
 
 def schema_path() -> Path:
-    from ampkit.bench._spec import spec_dir
-    return spec_dir().parent.parent / "benchmarks" / "schema.json"
+    """The results schema, shipped with the cases (``shared_specs/benchmarks/schema.json``)."""
+    return specs_root() / "benchmarks" / "schema.json"
 
 
 def load_schema() -> dict:
@@ -122,8 +124,7 @@ def _cpu_model() -> str:
 def _git_commit():
     if os.environ.get("AMPKIT_GIT_COMMIT"):  # where the checkout has no .git (the device machine)
         return os.environ["AMPKIT_GIT_COMMIT"]
-    from ampkit.bench._spec import spec_dir
-    repo = spec_dir().parent.parent
+    repo = specs_root().parent  # the checkout (an installed package has no commit: None)
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
                              timeout=10).stdout.strip()
