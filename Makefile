@@ -15,11 +15,13 @@ R_ENV := RETICULATE_PYTHON=$(CURDIR)/$(VPY) R_LIBS=$(RLIB) OMP_NUM_THREADS=1 \
          AMPKIT_REPO=$(CURDIR)
 
 # Benchmark options: make bench PROFILE=full CASES=seed_mlp VARIANTS=fp32,torch_amp LANGS=python REPEATS=5
+# BUDGET: seconds the runs may take (default for the cpu profile: benchmarks/run.py's; 0: none).
 PROFILE ?= cpu
 CASES ?=
 VARIANTS ?=
 LANGS ?= python,r
 REPEATS ?=
+BUDGET ?=
 BENCH_OUT ?= benchmarks/results
 
 .PHONY: setup setup-python setup-r test test-python test-r check-r bench clean
@@ -67,7 +69,8 @@ check-r: setup
 
 bench: setup
 	$(VPY) benchmarks/run.py --profile $(PROFILE) --langs $(LANGS) --out $(BENCH_OUT) \
-	  $(if $(CASES),--cases $(CASES)) $(if $(VARIANTS),--variants $(VARIANTS)) $(if $(REPEATS),--repeats $(REPEATS))
+	  $(if $(CASES),--cases $(CASES)) $(if $(VARIANTS),--variants $(VARIANTS)) $(if $(REPEATS),--repeats $(REPEATS)) \
+	  $(if $(BUDGET),--budget $(BUDGET))
 
 clean:
 	rm -rf $(VENV) $(RLIB) build *.egg-info python/*.egg-info

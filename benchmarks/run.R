@@ -66,7 +66,7 @@ if (nzchar(opts$threads)) torch$set_num_threads(as.integer(opts$threads))
 seed <- as.integer(opts$seed)
 
 field <- function(obj, name) py_to_r(reticulate::py_get_attr(obj, name))
-runner <- bench$`_runner`  # the Python runner's helpers that both runners share
+runner <- bench  # the helpers both runners share (ampkit.bench's public names)
 cases <- planned[[1]]
 variants <- Filter(function(v) "r" %in% unlist(field(v, "languages")), planned[[2]])
 

@@ -29,6 +29,8 @@ sys.path.insert(0, str(REPO / "python"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 LANGS = ("python", "r")
+# make bench must finish within 10 minutes on a fresh clone (setup included) on any CPU.
+DEFAULT_BUDGET_S = 330
 
 
 def parse_args(argv=None):
@@ -43,6 +45,10 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads in both runners (default: 1 on CPU, torch's own on CUDA)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds the runs may take: each case is calibrated and, where the estimate is "
+                        "over, its run lengths (then batch size) cut; every variant still runs "
+                        "(default: %d for the cpu profile on the CPU, else none; 0: none)" % DEFAULT_BUDGET_S)
     p.add_argument("--rscript", default=os.environ.get("AMPKIT_RSCRIPT", "Rscript"),
                    help="command that runs an R script (default: Rscript; on the GPU machine the r-on-device wrapper)")
     return p.parse_args(argv)
@@ -61,9 +67,9 @@ def runner_env(threads: int | None) -> dict:
     return env
 
 
-def common_args(a, device: str, threads) -> list:
+def common_args(a, device: str, threads, budgeted: bool = False) -> list:
     args = ["--profile", a.profile, "--device", device, "--seed", str(a.seed)]
-    for flag, value in (("--variants", a.variants), ("--repeats", a.repeats),
+    for flag, value in (("--variants", a.variants), ("--repeats", None if budgeted else a.repeats),
                         ("--threads", threads)):
         if value not in (None, ""):
             args += [flag, str(value)]
@@ -107,6 +113,38 @@ def failed_document(lang: str, error: str, a, device: str, cases, variants) -> d
     return {"context": ctx, "records": recs}
 
 
+def _minutes(seconds: float) -> str:
+    seconds = max(0, int(round(seconds)))
+    return "%d min %02d s" % divmod(seconds, 60) if seconds >= 60 else "%d s" % seconds
+
+
+def _describe_length(n, profile_n) -> str:
+    text = "%d batches x %d repeats after %d warm-up steps, batch size %d" % (
+        n.num_batches, n.repeats, n.warmup_steps, n.batch_size)
+    return text + (" (the profile's)" if n == profile_n else " (cut to fit the time budget from %d x %d after %d, batch %d)"
+                   % (profile_n.num_batches, profile_n.repeats, profile_n.warmup_steps, profile_n.batch_size))
+
+
+def plan_budget(a, cases, variants, langs, device, threads):
+    """(budget seconds or 0, {case: StepCost}, {case: RunLength}): each case calibrated once."""
+    from ampkit import bench
+    budget = a.budget if a.budget is not None else (DEFAULT_BUDGET_S if (device, a.profile) == ("cpu", "cpu") else 0)
+    lengths = {c.name: bench.RunLength.of(c, a.profile, a.repeats) for c in cases}
+    if not budget:
+        return 0, {}, lengths
+    import torch
+    if threads:
+        torch.set_num_threads(threads)
+    costs = {}
+    for c in cases:
+        t0 = time.perf_counter()
+        costs[c.name] = bench.calibrate(bench.build_case(c, a.profile, seed=a.seed, device=device))
+        print("== calibrated %s: %.0f ms a float32 step, %.0f ms a low-precision step (%.1f s)"
+              % (c.name, costs[c.name].fp32_ms, costs[c.name].low_ms, time.perf_counter() - t0),
+              file=sys.stderr, flush=True)
+    return budget, costs, lengths
+
+
 def main(argv=None) -> int:
     t_start = time.perf_counter()
     a = parse_args(argv)
@@ -127,12 +165,31 @@ def main(argv=None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     env = runner_env(threads)
+    cap = bench.cpu_capability() if device == "cpu" else None
+    if cap is not None:
+        print("== CPU: " + cap.describe(), file=sys.stderr, flush=True)
+    budget, costs, lengths = plan_budget(a, cases, variants, langs, device, threads)
+    planned = dict(lengths)
+    t_runs, spent, estimated_done, scale = time.perf_counter(), 0.0, 0.0, 1.0
     docs = []
     # Case by case, the languages one after the other, their order alternating: the
     # R / Python comparison of a case is then made minutes apart, not the whole suite
     # apart, and a drift of the machine's load does not favour one language.
     for k, case in enumerate(cases):
-        print("== case %d/%d: %s" % (k + 1, len(cases), case.name), file=sys.stderr, flush=True)
+        left = cases[k:]
+        if budget:  # refit what is left to the time left, corrected by how the estimates fared
+            fitted, est = bench.fit_budget({c.name: planned[c.name] for c in left},
+                                           {c.name: costs[c.name] for c in left}, variants, langs,
+                                           device, budget - spent, scale)
+            lengths.update(fitted)
+            env["AMPKIT_BENCH_SPECS"] = bench.write_sized_cases(left, lengths, a.profile, out / "sized-cases")
+            this = scale * bench.estimate_s(lengths[case.name], costs[case.name], variants, langs, device)
+            print("== case %d/%d: %s, %s (about %s; about %s left in all)" % (
+                k + 1, len(cases), case.name, _describe_length(lengths[case.name], planned[case.name]),
+                _minutes(this), _minutes(est)), file=sys.stderr, flush=True)
+        else:
+            print("== case %d/%d: %s" % (k + 1, len(cases), case.name), file=sys.stderr, flush=True)
+        t_case = time.perf_counter()
         for lang in (langs if k % 2 == 0 else langs[::-1]):
             raw = out / ("raw-%s-%s.json" % (lang, case.name))
             if lang == "python":
@@ -144,11 +201,22 @@ def main(argv=None) -> int:
                     docs.append(failed_document(lang, err, a, device, [case], variants))
                     print("== r runner: " + err, file=sys.stderr)
                     continue
-            args = common_args(a, device, threads) + ["--cases", case.name, "--out", str(raw)]
+            args = common_args(a, device, threads, budgeted=bool(budget)) + ["--cases", case.name, "--out", str(raw)]
             err = run_runner(lang, cmd + args, env, raw)
             docs.append(bench.read_document(raw) if err is None else
                         failed_document(lang, err, a, device, [case], variants))
+        if budget:
+            spent = time.perf_counter() - t_runs
+            estimated_done += bench.estimate_s(lengths[case.name], costs[case.name], variants, langs, device)
+            scale = min(max(spent / estimated_done, 0.5), 5.0)
+        print("== case %d/%d done in %s" % (k + 1, len(cases), _minutes(time.perf_counter() - t_case)),
+              file=sys.stderr, flush=True)
     doc = bench.merge(docs)
+    doc["context"]["cpu_capability"] = cap.to_dict() if cap is not None else None
+    doc["context"]["budget"] = None if not budget else {
+        "budget_s": budget, "spent_s": round(time.perf_counter() - t_runs, 1),
+        "cut": {c.name: _describe_length(lengths[c.name], planned[c.name])
+                for c in cases if lengths[c.name] != planned[c.name]}}
     results = out / "results.json"
     bench.write_document(results, doc["context"], doc["records"])
     md = report.write(doc, out)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -489,7 +490,9 @@ def test_run_py_end_to_end_and_a_missing_r_is_a_failure_not_a_gap(tmp_path):
     assert "| seed_mlp | torch_amp | python | bfloat16 |" in p.stdout
     assert (tmp_path / "report.md").exists() and (tmp_path / "report.png").exists()
     assert (tmp_path / "raw-python-seed_mlp.json").exists()  # one runner call per case and language
-    assert "[python  1/3] seed_mlp / fp32:" in p.stderr  # progress while it runs
+    # progress while it runs, with the time left at the pace so far
+    assert re.search(r"\[python  1/3, ~\d+ s left\] seed_mlp / fp32:", p.stderr), p.stderr
+    assert "[python  3/3] seed_mlp / torch_amp:" in p.stderr
 
 
 def test_report_merges_runs_made_apart(tmp_path, tiny_records):

@@ -35,8 +35,24 @@ from ampkit.bench._results import merge
 from ampkit.bench._results import read_document
 from ampkit.bench._results import validate
 from ampkit.bench._results import write_document
+from ampkit.bench._machine import CpuCapability
+from ampkit.bench._machine import compile_reason
+from ampkit.bench._machine import cpu_capability
+from ampkit.bench._budget import RunLength
+from ampkit.bench._budget import StepCost
+from ampkit.bench._budget import calibrate
+from ampkit.bench._budget import estimate_s
+from ampkit.bench._budget import fit as fit_budget
+from ampkit.bench._budget import notches
+from ampkit.bench._budget import write_sized_cases
+from ampkit.bench._runner import GROWTH_INTERVAL
+from ampkit.bench._runner import INIT_SCALE
+from ampkit.bench._runner import compile_counts
+from ampkit.bench._runner import compile_model
+from ampkit.bench._runner import compile_note
 from ampkit.bench._runner import loop_step
 from ampkit.bench._runner import peak_memory
+from ampkit.bench._runner import precision_flags
 from ampkit.bench._runner import progress
 from ampkit.bench._runner import reset_peak_memory
 from ampkit.bench._runner import run_variant
@@ -47,22 +63,37 @@ __all__ = [
     "BenchSpecError",
     "BuiltCase",
     "Case",
+    "CpuCapability",
+    "GROWTH_INTERVAL",
+    "INIT_SCALE",
     "PROFILES",
+    "RunLength",
     "SCHEMA_VERSION",
+    "StepCost",
     "Variant",
     "build_case",
+    "calibrate",
     "check",
+    "compile_counts",
+    "compile_model",
+    "compile_note",
+    "compile_reason",
     "context",
+    "cpu_capability",
     "derive",
+    "estimate_s",
     "finalize_json",
+    "fit_budget",
     "load_case",
     "load_cases",
     "load_variants",
-    "make_record",
     "loop_step",
+    "make_record",
     "merge",
+    "notches",
     "peak_memory",
     "plan",
+    "precision_flags",
     "progress",
     "read_document",
     "reset_peak_memory",
@@ -74,4 +105,5 @@ __all__ = [
     "synchronize",
     "validate",
     "write_document",
+    "write_sized_cases",
 ]

@@ -213,6 +213,9 @@ class Variant:
         """Why this variant cannot run on the device (None when it can)."""
         if device not in self.devices:
             return "%s runs only on %s; this run is on %s" % (self.name, " or ".join(self.devices), device)
+        if self.compile != "none" and device == "cpu":
+            from ampkit.bench._machine import compile_reason
+            return compile_reason()
         return None
 
 
