@@ -91,7 +91,7 @@ def compiled(doc: dict) -> str:
     """ampkit's variants against torch.compile (time ratios, < 1: ours faster), then every
     compiled run: its status, compile seconds (outside the timed steps) and note. Empty
     when the document has neither (e.g. results written before the compiled variants)."""
-    from ampkit.bench._results import RIVALS
+    from ampkit.bench import RIVALS
     recs = doc["records"]
     runs = [r for r in recs if r.get("compile", "none") != "none"]
     ours = [r for r in recs if r["variant"] in OURS]

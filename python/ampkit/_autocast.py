@@ -241,6 +241,12 @@ def _engine() -> _Engine:
         return e
 
 
+def thread_engine():
+    """This thread's engine: its stack of regions, its trace and its cast cache (for the
+    trace module, which records into it, and for tests of the engine's state)."""
+    return _engine()
+
+
 class _Mode(TorchFunctionMode):
     """The one handler. Kept minimal: it runs for every torch call while pushed."""
 

@@ -41,6 +41,8 @@ from pathlib import Path
 import torch
 import yaml
 
+from ampkit import _decompositions, _ops
+from ampkit._errors import PolicyError
 from ampkit._specs import SpecsNotFoundError, policy_dir
 
 CATEGORIES = ("lower_precision_fp", "fp32", "fp32_output", "promote", "banned")
@@ -62,10 +64,6 @@ _LIVE: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 def live_policy(policy_id: int) -> "Policy":
     """The live Policy whose id() is ``policy_id``."""
     return _LIVE[policy_id]
-
-
-class PolicyError(ValueError):
-    """A cast policy (file, name, op, category, dtype or device) is invalid."""
 
 
 def _dtype_of(value, where: str) -> torch.dtype:
@@ -239,7 +237,7 @@ class Policy:
             else:
                 items = [(n, None) for n in names]
             for n, msg in items:
-                _ops_mod().check_name(n, f"with_ops({cat}=...)")
+                _ops.check_name(n, f"with_ops({cat}=...)")
                 if n in moves:
                     raise PolicyError(f"with_ops: op {n!r} given for both {moves[n][0]!r} and {cat!r}")
                 if msg is not None and not isinstance(msg, str):
@@ -258,7 +256,7 @@ class Policy:
         """
         targets = self._targets(device)
         for n in names:
-            _ops_mod().check_name(n, "without_ops")
+            _ops.check_name(n, "without_ops")
             if not any(self.category(d, n) or self.decomposes(d, n) for d in targets):
                 raise PolicyError(
                     f"without_ops: op {n!r} is in no category on {', '.join(targets)}, so there is "
@@ -295,12 +293,6 @@ class Policy:
         return dataclasses.replace(self, name=name, description=self.description if description is None else description)
 
 
-def _ops_mod():
-    from ampkit import _ops
-
-    return _ops
-
-
 def _make_rules(dtype, tables, device, where) -> DeviceRules:
     kw = {c: tuple(sorted(tables[c])) for c in CATEGORIES[:-1]}
     kw["banned"] = tuple(sorted(tables["banned"].items()))
@@ -311,8 +303,6 @@ def _make_rules(dtype, tables, device, where) -> DeviceRules:
 
 
 def _check_decomposable(op, device, where):
-    from ampkit import _decompositions
-
     known = _decompositions.known(device)
     if op not in known:
         d = _decompositions.DECOMPOSITIONS.get(op)
@@ -466,7 +456,7 @@ def _parse_device(dev, body, where) -> DeviceRules:
         table = {}
         for n, msg in items:
             w = where("devices", dev, cat, n) if isinstance(n, str) else where("devices", dev, cat)
-            _ops_mod().check_name(n, w)
+            _ops.check_name(n, w)
             if n in seen:
                 raise PolicyError(f"{w}: op {n!r} is listed in both {seen[n]!r} and {cat!r}; an op belongs to one category")
             if cat == "banned" and not isinstance(msg, str):
@@ -481,7 +471,7 @@ def _parse_device(dev, body, where) -> DeviceRules:
     tables["decompose"] = {}
     for n in dec:
         w = where("devices", dev, "decompose", n) if isinstance(n, str) else where("devices", dev, "decompose")
-        _ops_mod().check_name(n, w)
+        _ops.check_name(n, w)
         if n in seen:
             twice = "twice under decompose" if seen[n] == "decompose" else f"in {seen[n]!r} and under decompose"
             raise PolicyError(f"{w}: op {n!r} is listed {twice}; an op is either in one category or decomposed")

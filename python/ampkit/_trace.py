@@ -143,18 +143,18 @@ class trace:
         self._entered = False
 
     def __enter__(self) -> CastTrace:
-        from ampkit._autocast import _engine
+        from ampkit._autocast import thread_engine
 
-        eng = _engine()
+        eng = thread_engine()
         self._prev = eng.trace
         self._pushed = eng.set_trace(self.result)
         self._entered = True
         return self.result
 
     def __exit__(self, exc_type, exc_val, exc_tb):
-        from ampkit._autocast import _engine
+        from ampkit._autocast import thread_engine
 
-        eng = _engine()
+        eng = thread_engine()
         self._entered = False
         if self._pushed:
             eng.drop_trace_push()

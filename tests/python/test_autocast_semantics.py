@@ -105,7 +105,7 @@ def test_exception_inside_restores_everything():
                 1 / 0
     assert not ampkit.is_autocast_enabled("cpu")
     assert modes() == base
-    assert _autocast._engine().cache == {} and _autocast._engine().depth == 0
+    assert _autocast.thread_engine().cache == {} and _autocast.thread_engine().depth == 0
     assert lin().dtype == F32
     with ampkit.autocast("cpu"):
         with pytest.raises(ValueError):
@@ -186,7 +186,7 @@ def reference_engine():
 
 
 def _cached_cast_of(w):
-    hits = [c for (src, c) in _autocast._engine().cache.values() if src is w]
+    hits = [c for (src, c) in _autocast.thread_engine().cache.values() if src is w]
     return hits[0] if hits else None
 
 
@@ -206,7 +206,7 @@ def test_cache_lives_for_the_outermost_region_and_is_freed(reference_engine):
     del y1, y2, y3  # their graphs hold the cast weight for backward
     gc.collect()
     assert ref() is None  # freed at the outermost exit
-    assert _autocast._engine().cache == {}
+    assert _autocast.thread_engine().cache == {}
 
 
 def test_cache_shares_one_cast_like_native():
@@ -256,7 +256,7 @@ def test_cache_disabled_and_disabled_region_cache_nothing(reference_engine):
     for region in (ampkit.autocast("cpu", cache_enabled=False), ampkit.autocast("cpu", enabled=False)):
         with region:
             F.linear(torch.randn(2, 4), w)
-            assert _autocast._engine().cache == {}
+            assert _autocast.thread_engine().cache == {}
 
 
 def test_cache_enabled_none_follows_torch_flag(reference_engine):

@@ -25,6 +25,7 @@ from ampkit.bench._spec import spec_dir
 from ampkit.bench._build import BuiltCase
 from ampkit.bench._build import build_case
 from ampkit.bench._build import resolve_device
+from ampkit.bench._results import RIVALS
 from ampkit.bench._results import SCHEMA_VERSION
 from ampkit.bench._results import check
 from ampkit.bench._results import context
@@ -36,6 +37,7 @@ from ampkit.bench._results import read_document
 from ampkit.bench._results import validate
 from ampkit.bench._results import write_document
 from ampkit.bench._machine import CpuCapability
+from ampkit.bench._machine import capability_from
 from ampkit.bench._machine import compile_reason
 from ampkit.bench._machine import cpu_capability
 from ampkit.bench._budget import RunLength
@@ -67,12 +69,14 @@ __all__ = [
     "GROWTH_INTERVAL",
     "INIT_SCALE",
     "PROFILES",
+    "RIVALS",
     "RunLength",
     "SCHEMA_VERSION",
     "StepCost",
     "Variant",
     "build_case",
     "calibrate",
+    "capability_from",
     "check",
     "compile_counts",
     "compile_model",

@@ -23,7 +23,7 @@ import time
 # Rough fixed costs (seconds) the estimate adds to the measured steps.
 PROCESS_S = {"python": 4.0, "r": 10.0}  # a runner's start (imports, R, reticulate), per case
 RUN_S = 0.5  # a variant's fresh model, optimizer and clean-up
-COMPILE_S = 20.0  # torch.compile's first step on a CPU
+COMPILE_S = 12.0  # torch.compile's first step on a CPU: ~20 s a cache miss, ~2 s a hit (R hits Python's)
 MIN_REPEATS, MIN_BATCHES = 2, 2
 MIN_BATCH_SIZE = 2  # batch norm needs two samples a batch
 
