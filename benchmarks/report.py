@@ -174,7 +174,7 @@ def _fmt_diff(n) -> str:
 
 
 def goals(doc: dict) -> str:
-    """Where the run stands on the goals of issue 5 (meant for the GPU; reported on any device).
+    """Where the run stands on the benchmark's goals (meant for the GPU; reported on any device).
 
     Every bound is inclusive: "at least 2x" is met at 2.00x, "within 5%" at a time ratio of
     1.05, "within 1%" at 1.00%, "no higher" when equal (peak memory: within

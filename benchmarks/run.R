@@ -82,7 +82,7 @@ make_step <- function(v, built, model, opt, scaler) {
   # Resolved once per variant, as the Python runner does: a torch dtype, or NULL (none given).
   dtype <- py_to_r(v$resolved_dtype(device))
   if (!is.null(dtype)) dtype <- torch_dtype(dtype)
-  if (field(v, "runner") == "train_step") {  # issue 6: the whole step in one call
+  if (field(v, "runner") == "train_step") {  # the whole step in one call
     return(amp_train_step(model, loss_fn, opt, scaler = scaler, device_type = device, dtype = dtype))
   }
   # A compiled variant's loop calls torch.compile(model, mode = ...) (dynamo reset first),
@@ -130,7 +130,7 @@ scale_of <- function(scaler) {
 }
 
 run_variant <- function(built, v) {
-  common <- list(case = built, variant = v, language = "r", profile = opts$profile, device = device)
+  common <- list(run = bench$resolve_run(built, v, "r"))  # resolved once, as in Python
   reason <- py_to_r(v$skip_reason(device))
   if (!is.null(reason)) return(do.call(bench$make_record, c(common, status = "skipped", reason = reason)))
   t_start <- now()

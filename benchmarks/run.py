@@ -106,7 +106,7 @@ def failed_document(lang: str, error: str, a, device: str, cases, variants) -> d
         for v in variants:
             if lang in v.languages:
                 reason = v.skip_reason(device)
-                recs.append(bench.make_record(c, v, lang, a.profile, device, repeats=a.repeats,
+                recs.append(bench.make_record(bench.resolve_run(c, v, lang, a.profile, device, repeats=a.repeats),
                                               status="skipped" if reason else "failed", reason=reason,
                                               error=None if reason else error))
     ctx = bench.context(a.profile, device, lang, seed=a.seed)

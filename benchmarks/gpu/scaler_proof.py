@@ -1,4 +1,4 @@
-"""GPU proof for ampkit.GradScaler (issue 3): no sync, CUDA-graph capture, steps/s.
+"""GPU proof for ampkit.GradScaler: no sync, CUDA-graph capture, steps/s.
 
     PYTHONPATH=$PWD/python python3 benchmarks/gpu/scaler_proof.py
 

@@ -299,7 +299,7 @@ class _Recording(dict):
                 act = engine.mode.real[func]
             except TypeError:
                 act = None
-            return engine.trace._record(func, act, args, kwargs)
+            return engine.trace.record_call(func, act, args, kwargs)
 
         self.record = record
 

@@ -102,8 +102,9 @@ class CastTrace:
     def __repr__(self):
         return f"<CastTrace of {len(self.records)} records>"
 
-    # called by the engine's slow path while this trace is active
-    def _record(self, func, act, args, kwargs):
+    def record_call(self, func, act, args, kwargs):
+        """Run ``func`` (through ``act``, the engine's cast rule, when given) and record the
+        cast it made; the engine calls this for each op while the trace is active."""
         out = func(*args, **kwargs) if act is None else act(func, args, kwargs)
         outs = _tensors(out)
         if not outs:

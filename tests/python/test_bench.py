@@ -205,14 +205,13 @@ def test_a_diverged_run_is_a_failure_without_timings(final_loss, tmp_path):
     """A non-finite final loss flips an 'ok' run to failed: no samples and no statistics
     computed from them (they described a run whose result is meaningless)."""
     case, variant = bench.load_cases()["seed_mlp"], bench.load_variants()["ampkit_amp"]
-    rec = bench.make_record(case, variant, "python", "tiny", "cpu", samples_ms=[3.0, 1.0, 2.0],
-                            final_loss=final_loss, repeats=3)
+    run = bench.resolve_run(case, variant, "python", "tiny", "cpu", repeats=3)
+    rec = bench.make_record(run, samples_ms=[3.0, 1.0, 2.0], final_loss=final_loss)
     assert rec["status"] == "failed" and "training diverged" in rec["error"]
     assert rec["samples"] == [] and rec["final_loss"] is None
     assert (rec["median"], rec["min"], rec["max"], rec["iqr"]) == (None, None, None, None)
     assert bench.validate(_doc([rec])) == []
-    ok = bench.make_record(case, variant, "python", "tiny", "cpu", samples_ms=[3.0, 1.0, 2.0],
-                           final_loss=0.5, repeats=3)
+    ok = bench.make_record(run, samples_ms=[3.0, 1.0, 2.0], final_loss=0.5)
     assert (ok["median"], ok["min"], ok["max"], ok["iqr"]) == (2.0, 1.0, 3.0, 1.0)
     doc = _doc([ok, rec])
     bench.derive(doc["records"])

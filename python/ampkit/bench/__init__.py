@@ -25,6 +25,8 @@ from ampkit.bench._spec import spec_dir
 from ampkit.bench._build import BuiltCase
 from ampkit.bench._build import build_case
 from ampkit.bench._build import resolve_device
+from ampkit.bench._resolved import ResolvedRun
+from ampkit.bench._resolved import resolve_run
 from ampkit.bench._results import RIVALS
 from ampkit.bench._results import SCHEMA_VERSION
 from ampkit.bench._results import check
@@ -70,6 +72,7 @@ __all__ = [
     "INIT_SCALE",
     "PROFILES",
     "RIVALS",
+    "ResolvedRun",
     "RunLength",
     "SCHEMA_VERSION",
     "StepCost",
@@ -103,6 +106,7 @@ __all__ = [
     "reset_peak_memory",
     "resolve_device",
     "run_variant",
+    "resolve_run",
     "select",
     "skipped_from_scale",
     "spec_dir",

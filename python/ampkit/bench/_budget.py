@@ -4,7 +4,7 @@ A profile's run lengths are written for a CPU with bf16 arithmetic. Where bf16 i
 (an AVX2-only CPU: a bf16 step can take 20x the float32 one), the same lengths take many
 times longer. Every variant still runs: instead, each case is calibrated (one float32 step
 and one bf16 autocast step, timed after a warm-up step), the whole run is estimated from
-that, and while the estimate exceeds the budget the longest case is cut one notch:
+that, and while the estimate exceeds the budget the case where a cut saves most is cut one notch:
 fewer repeats (down to 3), fewer batches a repeat (down to 2), one warm-up step, 2
 repeats, then half the batch size (down to 2). The lengths used are in every record
 (``num_batches``, ``repeats``, ``warmup_steps``, ``sizes``) and the cut in the report.
@@ -23,7 +23,9 @@ import time
 # Rough fixed costs (seconds) the estimate adds to the measured steps.
 PROCESS_S = {"python": 4.0, "r": 10.0}  # a runner's start (imports, R, reticulate), per case
 RUN_S = 0.5  # a variant's fresh model, optimizer and clean-up
-COMPILE_S = 12.0  # torch.compile's first step on a CPU: ~20 s a cache miss, ~2 s a hit (R hits Python's)
+# torch.compile's first step on a CPU, on average: a case compiles two graphs (~20 s each, the
+# default and reduce-overhead modes), and its other compiled runs (R's too) hit inductor's cache.
+COMPILE_S = 8.0
 MIN_REPEATS, MIN_BATCHES = 2, 2
 MIN_BATCH_SIZE = 2  # batch norm needs two samples a batch
 
@@ -92,20 +94,25 @@ def estimate_s(length: RunLength, cost: StepCost, variants, languages, device: s
 
 def fit(lengths: dict, costs: dict, variants, languages, device: str, budget_s: float, scale: float = 1.0):
     """Cut the cases' lengths until the estimate (times ``scale``, the measured/estimated ratio
-    so far) fits ``budget_s``; returns ({case: RunLength}, estimated seconds). Cuts the longest
-    case first; when nothing can be cut any further the estimate may stay over the budget."""
+    so far) fits ``budget_s``; returns ({case: RunLength}, estimated seconds). Each cut is the
+    notch that saves the most time; when nothing can be cut any further the estimate may
+    stay over the budget (the fixed costs: starting runners, compiling)."""
     lengths = dict(lengths)
-    est = {c: scale * estimate_s(lengths[c], costs[c], variants, languages, device) for c in lengths}
-    shorter = {c: notches(lengths[c]) for c in lengths}
-    while sum(est.values()) > budget_s and shorter:
-        c = max(shorter, key=lambda k: est[k])
-        nxt = next(shorter[c], None)
-        if nxt is None:
-            del shorter[c]
-            continue
-        lengths[c] = nxt
-        est[c] = scale * estimate_s(nxt, costs[c], variants, languages, device)
-    return lengths, sum(est.values())
+
+    def est(c, n):
+        return scale * estimate_s(n, costs[c], variants, languages, device)
+
+    now = {c: est(c, lengths[c]) for c in lengths}
+    nxt = {c: next(notches(lengths[c]), None) for c in lengths}
+    while sum(now.values()) > budget_s:
+        saving = {c: now[c] - est(c, n) for c, n in nxt.items() if n is not None}
+        if not saving:
+            break
+        c = max(saving, key=saving.get)
+        lengths[c] = nxt[c]
+        now[c] -= saving[c]
+        nxt[c] = next(notches(lengths[c]), None)
+    return lengths, sum(now.values())
 
 
 def calibrate(built, variants=None) -> StepCost:

@@ -25,6 +25,7 @@ import time
 import torch
 
 from ampkit.bench._build import BuiltCase
+from ampkit.bench._resolved import resolve_run
 from ampkit.bench._results import make_record
 from ampkit.bench._spec import Variant
 
@@ -133,7 +134,7 @@ def make_step(variant: Variant, built: BuiltCase, model, opt, scaler):
     device, loss_fn = built.device, built.loss_fn
     dtype = variant.resolved_dtype(device)
     dtype = getattr(torch, dtype) if dtype else None
-    if variant.runner == "train_step":  # issue 6: ampkit's graph-captured step
+    if variant.runner == "train_step":  # ampkit's graph-captured step
         import ampkit
         return ampkit.make_train_step(model, loss_fn, opt, scaler=scaler,
                                       autocast=dict(device_type=device, dtype=dtype))
@@ -189,7 +190,7 @@ def run_variant(built: BuiltCase, variant: Variant, language: str = "python") ->
     """Train `built` under `variant`; a record with status ok, skipped (with the reason) or
     failed (with the error), never a zero."""
     device = built.device
-    common = dict(case=built, variant=variant, language=language, profile=built.profile, device=device)
+    common = dict(run=resolve_run(built, variant, language))
     reason = variant.skip_reason(device)
     if reason:
         return make_record(status="skipped", reason=reason, **common)
