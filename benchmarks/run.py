@@ -98,6 +98,24 @@ def run_runner(lang: str, cmd: list, env: dict, out: Path) -> str | None:
     return None
 
 
+def _with_variants(args: list, variants) -> list:
+    """The runner's arguments with --variants naming exactly ``variants``."""
+    args = list(args)
+    if "--variants" in args:
+        i = args.index("--variants")
+        del args[i:i + 2]
+    return args + ["--variants", ",".join(v.name for v in variants)]
+
+
+def skipped_document(lang: str, reason: str, a, device: str, case, variants) -> dict:
+    """Runs the budget left out: one skipped record each, with the reason (never dropped)."""
+    from ampkit import bench
+    recs = [bench.make_record(bench.resolve_run(case, v, lang, a.profile, device),
+                              status="skipped", reason=reason)
+            for v in variants if lang in v.languages]
+    return {"context": bench.context(a.profile, device, lang, seed=a.seed), "records": recs}
+
+
 def failed_document(lang: str, error: str, a, device: str, cases, variants) -> dict:
     """When a runner could not run at all: one failed record per run it should have made."""
     from ampkit import bench
@@ -170,7 +188,8 @@ def main(argv=None) -> int:
         print("== CPU: " + cap.describe(), file=sys.stderr, flush=True)
     budget, costs, lengths = plan_budget(a, cases, variants, langs, device, threads)
     planned = dict(lengths)
-    t_runs, spent, estimated_done, scale = time.perf_counter(), 0.0, 0.0, 1.0
+    t_runs, spent, compile_spent, compile_runs, estimated_done, scale = time.perf_counter(), 0.0, 0.0, 0, 0.0, 1.0
+    running, not_run = list(variants), None  # not_run: why the compiled variants stopped running
     docs = []
     # Case by case, the languages one after the other, their order alternating: the
     # R / Python comparison of a case is then made minutes apart, not the whole suite
@@ -178,18 +197,33 @@ def main(argv=None) -> int:
     for k, case in enumerate(cases):
         left = cases[k:]
         if budget:  # refit what is left to the time left, corrected by how the estimates fared
-            fitted, est = bench.fit_budget({c.name: planned[c.name] for c in left},
-                                           {c.name: costs[c.name] for c in left}, variants, langs,
-                                           device, budget - spent, scale)
+            compile_s = compile_spent / compile_runs if compile_runs else bench.COMPILE_S
+
+            def refit(vs):
+                return bench.fit_budget({c.name: planned[c.name] for c in left}, {c.name: costs[c.name] for c in left},
+                                        vs, langs, device, budget - spent, scale, compile_s)
+            fitted, est = refit(running)
+            eager = [v for v in running if v.compile == "none"]
+            if est > budget - spent and len(eager) < len(running):
+                # Compiling costs what no cut can save: where even the shortest runs would
+                # overrun, the compiled variants of the cases left are not run, and say why.
+                not_run = ("not run: the %d s time budget had %d s left for %d case(s), estimated at "
+                           "%d s with torch.compile's compilations (%d s a compiled run on this machine) "
+                           "and run lengths already cut; make bench BUDGET=0 runs everything"
+                           % (budget, max(budget - spent, 0), len(left), est, compile_s))
+                running = eager
+                fitted, est = refit(running)
+                print("== the compiled variants are " + not_run, file=sys.stderr, flush=True)
             lengths.update(fitted)
             env["AMPKIT_BENCH_SPECS"] = bench.write_sized_cases(left, lengths, a.profile, out / "sized-cases")
-            this = scale * bench.estimate_s(lengths[case.name], costs[case.name], variants, langs, device)
+            this = scale * bench.estimate_s(lengths[case.name], costs[case.name], running, langs, device, compile_s)
             print("== case %d/%d: %s, %s (about %s; about %s left in all)" % (
                 k + 1, len(cases), case.name, _describe_length(lengths[case.name], planned[case.name]),
                 _minutes(this), _minutes(est)), file=sys.stderr, flush=True)
         else:
             print("== case %d/%d: %s" % (k + 1, len(cases), case.name), file=sys.stderr, flush=True)
         t_case = time.perf_counter()
+        case_docs = []
         for lang in (langs if k % 2 == 0 else langs[::-1]):
             raw = out / ("raw-%s-%s.json" % (lang, case.name))
             if lang == "python":
@@ -198,17 +232,26 @@ def main(argv=None) -> int:
                 cmd = shlex.split(a.rscript) + [str(REPO / "benchmarks" / "run.R")]
                 if shutil.which(cmd[0]) is None:
                     err = "R is not available (%r not found); run `make setup-r`" % cmd[0]
-                    docs.append(failed_document(lang, err, a, device, [case], variants))
+                    case_docs.append(failed_document(lang, err, a, device, [case], variants))
                     print("== r runner: " + err, file=sys.stderr)
                     continue
             args = common_args(a, device, threads, budgeted=bool(budget)) + ["--cases", case.name, "--out", str(raw)]
+            if len(running) < len(variants):
+                args = _with_variants(args, running)
             err = run_runner(lang, cmd + args, env, raw)
-            docs.append(bench.read_document(raw) if err is None else
-                        failed_document(lang, err, a, device, [case], variants))
+            case_docs.append(bench.read_document(raw) if err is None else
+                             failed_document(lang, err, a, device, [case], running))
+            if len(running) < len(variants):
+                sized = bench.load_case(Path(env["AMPKIT_BENCH_SPECS"]) / ("%s.yaml" % case.name))
+                case_docs.append(skipped_document(lang, not_run, a, device, sized, [v for v in variants if v not in running]))
+        docs += case_docs
         if budget:
             spent = time.perf_counter() - t_runs
-            estimated_done += bench.estimate_s(lengths[case.name], costs[case.name], variants, langs, device)
-            scale = min(max(spent / estimated_done, 0.5), 5.0)
+            compiled = [r for d in case_docs for r in d["records"] if r["compile"] != "none" and r["wall_s"]]
+            compile_spent += sum(r["wall_s"] for r in compiled)
+            compile_runs += len(compiled)
+            estimated_done += bench.estimate_s(lengths[case.name], costs[case.name], running, langs, device, 0.0)
+            scale = min(max((spent - compile_spent) / estimated_done, 0.5), 5.0)
         print("== case %d/%d done in %s" % (k + 1, len(cases), _minutes(time.perf_counter() - t_case)),
               file=sys.stderr, flush=True)
     doc = bench.merge(docs)

@@ -42,6 +42,7 @@ from ampkit.bench._machine import CpuCapability
 from ampkit.bench._machine import capability_from
 from ampkit.bench._machine import compile_reason
 from ampkit.bench._machine import cpu_capability
+from ampkit.bench._budget import COMPILE_S
 from ampkit.bench._budget import RunLength
 from ampkit.bench._budget import StepCost
 from ampkit.bench._budget import calibrate
@@ -67,6 +68,7 @@ __all__ = [
     "BenchSpecError",
     "BuiltCase",
     "Case",
+    "COMPILE_S",
     "CpuCapability",
     "GROWTH_INTERVAL",
     "INIT_SCALE",

@@ -79,8 +79,10 @@ def notches(length: RunLength):
         yield cur
 
 
-def estimate_s(length: RunLength, cost: StepCost, variants, languages, device: str) -> float:
-    """Seconds one case takes at ``length``: every variant each language runs, with fixed costs."""
+def estimate_s(length: RunLength, cost: StepCost, variants, languages, device: str,
+               compile_s: float = COMPILE_S) -> float:
+    """Seconds one case takes at ``length``: every variant each language runs, with fixed costs
+    (``compile_s``: a compiled run's compilation, measured once a case has run)."""
     total = 0.0
     for lang in languages:
         total += PROCESS_S.get(lang, 5.0)
@@ -88,11 +90,12 @@ def estimate_s(length: RunLength, cost: StepCost, variants, languages, device: s
             if lang not in v.languages or v.skip_reason(device):
                 continue
             steps = v.warmup_steps(length.warmup_steps) + length.repeats * length.num_batches
-            total += RUN_S + steps * cost.step_s(v, length.batch_size) + (COMPILE_S if v.compile != "none" else 0.0)
+            total += RUN_S + steps * cost.step_s(v, length.batch_size) + (compile_s if v.compile != "none" else 0.0)
     return total
 
 
-def fit(lengths: dict, costs: dict, variants, languages, device: str, budget_s: float, scale: float = 1.0):
+def fit(lengths: dict, costs: dict, variants, languages, device: str, budget_s: float, scale: float = 1.0,
+        compile_s: float = COMPILE_S):
     """Cut the cases' lengths until the estimate (times ``scale``, the measured/estimated ratio
     so far) fits ``budget_s``; returns ({case: RunLength}, estimated seconds). Each cut is the
     notch that saves the most time; when nothing can be cut any further the estimate may
@@ -100,7 +103,7 @@ def fit(lengths: dict, costs: dict, variants, languages, device: str, budget_s: 
     lengths = dict(lengths)
 
     def est(c, n):
-        return scale * estimate_s(n, costs[c], variants, languages, device)
+        return scale * estimate_s(n, costs[c], variants, languages, device, compile_s)
 
     now = {c: est(c, lengths[c]) for c in lengths}
     nxt = {c: next(notches(lengths[c]), None) for c in lengths}
