@@ -52,7 +52,8 @@ class CpuCapability:
     @property
     def compile_reason(self):
         """Why a compiled variant cannot run on this CPU (None when it can)."""
-        return compile_reason(dict(os.environ) if self.emulated else {})
+        caps = dict(kv.split("=", 1) for kv in (self.emulated or "").split())
+        return compile_reason({k: v for k, v in caps.items() if k == "ATEN_CPU_CAPABILITY"})
 
     def describe(self) -> str:
         """One paragraph for the report: what the CPU can do and what it means for the figures."""
