@@ -475,7 +475,7 @@ def test_user_op_bad_registration():
 @pytest.mark.parametrize(
     "kwargs,exc,match",
     [
-        (dict(device_type="tpu"), ValueError, "no rules for device type 'tpu'.*cpu, cuda"),
+        (dict(device_type="tpu"), ValueError, "device type 'tpu' is not supported.*cpu, cuda"),
         (dict(device_type=0), ValueError, "device_type must be a string"),
         (dict(device_type="cpu", dtype=torch.float32), ValueError, "not a lower-precision dtype"),
         (dict(device_type="cpu", dtype="bfloat16"), ValueError, "not a lower-precision dtype"),
