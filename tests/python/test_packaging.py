@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SOURCES = ("pyproject.toml", "README.md", "LICENSE", "python", "shared_specs")
+SOURCES = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "LICENSE", "python", "shared_specs")
 
 
 def _setuptools_version():
