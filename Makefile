@@ -15,11 +15,13 @@ R_ENV := RETICULATE_PYTHON=$(CURDIR)/$(VPY) R_LIBS=$(RLIB) OMP_NUM_THREADS=1 \
          AMPKIT_REPO=$(CURDIR)
 
 # Benchmark options: make bench PROFILE=full CASES=seed_mlp VARIANTS=fp32,torch_amp LANGS=python REPEATS=5
+# BUDGET: seconds the runs may take (default for the cpu profile: benchmarks/run.py's; 0: none).
 PROFILE ?= cpu
 CASES ?=
 VARIANTS ?=
 LANGS ?= python,r
 REPEATS ?=
+BUDGET ?=
 BENCH_OUT ?= benchmarks/results
 
 .PHONY: setup setup-python setup-r test test-python test-r check-r bench clean
@@ -37,7 +39,7 @@ $(PY_STAMP): pyproject.toml
 	    echo "setup: reusing the system torch"; $(PYTHON) -m venv --system-site-packages $(VENV); \
 	  else $(PYTHON) -m venv $(VENV); fi; fi
 	@$(VPY) -c 'import torch' 2>/dev/null || $(VPY) -m pip install -q torch==2.13.0
-	$(VPY) -m pip install -q -e '.[test,bench]'
+	$(VPY) -m pip install -q -e '.[test,bench,r]'
 	@touch $@
 
 setup-r: $(R_STAMP)
@@ -67,7 +69,8 @@ check-r: setup
 
 bench: setup
 	$(VPY) benchmarks/run.py --profile $(PROFILE) --langs $(LANGS) --out $(BENCH_OUT) \
-	  $(if $(CASES),--cases $(CASES)) $(if $(VARIANTS),--variants $(VARIANTS)) $(if $(REPEATS),--repeats $(REPEATS))
+	  $(if $(CASES),--cases $(CASES)) $(if $(VARIANTS),--variants $(VARIANTS)) $(if $(REPEATS),--repeats $(REPEATS)) \
+	  $(if $(BUDGET),--budget $(BUDGET))
 
 clean:
 	rm -rf $(VENV) $(RLIB) build *.egg-info python/*.egg-info

@@ -1,4 +1,4 @@
-"""Turn a results document (benchmarks/schema.json) into a markdown report and a PNG chart.
+"""Turn a results document (shared_specs/benchmarks/schema.json) into a markdown report and a PNG chart.
 
     python benchmarks/report.py benchmarks/results/results.json [--out-dir DIR]
     python benchmarks/report.py part1/results.json part2/results.json --out-dir DIR   # merge runs
@@ -91,7 +91,7 @@ def compiled(doc: dict) -> str:
     """ampkit's variants against torch.compile (time ratios, < 1: ours faster), then every
     compiled run: its status, compile seconds (outside the timed steps) and note. Empty
     when the document has neither (e.g. results written before the compiled variants)."""
-    from ampkit.bench._results import RIVALS
+    from ampkit.bench import RIVALS
     recs = doc["records"]
     runs = [r for r in recs if r.get("compile", "none") != "none"]
     ours = [r for r in recs if r["variant"] in OURS]
@@ -133,6 +133,12 @@ def context_lines(doc: dict) -> str:
             c["python_version"], c["r_version"] or "-", c["reticulate_version"] or "-", c["ampkit_version"] or "-"),
         "- commit %s, %s, seed %d, languages %s" % (c["git_commit"], c["date"], c["seed"], ", ".join(c["languages"])),
     ]
+    if c.get("cpu_capability"):
+        out.append("- this CPU: " + c["cpu_capability"]["summary"])
+    b = c.get("budget")
+    if b:
+        cut = "; ".join("%s: %s" % kv for kv in b["cut"].items()) or "no case needed cutting"
+        out.append("- time budget %.0f s (runs took %.0f s): %s" % (b["budget_s"], b["spent_s"], cut))
     return "\n".join(out)
 
 
@@ -168,7 +174,7 @@ def _fmt_diff(n) -> str:
 
 
 def goals(doc: dict) -> str:
-    """Where the run stands on the goals of issue 5 (meant for the GPU; reported on any device).
+    """Where the run stands on the benchmark's goals (meant for the GPU; reported on any device).
 
     Every bound is inclusive: "at least 2x" is met at 2.00x, "within 5%" at a time ratio of
     1.05, "within 1%" at 1.00%, "no higher" when equal (peak memory: within
@@ -233,13 +239,19 @@ def markdown(doc: dict) -> str:
         "training loss over the last repeat.",
         table(doc),
     ] + (["## ampkit against torch.compile", against_compile] if against_compile else []) + [
-        "## Goals (issue 5; they are set for the GPU)",
+        "## Goals (they are set for the GPU)",
         goals(doc),
     ]) + "\n"
 
 
+def _ms(value) -> str:
+    return "%.3g" % value if value < 100 else "%.0f" % value
+
+
 def chart(doc: dict, path) -> bool:
-    """Speedup against fp32 per case (one panel each), variant and language; False without matplotlib."""
+    """Speedup against fp32 per case (one panel each), variant and language, each bar labelled
+    with its own ms/step and each panel with fp32's, so that languages compare in absolute
+    time too (each is normalised to its own fp32); False without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -264,13 +276,18 @@ def chart(doc: dict, path) -> bool:
                     ax.bar(x, s["value"], width, color="C%d" % j, label=None if lang in labeled else lang,
                            yerr=[[s["value"] - s["low"]], [s["high"] - s["value"]]], capsize=2)
                     labeled.add(lang)
+                    ax.text(x, s["high"], " %s ms" % _ms(r["median"]), rotation=90, ha="center",
+                            va="bottom", fontsize=6)
                 elif r is not None:
                     ax.text(x, 0.05, r["status"], rotation=90, ha="center", va="bottom", fontsize=7)
         ax.axhline(1.0, color="gray", ls="--", lw=0.8)
         ax.set_xticks(range(len(variants)))
         ax.set_xticklabels(variants, rotation=45, ha="right", fontsize=8)
-        ax.set_title(case)
-    axes[0][0].set_ylabel("speedup vs fp32 (median, range)")
+        fp32 = ", ".join("%s %s ms" % (lang, _ms(r["median"])) for lang in langs for r in recs
+                         if (r["case"], r["variant"], r["language"]) == (case, "fp32", lang) and r["status"] == "ok")
+        ax.set_title("%s\nfp32 ms/step: %s" % (case, fp32 or "-"), fontsize=9)
+        ax.margins(y=0.25)  # room for the labels above the bars
+    axes[0][0].set_ylabel("speedup vs fp32 (median, range); bars: ms/step")
     handles, labels = [h for ax in axes[0] for h in ax.get_legend_handles_labels()[0]], \
         [lb for ax in axes[0] for lb in ax.get_legend_handles_labels()[1]]
     if handles:

@@ -2,7 +2,7 @@
 # package (with_autocast(), amp_grad_scaler(), amp_train_step()), on the same seeded
 # models and data as the Python runner (built by ampkit.bench through reticulate), timed
 # by the same protocol (see python/ampkit/bench/_runner.py) and written in the same
-# schema (benchmarks/schema.json).
+# schema (shared_specs/benchmarks/schema.json).
 #
 #   Rscript benchmarks/run.R --profile cpu --out raw-r.json \
 #     [--cases a,b] [--variants x,y] [--repeats N] [--device auto|cpu|cuda] [--threads N] [--seed 0]
@@ -66,7 +66,7 @@ if (nzchar(opts$threads)) torch$set_num_threads(as.integer(opts$threads))
 seed <- as.integer(opts$seed)
 
 field <- function(obj, name) py_to_r(reticulate::py_get_attr(obj, name))
-runner <- bench$`_runner`  # the Python runner's helpers that both runners share
+runner <- bench  # the helpers both runners share (ampkit.bench's public names)
 cases <- planned[[1]]
 variants <- Filter(function(v) "r" %in% unlist(field(v, "languages")), planned[[2]])
 
@@ -82,7 +82,7 @@ make_step <- function(v, built, model, opt, scaler) {
   # Resolved once per variant, as the Python runner does: a torch dtype, or NULL (none given).
   dtype <- py_to_r(v$resolved_dtype(device))
   if (!is.null(dtype)) dtype <- torch_dtype(dtype)
-  if (field(v, "runner") == "train_step") {  # issue 6: the whole step in one call
+  if (field(v, "runner") == "train_step") {  # the whole step in one call
     return(amp_train_step(model, loss_fn, opt, scaler = scaler, device_type = device, dtype = dtype))
   }
   # A compiled variant's loop calls torch.compile(model, mode = ...) (dynamo reset first),
@@ -130,7 +130,7 @@ scale_of <- function(scaler) {
 }
 
 run_variant <- function(built, v) {
-  common <- list(case = built, variant = v, language = "r", profile = opts$profile, device = device)
+  common <- list(run = bench$resolve_run(built, v, "r"))  # resolved once, as in Python
   reason <- py_to_r(v$skip_reason(device))
   if (!is.null(reason)) return(do.call(bench$make_record, c(common, status = "skipped", reason = reason)))
   t_start <- now()

@@ -29,6 +29,8 @@ sys.path.insert(0, str(REPO / "python"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 LANGS = ("python", "r")
+# make bench must finish within 10 minutes on a fresh clone on any CPU: setup takes about 2 of them.
+DEFAULT_BUDGET_S = 400
 
 
 def parse_args(argv=None):
@@ -43,6 +45,10 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads in both runners (default: 1 on CPU, torch's own on CUDA)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds the runs may take: each case is calibrated and, where the estimate is "
+                        "over, its run lengths (then batch size) cut; every variant still runs "
+                        "(default: %d for the cpu profile on the CPU, else none; 0: none)" % DEFAULT_BUDGET_S)
     p.add_argument("--rscript", default=os.environ.get("AMPKIT_RSCRIPT", "Rscript"),
                    help="command that runs an R script (default: Rscript; on the GPU machine the r-on-device wrapper)")
     return p.parse_args(argv)
@@ -61,9 +67,9 @@ def runner_env(threads: int | None) -> dict:
     return env
 
 
-def common_args(a, device: str, threads) -> list:
+def common_args(a, device: str, threads, budgeted: bool = False) -> list:
     args = ["--profile", a.profile, "--device", device, "--seed", str(a.seed)]
-    for flag, value in (("--variants", a.variants), ("--repeats", a.repeats),
+    for flag, value in (("--variants", a.variants), ("--repeats", None if budgeted else a.repeats),
                         ("--threads", threads)):
         if value not in (None, ""):
             args += [flag, str(value)]
@@ -92,6 +98,24 @@ def run_runner(lang: str, cmd: list, env: dict, out: Path) -> str | None:
     return None
 
 
+def _with_variants(args: list, variants) -> list:
+    """The runner's arguments with --variants naming exactly ``variants``."""
+    args = list(args)
+    if "--variants" in args:
+        i = args.index("--variants")
+        del args[i:i + 2]
+    return args + ["--variants", ",".join(v.name for v in variants)]
+
+
+def skipped_document(lang: str, reason: str, a, device: str, case, variants) -> dict:
+    """Runs the budget left out: one skipped record each, with the reason (never dropped)."""
+    from ampkit import bench
+    recs = [bench.make_record(bench.resolve_run(case, v, lang, a.profile, device),
+                              status="skipped", reason=reason)
+            for v in variants if lang in v.languages]
+    return {"context": bench.context(a.profile, device, lang, seed=a.seed), "records": recs}
+
+
 def failed_document(lang: str, error: str, a, device: str, cases, variants) -> dict:
     """When a runner could not run at all: one failed record per run it should have made."""
     from ampkit import bench
@@ -100,11 +124,43 @@ def failed_document(lang: str, error: str, a, device: str, cases, variants) -> d
         for v in variants:
             if lang in v.languages:
                 reason = v.skip_reason(device)
-                recs.append(bench.make_record(c, v, lang, a.profile, device, repeats=a.repeats,
+                recs.append(bench.make_record(bench.resolve_run(c, v, lang, a.profile, device, repeats=a.repeats),
                                               status="skipped" if reason else "failed", reason=reason,
                                               error=None if reason else error))
     ctx = bench.context(a.profile, device, lang, seed=a.seed)
     return {"context": ctx, "records": recs}
+
+
+def _minutes(seconds: float) -> str:
+    seconds = max(0, int(round(seconds)))
+    return "%d min %02d s" % divmod(seconds, 60) if seconds >= 60 else "%d s" % seconds
+
+
+def _describe_length(n, profile_n) -> str:
+    text = "%d batches x %d repeats after %d warm-up steps, batch size %d" % (
+        n.num_batches, n.repeats, n.warmup_steps, n.batch_size)
+    return text + (" (the profile's)" if n == profile_n else " (cut to fit the time budget from %d x %d after %d, batch %d)"
+                   % (profile_n.num_batches, profile_n.repeats, profile_n.warmup_steps, profile_n.batch_size))
+
+
+def plan_budget(a, cases, variants, langs, device, threads):
+    """(budget seconds or 0, {case: StepCost}, {case: RunLength}): each case calibrated once."""
+    from ampkit import bench
+    budget = a.budget if a.budget is not None else (DEFAULT_BUDGET_S if (device, a.profile) == ("cpu", "cpu") else 0)
+    lengths = {c.name: bench.RunLength.of(c, a.profile, a.repeats) for c in cases}
+    if not budget:
+        return 0, {}, lengths
+    import torch
+    if threads:
+        torch.set_num_threads(threads)
+    costs = {}
+    for c in cases:
+        t0 = time.perf_counter()
+        costs[c.name] = bench.calibrate(bench.build_case(c, a.profile, seed=a.seed, device=device))
+        print("== calibrated %s: %.0f ms a float32 step, %.0f ms a low-precision step (%.1f s)"
+              % (c.name, costs[c.name].fp32_ms, costs[c.name].low_ms, time.perf_counter() - t0),
+              file=sys.stderr, flush=True)
+    return budget, costs, lengths
 
 
 def main(argv=None) -> int:
@@ -127,12 +183,47 @@ def main(argv=None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     env = runner_env(threads)
+    cap = bench.cpu_capability() if device == "cpu" else None
+    if cap is not None:
+        print("== CPU: " + cap.describe(), file=sys.stderr, flush=True)
+    budget, costs, lengths = plan_budget(a, cases, variants, langs, device, threads)
+    planned = dict(lengths)
+    t_runs, spent, compile_spent, compile_runs, estimated_done, scale = time.perf_counter(), 0.0, 0.0, 0, 0.0, 1.0
+    running, not_run = list(variants), None  # not_run: why the compiled variants stopped running
     docs = []
     # Case by case, the languages one after the other, their order alternating: the
     # R / Python comparison of a case is then made minutes apart, not the whole suite
     # apart, and a drift of the machine's load does not favour one language.
     for k, case in enumerate(cases):
-        print("== case %d/%d: %s" % (k + 1, len(cases), case.name), file=sys.stderr, flush=True)
+        left = cases[k:]
+        if budget:  # refit what is left to the time left, corrected by how the estimates fared
+            compile_s = compile_spent / compile_runs if compile_runs else bench.COMPILE_S
+
+            def refit(vs):
+                return bench.fit_budget({c.name: planned[c.name] for c in left}, {c.name: costs[c.name] for c in left},
+                                        vs, langs, device, budget - spent, scale, compile_s)
+            fitted, est = refit(running)
+            eager = [v for v in running if v.compile == "none"]
+            if est > budget - spent and len(eager) < len(running):
+                # Compiling costs what no cut can save: where even the shortest runs would
+                # overrun, the compiled variants of the cases left are not run, and say why.
+                not_run = ("not run: the %d s time budget had %d s left for %d case(s), estimated at "
+                           "%d s with torch.compile's compilations (%d s a compiled run on this machine) "
+                           "and run lengths already cut; make bench BUDGET=0 runs everything"
+                           % (budget, max(budget - spent, 0), len(left), est, compile_s))
+                running = eager
+                fitted, est = refit(running)
+                print("== the compiled variants are " + not_run, file=sys.stderr, flush=True)
+            lengths.update(fitted)
+            env["AMPKIT_BENCH_SPECS"] = bench.write_sized_cases(left, lengths, a.profile, out / "sized-cases")
+            this = scale * bench.estimate_s(lengths[case.name], costs[case.name], running, langs, device, compile_s)
+            print("== case %d/%d: %s, %s (about %s; about %s left in all)" % (
+                k + 1, len(cases), case.name, _describe_length(lengths[case.name], planned[case.name]),
+                _minutes(this), _minutes(est)), file=sys.stderr, flush=True)
+        else:
+            print("== case %d/%d: %s" % (k + 1, len(cases), case.name), file=sys.stderr, flush=True)
+        t_case = time.perf_counter()
+        case_docs = []
         for lang in (langs if k % 2 == 0 else langs[::-1]):
             raw = out / ("raw-%s-%s.json" % (lang, case.name))
             if lang == "python":
@@ -141,14 +232,34 @@ def main(argv=None) -> int:
                 cmd = shlex.split(a.rscript) + [str(REPO / "benchmarks" / "run.R")]
                 if shutil.which(cmd[0]) is None:
                     err = "R is not available (%r not found); run `make setup-r`" % cmd[0]
-                    docs.append(failed_document(lang, err, a, device, [case], variants))
+                    case_docs.append(failed_document(lang, err, a, device, [case], variants))
                     print("== r runner: " + err, file=sys.stderr)
                     continue
-            args = common_args(a, device, threads) + ["--cases", case.name, "--out", str(raw)]
+            args = common_args(a, device, threads, budgeted=bool(budget)) + ["--cases", case.name, "--out", str(raw)]
+            if len(running) < len(variants):
+                args = _with_variants(args, running)
             err = run_runner(lang, cmd + args, env, raw)
-            docs.append(bench.read_document(raw) if err is None else
-                        failed_document(lang, err, a, device, [case], variants))
+            case_docs.append(bench.read_document(raw) if err is None else
+                             failed_document(lang, err, a, device, [case], running))
+            if len(running) < len(variants):
+                sized = bench.load_case(Path(env["AMPKIT_BENCH_SPECS"]) / ("%s.yaml" % case.name))
+                case_docs.append(skipped_document(lang, not_run, a, device, sized, [v for v in variants if v not in running]))
+        docs += case_docs
+        if budget:
+            spent = time.perf_counter() - t_runs
+            compiled = [r for d in case_docs for r in d["records"] if r["compile"] != "none" and r["wall_s"]]
+            compile_spent += sum(r["wall_s"] for r in compiled)
+            compile_runs += len(compiled)
+            estimated_done += bench.estimate_s(lengths[case.name], costs[case.name], running, langs, device, 0.0)
+            scale = min(max((spent - compile_spent) / estimated_done, 0.5), 5.0)
+        print("== case %d/%d done in %s" % (k + 1, len(cases), _minutes(time.perf_counter() - t_case)),
+              file=sys.stderr, flush=True)
     doc = bench.merge(docs)
+    doc["context"]["cpu_capability"] = cap.to_dict() if cap is not None else None
+    doc["context"]["budget"] = None if not budget else {
+        "budget_s": budget, "spent_s": round(time.perf_counter() - t_runs, 1),
+        "cut": {c.name: _describe_length(lengths[c.name], planned[c.name])
+                for c in cases if lengths[c.name] != planned[c.name]}}
     results = out / "results.json"
     bench.write_document(results, doc["context"], doc["records"])
     md = report.write(doc, out)

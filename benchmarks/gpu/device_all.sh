@@ -43,7 +43,7 @@ if has pytest; then
 fi
 if has drift; then
   for d in float16 bfloat16; do
-    python3 -m ampkit.policy check --device cuda --dtype $d > "$out/drift_cuda_$d.txt" 2>&1
+    python3 -m ampkit.drift check --device cuda --dtype $d > "$out/drift_cuda_$d.txt" 2>&1
     echo "drift check cuda $d: rc=$? $(sed -n 2p "$out/drift_cuda_$d.txt")"
   done
 fi

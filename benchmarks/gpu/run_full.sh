@@ -1,5 +1,5 @@
 #!/bin/bash
-# The full benchmark profile on a GPU, from Python and from R (issue 5's published numbers).
+# The full benchmark profile on a GPU, from Python and from R (the published numbers).
 #
 # On the device machine, from the repository root (the lead's call; see docs/bench.md):
 #   bash benchmarks/gpu/run_full.sh "$OUT/gpu"

@@ -1,4 +1,4 @@
-"""GPU proof for ampkit.GradScaler (issue 3): no sync, CUDA-graph capture, steps/s.
+"""GPU proof for ampkit.GradScaler: no sync, CUDA-graph capture, steps/s.
 
     PYTHONPATH=$PWD/python python3 benchmarks/gpu/scaler_proof.py
 
@@ -291,7 +291,7 @@ def check_timing(repeats: int = 15, calls: int = 20) -> list[dict]:
         found = torch.zeros((), device=DEV)
         fns = {
             "torch (x 1.0: read + write)": lambda: (found.zero_(), _torch_check(grads, found, one)),
-            "ampkit (read only)": lambda: scaler._found_inf(grouped, unscale=False),
+            "ampkit (read only)": lambda: scaler.found_inf(grouped, unscale=False),
         }
         # The same flag, for a NaN, a -inf and nothing.
         flags_equal = True
@@ -301,7 +301,7 @@ def check_timing(repeats: int = 15, calls: int = 20) -> list[dict]:
                 grads[2].view(-1)[12345] = value
             ref = torch.zeros((), device=DEV)
             _torch_check([g.clone() for g in grads], ref, one)
-            ours = scaler._found_inf(grouped, unscale=False)[dev]
+            ours = scaler.found_inf(grouped, unscale=False)[dev]
             flags_equal &= bool(torch.equal(ours, ref)) and bool(ref) == (value is not None)
             grads[2].view(-1)[12345] = saved
         graphs = {}
@@ -355,7 +355,7 @@ def cpu_check(repeats: int = 11) -> int:
         grads = [torch.randn(4 * 2**20, generator=gen).to(dtype) for _ in range(n)]
         fns = {
             "torch (x 1.0: read + write)": lambda: (found.zero_(), _torch_check(grads, found, one)),
-            "ampkit (read only)": lambda: scaler._found_inf({(cpu, dtype): grads}, unscale=False),
+            "ampkit (read only)": lambda: scaler.found_inf({(cpu, dtype): grads}, unscale=False),
         }
         wall, cpu_time = ({k: [] for k in fns} for _ in range(2))
         for fn in fns.values():

@@ -70,9 +70,7 @@ def make_variant(name, built):
             scaler.update()
             return loss.detach()
     else:
-        scaler = ampkit.GradScaler(DEVICE)
-        if name == "ampkit_step_rw_check":
-            use_read_write_check(scaler)
+        scaler = (ReadWriteCheckScaler if name == "ampkit_step_rw_check" else ampkit.GradScaler)(DEVICE)
         step = ampkit.make_train_step(
             model, loss_fn, opt, scaler=scaler,
             autocast=dict(device_type=DEVICE, dtype=DTYPE),
@@ -80,20 +78,21 @@ def make_variant(name, built):
     return model, opt, scaler, step
 
 
-def use_read_write_check(scaler):
-    """This scaler's fused path checks the gradients as torch.amp.GradScaler does (torch's
+class ReadWriteCheckScaler(ampkit.GradScaler):
+    """A scaler whose fused path checks the gradients as torch.amp.GradScaler does (torch's
     kernel with inv_scale 1.0: every gradient read and written back) instead of ampkit's
     read-only check; the flags are the same, only the memory traffic differs."""
-    def found_inf(grouped, unscale):
+
+    def found_inf(self, grouped, unscale):
         if unscale:
-            return type(scaler)._found_inf(scaler, grouped, unscale)
-        found = {}
+            return super().found_inf(grouped, unscale)
+        found, ones = {}, {}
         with torch.no_grad():
             for (device, _), grads in grouped.items():
                 flag = found.setdefault(device, torch.zeros((), device=device))
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, scaler._one(device))
+                one = ones.setdefault(device, torch.ones((), device=device))
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, one)
         return found
-    scaler._found_inf = found_inf
 
 
 def time_variant(name, built, repeats):
@@ -244,7 +243,7 @@ def kernel_breakdown(step, batches, steps=3):
 
 # --- main ---------------------------------------------------------------------------------
 def run_case(case, repeats, rate, bw, variants, profile):
-    from ampkit.bench._build import build_case
+    from ampkit.bench import build_case
     built = build_case(case, profile, seed=0, device=DEVICE)
     s = built.sizes
     probe = built.new_model()

@@ -10,6 +10,7 @@ torch.bfloat16
 """
 
 from ampkit._policy import CATEGORIES
+from ampkit._policy import DeviceRules
 from ampkit._policy import Policy
 from ampkit._policy import PolicyError
 from ampkit._policy import load_policy
@@ -18,28 +19,41 @@ from ampkit._autocast import checkpoint
 from ampkit._autocast import custom_bwd
 from ampkit._autocast import custom_fwd
 from ampkit._autocast import get_autocast_dtype
+from ampkit._autocast import is_autocast_available
+from ampkit._autocast import is_autocast_cache_enabled
 from ampkit._autocast import is_autocast_enabled
 from ampkit._autocast import op
+from ampkit._trace import CastRecord
 from ampkit._trace import CastTrace
 from ampkit._trace import trace
 from ampkit._scaler import GradScaler
+from ampkit._scaler import OptState
+from ampkit._scaler import ScalerStats
 from ampkit._scaler import cuda_amp_grad_scaler
+from ampkit._train_step import TrainStep
 from ampkit._train_step import make_train_step
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CATEGORIES",
+    "CastRecord",
     "CastTrace",
+    "DeviceRules",
     "GradScaler",
+    "OptState",
     "Policy",
     "PolicyError",
+    "ScalerStats",
+    "TrainStep",
     "autocast",
     "checkpoint",
     "cuda_amp_grad_scaler",
     "custom_bwd",
     "custom_fwd",
     "get_autocast_dtype",
+    "is_autocast_available",
+    "is_autocast_cache_enabled",
     "is_autocast_enabled",
     "load_policy",
     "make_train_step",

@@ -65,7 +65,7 @@ import torch
 from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_function
 
 from ampkit import _decompositions, _narrow_casts, _native, _ops
-from ampkit._policy import CATEGORIES, Policy, PolicyError, live_policy, load_policy
+from ampkit._policy import CATEGORIES, DEVICES, Policy, PolicyError, live_policy, load_policy
 
 Tensor = torch.Tensor
 _F32 = torch.float32
@@ -241,6 +241,12 @@ def _engine() -> _Engine:
         return e
 
 
+def thread_engine():
+    """This thread's engine: its stack of regions, its trace and its cast cache (for the
+    trace module, which records into it, and for tests of the engine's state)."""
+    return _engine()
+
+
 class _Mode(TorchFunctionMode):
     """The one handler. Kept minimal: it runs for every torch call while pushed."""
 
@@ -293,7 +299,7 @@ class _Recording(dict):
                 act = engine.mode.real[func]
             except TypeError:
                 act = None
-            return engine.trace._record(func, act, args, kwargs)
+            return engine.trace.record_call(func, act, args, kwargs)
 
         self.record = record
 
@@ -836,6 +842,11 @@ def _region_args(device_type, dtype, enabled, cache_enabled, policy):
     """Validated region arguments: (device_type, dtype, enabled, cache_enabled, Policy)."""
     if not isinstance(device_type, str):
         raise ValueError(f"ampkit.autocast: device_type must be a string such as 'cpu' or 'cuda', got {device_type!r}")
+    if device_type not in DEVICES:
+        raise ValueError(
+            f"ampkit.autocast: device type {device_type!r} is not supported; ampkit's policies describe "
+            f"{', '.join(DEVICES)} (ampkit.is_autocast_available tells; torch.autocast({device_type!r}) "
+            "runs torch's own table where torch has one)")
     pol = _default_policy() if policy is None else load_policy(policy)
     rules = pol.rules(device_type)  # PolicyError (a ValueError) names the valid device types
     if dtype is None:  # as torch.autocast: an enclosing region's dtype, else the policy's
@@ -1002,6 +1013,35 @@ def is_autocast_enabled(device_type: str) -> bool:
     False
     """
     return _ask_torch(torch.is_autocast_enabled, device_type)
+
+
+def is_autocast_available(device_type: str) -> bool:
+    """Whether ``ampkit.autocast(device_type)`` can run: torch has an autocast for the
+    device type (``torch.amp.is_autocast_available``) and ampkit's policies describe it
+    (cpu and cuda). Unlike torch's, False for device types such as ``"mps"`` or ``"xpu"``
+    that torch's autocast knows but ampkit's policies do not; an unknown device string
+    raises as torch's does.
+
+    >>> import ampkit
+    >>> ampkit.is_autocast_available("cpu"), ampkit.is_autocast_available("mps")
+    (True, False)
+    """
+    if not isinstance(device_type, str):
+        raise TypeError(f"is_autocast_available: device_type must be a string such as 'cpu' or 'cuda', got {device_type!r}")
+    return bool(torch.amp.is_autocast_available(device_type)) and device_type in DEVICES
+
+
+def is_autocast_cache_enabled() -> bool:
+    """Whether autocast regions in this thread cache the casts of float32 leaf tensors that
+    require grad (``cache_enabled`` of the innermost region; torch's own state, which
+    ampkit's regions set as torch's do).
+
+    >>> import torch, ampkit
+    >>> with ampkit.autocast("cpu", cache_enabled=False):
+    ...     ampkit.is_autocast_cache_enabled()
+    False
+    """
+    return torch.is_autocast_cache_enabled()
 
 
 def get_autocast_dtype(device_type: str) -> torch.dtype:

@@ -3,7 +3,7 @@
 torch's C++ autocast executes every op whose handling in a policy equals
 torch's; ampkit's Python engine executes only the delta. Native's table is the
 shipped ``torch_default`` policy, which the drift check (``python -m
-ampkit.policy check``, run by the test suite for each installed torch) proves
+ampkit.drift check``, run by the test suite for each installed torch) proves
 equal to ``torch.autocast`` op by op; ops where a torch release is known to
 differ from that table are listed in ``NATIVE_DIFFERS`` and always run through
 ampkit, so the YAML stays the only source of truth for what is cast.

@@ -23,6 +23,8 @@ import difflib
 
 import torch
 
+from ampkit._errors import PolicyError
+
 # Operator dunders that reach the same op as a named method.
 _DUNDERS = {
     "matmul": ("__matmul__", "__rmatmul__"),
@@ -99,8 +101,6 @@ def known_names() -> list:
 
 def check_name(name, where: str) -> tuple:
     """Resolve ``name`` or raise PolicyError with close matches."""
-    from ampkit._policy import PolicyError
-
     if not isinstance(name, str) or not name:
         raise PolicyError(f"{where}: op name must be a non-empty string, got {name!r}")
     found = resolve(name)

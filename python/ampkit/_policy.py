@@ -41,6 +41,10 @@ from pathlib import Path
 import torch
 import yaml
 
+from ampkit import _decompositions, _ops
+from ampkit._errors import PolicyError
+from ampkit._specs import SpecsNotFoundError, policy_dir
+
 CATEGORIES = ("lower_precision_fp", "fp32", "fp32_output", "promote", "banned")
 DEVICES = ("cpu", "cuda")
 SCHEMA_VERSION = 1
@@ -50,7 +54,6 @@ _TOP_KEYS = ("schema_version", "name", "description", "devices")
 _DEVICE_KEYS = ("lower_precision_dtype",) + CATEGORIES  # required
 _OPTIONAL_DEVICE_KEYS = ("decompose",)  # optional, [] when absent
 DEFAULT_BAN_MESSAGE = "{op} is banned in ampkit autocast regions by the active policy."
-SPEC_DIR = Path(__file__).resolve().parents[2] / "shared_specs" / "policies"
 
 
 # Every live policy by id(): code that torch.compile traces names a policy by its id, a
@@ -61,10 +64,6 @@ _LIVE: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 def live_policy(policy_id: int) -> "Policy":
     """The live Policy whose id() is ``policy_id``."""
     return _LIVE[policy_id]
-
-
-class PolicyError(ValueError):
-    """A cast policy (file, name, op, category, dtype or device) is invalid."""
 
 
 def _dtype_of(value, where: str) -> torch.dtype:
@@ -264,7 +263,7 @@ class Policy:
             else:
                 items = [(n, None) for n in names]
             for n, msg in items:
-                _ops_mod().check_name(n, f"with_ops({cat}=...)")
+                _ops.check_name(n, f"with_ops({cat}=...)")
                 if n in moves:
                     raise PolicyError(f"with_ops: op {n!r} given for both {moves[n][0]!r} and {cat!r}")
                 if msg is not None and not isinstance(msg, str):
@@ -283,7 +282,7 @@ class Policy:
         """
         targets = self._targets(device)
         for n in names:
-            _ops_mod().check_name(n, "without_ops")
+            _ops.check_name(n, "without_ops")
             if not any(self.category(d, n) or self.decomposes(d, n) for d in targets):
                 raise PolicyError(
                     f"without_ops: op {n!r} is in no category on {', '.join(targets)}, so there is "
@@ -320,12 +319,6 @@ class Policy:
         return dataclasses.replace(self, name=name, description=self.description if description is None else description)
 
 
-def _ops_mod():
-    from ampkit import _ops
-
-    return _ops
-
-
 def _make_rules(dtype, tables, device, where) -> DeviceRules:
     kw = {c: tuple(sorted(tables[c])) for c in CATEGORIES[:-1]}
     kw["banned"] = tuple(sorted(tables["banned"].items()))
@@ -336,8 +329,6 @@ def _make_rules(dtype, tables, device, where) -> DeviceRules:
 
 
 def _check_decomposable(op, device, where):
-    from ampkit import _decompositions
-
     known = _decompositions.known(device)
     if op not in known:
         d = _decompositions.DECOMPOSITIONS.get(op)
@@ -392,10 +383,14 @@ def load_policy(path_or_name) -> Policy:
         raise PolicyError(f"load_policy: expected a spec name or a path, got {path_or_name!r}")
     s = os.fspath(path_or_name)
     if os.sep not in s and "/" not in s and not s.endswith((".yaml", ".yml")):
-        path = SPEC_DIR / f"{s}.yaml"
+        try:
+            folder = policy_dir()
+        except SpecsNotFoundError as e:
+            raise PolicyError(f"load_policy: cannot look up the shipped policy {s!r}: {e}") from e
+        path = folder / f"{s}.yaml"
         if not path.is_file():
-            names = sorted(p.stem for p in SPEC_DIR.glob("*.yaml")) if SPEC_DIR.is_dir() else []
-            raise PolicyError(f"load_policy: no shipped policy named {s!r}; shipped: {', '.join(names) or 'none'} (in {SPEC_DIR})")
+            names = sorted(p.stem for p in folder.glob("*.yaml"))
+            raise PolicyError(f"load_policy: no shipped policy named {s!r}; shipped: {', '.join(names) or 'none'} (in {folder})")
     else:
         path = Path(s)
     try:
@@ -492,7 +487,7 @@ def _parse_device(dev, body, where) -> DeviceRules:
         table = {}
         for n, msg in items:
             w = where("devices", dev, cat, n) if isinstance(n, str) else where("devices", dev, cat)
-            _ops_mod().check_name(n, w)
+            _ops.check_name(n, w)
             if n in seen:
                 raise PolicyError(f"{w}: op {n!r} is listed in both {seen[n]!r} and {cat!r}; an op belongs to one category")
             if cat == "banned" and not isinstance(msg, str):
@@ -507,7 +502,7 @@ def _parse_device(dev, body, where) -> DeviceRules:
     tables["decompose"] = {}
     for n in dec:
         w = where("devices", dev, "decompose", n) if isinstance(n, str) else where("devices", dev, "decompose")
-        _ops_mod().check_name(n, w)
+        _ops.check_name(n, w)
         if n in seen:
             twice = "twice under decompose" if seen[n] == "decompose" else f"in {seen[n]!r} and under decompose"
             raise PolicyError(f"{w}: op {n!r} is listed {twice}; an op is either in one category or decomposed")

@@ -437,6 +437,14 @@ class GradScaler:
         self._growth_interval = _int("growth_interval", new_interval, 1, _INT32_MAX)
 
     @property
+    def scale_tensor(self) -> torch.Tensor | None:
+        """The scale as the float32 0-dim tensor on the device that ``scale()`` multiplies by
+        (None before the first ``scale()`` or ``unscale_()``); read it, never write it:
+        ``update()`` may replace the tensor, and a captured train step checks by identity
+        that no call created it during a capture."""
+        return self._scale
+
+    @property
     def hysteresis(self) -> int:
         return self._hysteresis
 
@@ -605,7 +613,7 @@ class GradScaler:
             grouped.setdefault((grad.device, grad.dtype), []).append(grad)
         return grouped
 
-    def _found_inf(self, grouped: dict, unscale: bool) -> dict:
+    def found_inf(self, grouped: dict, unscale: bool) -> dict:
         """One float32 flag per device: 1.0 when some gradient holds an inf or NaN, else 0.0.
 
         ``unscale``: the gradients are also multiplied by 1/scale in place (torch's own
@@ -613,7 +621,16 @@ class GradScaler:
         path, whose optimizer unscales inside its kernel): each gradient is reduced to
         scalars that are non-finite exactly when it holds an inf or NaN, and torch's kernel
         checks those scalars. No sync either way; capturable in a CUDA graph.
+
+        ``grouped`` maps (device, dtype) to a list of gradients. This is the scaler's one
+        gradient check: a subclass may override it to check differently or to inject
+        infs (benchmarks and tests do), as long as it returns a flag per device.
         """
+        if not isinstance(grouped, Mapping):
+            raise TypeError(
+                f"found_inf() takes a dict {{(device, dtype): [gradients]}}, got "
+                f"{type(grouped).__name__}; group the gradients by device and dtype first"
+            )
         found_per_device: dict[torch.device, torch.Tensor] = {}
         inv_scale = self._scale.double().reciprocal().float() if unscale else None
         with torch.no_grad():
@@ -663,7 +680,7 @@ class GradScaler:
         self._require_scale("unscale_")
         self._check_ready_for_unscale(optimizer)
         grouped = self._collect_grads(optimizer, allow_fp16=False)
-        found = self._found_inf(grouped, unscale=True)
+        found = self.found_inf(grouped, unscale=True)
         if self._sync.needed(optimizer):
             self._sync.combine(found)
         self._per_optimizer[id(optimizer)] = _OptRecord(
@@ -705,7 +722,7 @@ class GradScaler:
             if not grouped:
                 raise _NoGrads()
             # Fused: only read the gradients; the optimizer unscales them in its kernel.
-            found = self._found_inf(grouped, unscale=not fused)
+            found = self.found_inf(grouped, unscale=not fused)
             if self._sync.needed(optimizer):
                 self._sync.combine(found)
             if not fused:  # as unscale_() records it: a failing step() won't unscale twice

@@ -116,8 +116,9 @@ class CastTrace:
     def __repr__(self):
         return f"<CastTrace of {len(self.records)} records>"
 
-    # called by the engine's slow path while this trace is active
-    def _record(self, func, act, args, kwargs):
+    def record_call(self, func, act, args, kwargs):
+        """Run ``func`` (through ``act``, the engine's cast rule, when given) and record the
+        cast it made; the engine calls this for each op while the trace is active."""
         out = func(*args, **kwargs) if act is None else act(func, args, kwargs)
         outs = _tensors(out)
         if not outs:
@@ -173,12 +174,12 @@ class trace:
         self._thread = None
 
     def __enter__(self) -> CastTrace:
-        from ampkit._autocast import _engine
+        from ampkit._autocast import thread_engine
 
         if self._entered:
             raise RuntimeError(
                 "this ampkit.trace() is already active; nest a new ampkit.trace() instead")
-        eng = _engine()
+        eng = thread_engine()
         prev = eng.trace
         self._pushed = eng.set_trace(self.result)
         self._prev = prev
@@ -187,9 +188,9 @@ class trace:
         return self.result
 
     def __exit__(self, exc_type, exc_val, exc_tb):
-        from ampkit._autocast import _engine
+        from ampkit._autocast import thread_engine
 
-        eng = _engine()
+        eng = thread_engine()
         if not self._entered or self._thread != threading.get_ident():
             where = "was never entered (or was already exited)" if not self._entered \
                 else "was entered in another thread"

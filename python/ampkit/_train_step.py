@@ -52,6 +52,8 @@ from typing import Any
 
 import torch
 
+from ampkit._policy import load_policy
+
 __all__ = ["TrainStep", "make_train_step"]
 
 _CAPTURE_CHOICES = ("auto", True, False)
@@ -183,6 +185,13 @@ class TrainStep:
     def captured(self) -> bool:
         """True when the last call ran as a CUDA graph replay."""
         return self._last_replayed
+
+    @property
+    def autocast(self) -> dict:
+        """The ``ampkit.autocast`` arguments of the step's region, resolved (a copy):
+        ``device_type`` and ``dtype`` are always there; the dtype defaults to the policy's
+        ``lower_precision_dtype`` for the device."""
+        return dict(self._autocast)
 
     def __call__(self, inputs, targets) -> torch.Tensor:
         flat_in = _as_tensors("inputs", inputs)
@@ -318,7 +327,7 @@ class TrainStep:
         self._static_in = [t.detach().clone() for t in flat_in]
         self._static_tg = [t.detach().clone() for t in flat_tg]
         state_before = set(self.optimizer.state)
-        scale_before = self.scaler._scale
+        scale_before = self.scaler.scale_tensor
         self.optimizer.zero_grad(set_to_none=True)
         graph = torch.cuda.CUDAGraph()
         try:
@@ -337,7 +346,7 @@ class TrainStep:
             why = ("the optimizer created state during the capture (raise warmup so "
                    "that every parameter has taken a step first)")
             self._forget_state_since(state_before)
-        elif self.scaler._scale is not scale_before:
+        elif self.scaler.scale_tensor is not scale_before:
             why = "the scaler created its scale during the capture (raise warmup)"
         if why is not None:
             self._drop_graph()
@@ -484,8 +493,9 @@ def _plain(v):
     return isinstance(v, (int, float, bool, str, type(None)))
 
 
-def _default_dtype(device_type):
-    return torch.float16 if device_type == "cuda" else torch.bfloat16
+def _policy_dtype(kw):
+    """The region's default dtype: the policy's for the device, as ``ampkit.autocast`` takes it."""
+    return load_policy(kw.get("policy") or "torch_default").rules(kw["device_type"]).lower_precision_dtype
 
 
 def _autocast_kwargs(autocast, model):
@@ -509,13 +519,14 @@ def _autocast_kwargs(autocast, model):
     if kw["device_type"] not in ("cuda", "cpu"):
         raise ValueError(
             f"autocast device_type={kw['device_type']!r} is not valid; use 'cuda' or 'cpu'")
-    kw.setdefault("dtype", _default_dtype(kw["device_type"]))
     # Validated now, not at the first call: the region is built from these arguments.
     import ampkit
 
     try:
+        if kw.get("dtype") is None:
+            kw["dtype"] = _policy_dtype(kw)
         region = ampkit.autocast(**kw)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError) as e:  # PolicyError is a ValueError
         raise type(e)(f"make_train_step(autocast={autocast!r}): {e}") from e
     if "policy" in kw:
         kw["policy"] = region.policy  # loaded once, not at every call

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import ampkit
-from ampkit import policy as drift
+from ampkit import drift
 
 from test_autocast_models import CASES, assert_match
 

@@ -106,7 +106,7 @@ def test_exception_inside_restores_everything():
                 1 / 0
     assert not ampkit.is_autocast_enabled("cpu")
     assert modes() == base
-    assert _autocast._engine().cache == {} and _autocast._engine().depth == 0
+    assert _autocast.thread_engine().cache == {} and _autocast.thread_engine().depth == 0
     assert lin().dtype == F32
     with ampkit.autocast("cpu"):
         with pytest.raises(ValueError):
@@ -187,7 +187,7 @@ def reference_engine():
 
 
 def _cached_cast_of(w):
-    hits = [c for (src, c) in _autocast._engine().cache.values() if src is w]
+    hits = [c for (src, c) in _autocast.thread_engine().cache.values() if src is w]
     return hits[0] if hits else None
 
 
@@ -207,7 +207,7 @@ def test_cache_lives_for_the_outermost_region_and_is_freed(reference_engine):
     del y1, y2, y3  # their graphs hold the cast weight for backward
     gc.collect()
     assert ref() is None  # freed at the outermost exit
-    assert _autocast._engine().cache == {}
+    assert _autocast.thread_engine().cache == {}
 
 
 def test_cache_shares_one_cast_like_native():
@@ -257,7 +257,7 @@ def test_cache_disabled_and_disabled_region_cache_nothing(reference_engine):
     for region in (ampkit.autocast("cpu", cache_enabled=False), ampkit.autocast("cpu", enabled=False)):
         with region:
             F.linear(torch.randn(2, 4), w)
-            assert _autocast._engine().cache == {}
+            assert _autocast.thread_engine().cache == {}
 
 
 def test_cache_enabled_none_follows_torch_flag(reference_engine):
@@ -476,7 +476,7 @@ def test_user_op_bad_registration():
 @pytest.mark.parametrize(
     "kwargs,exc,match",
     [
-        (dict(device_type="tpu"), ValueError, "no rules for device type 'tpu'.*cpu, cuda"),
+        (dict(device_type="tpu"), ValueError, "device type 'tpu' is not supported.*cpu, cuda"),
         (dict(device_type=0), ValueError, "device_type must be a string"),
         (dict(device_type="cpu", dtype=torch.float32), ValueError, "not a lower-precision dtype"),
         (dict(device_type="cpu", dtype="bfloat16"), ValueError, "not a lower-precision dtype"),
@@ -498,7 +498,7 @@ def test_bad_custom_fwd_device():
 
 # --------------------------------------------------------------------- enter/exit misuse
 def _region_state():
-    eng = _autocast._engine()
+    eng = _autocast.thread_engine()
     return (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), eng.depth,
             modes(), eng.mode_pushed)
 

@@ -25,7 +25,7 @@ import torch
 
 import ampkit
 from ampkit import _autocast
-from ampkit.policy import known_gap, oracle_cannot_run
+from ampkit.drift import known_gap, oracle_cannot_run
 from ampkit.testing import op_sample
 
 pytestmark = pytest.mark.usefixtures("ampkit_quiet")
@@ -170,7 +170,7 @@ def check_gap(op, device, probe, low):
     kind = [x if isinstance(x, type) else getattr(x[0], "dtype", type(x[0])) for x in (nat, amp)]
     assert kind[0] != kind[1], (
         f"{op} [{probe}]: the known gap ({known_gap(op, device, low, probe)}) no longer shows "
-        f"(both {kind[0]}); remove it from ampkit.policy's gap tables and check the op's category"
+        f"(both {kind[0]}); remove it from ampkit.drift's gap tables and check the op's category"
     )
 
 

@@ -1009,7 +1009,7 @@ def test_fused_check_reads_gradients_only_and_flags_like_torch(case):
         grads = [g.t() for g in grads]
     saved = [g.clone() for g in grads]
     with _Writes(grads) as writes:
-        ours = ampkit.GradScaler("cpu")._found_inf({(torch.device("cpu"), dtype): grads}, unscale=False)
+        ours = ampkit.GradScaler("cpu").found_inf({(torch.device("cpu"), dtype): grads}, unscale=False)
     theirs = torch.zeros(())
     torch._amp_foreach_non_finite_check_and_unscale_([g.clone() for g in grads], theirs, torch.ones(()))
     assert list(ours) == [torch.device("cpu")] and bits_equal(ours[torch.device("cpu")], theirs)

@@ -182,7 +182,7 @@ def test_fused_check_flags_like_torch_reads_only_and_captures(dtype):
         before = [b.clone() for b in bases]
         torch.cuda.synchronize()
         with SyncError():
-            ours = scaler._found_inf(key, unscale=False)[dev]
+            ours = scaler.found_inf(key, unscale=False)[dev]
         theirs = _torch_check(grads)
         assert torch.equal(ours, theirs), (i, pos, value)
         assert bool(theirs) == (value is not None and (value != value or abs(value) == INF))
@@ -192,11 +192,11 @@ def test_fused_check_flags_like_torch_reads_only_and_captures(dtype):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        scaler._found_inf(key, unscale=False)
+        scaler.found_inf(key, unscale=False)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        flag = scaler._found_inf(key, unscale=False)[dev]
+        flag = scaler.found_inf(key, unscale=False)[dev]
     for value in (1.0, NAN, 2.0, -INF, 3.0):
         bases[0][-1] = value
         graph.replay()

@@ -192,7 +192,7 @@ def test_the_fused_check_flags_exactly_what_torchs_check_flags(dtype, sizes, pok
     mix of sizes (empty ones too), layouts, dtypes and inf/-inf/NaN/extreme finite values."""
     grads = _poked_grads(dtype, sizes, pokes, transpose)
     cpu = torch.device("cpu")
-    ours = ampkit.GradScaler("cpu")._found_inf({(cpu, dtype): grads}, unscale=False)[cpu]
+    ours = ampkit.GradScaler("cpu").found_inf({(cpu, dtype): grads}, unscale=False)[cpu]
     theirs = torch.zeros(())
     torch._amp_foreach_non_finite_check_and_unscale_([g.clone() for g in grads], theirs, torch.ones(()))
     assert bits_equal(ours, theirs), (ours, theirs)

@@ -130,7 +130,7 @@ def test_default_scaler_and_autocast_follow_the_device():
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     step = ampkit.make_train_step(model, torch.nn.functional.mse_loss, opt, capture=False)
     # CPU parameters: bfloat16 autocast, which needs no loss scaling.
-    assert step._autocast == dict(device_type="cpu", dtype=torch.bfloat16)
+    assert step.autocast == dict(device_type="cpu", dtype=torch.bfloat16)
     assert isinstance(step.scaler, ampkit.GradScaler) and not step.scaler.is_enabled()
     batches = make_batches(n=4, poison=False)
     got = [step(x, y) for x, y in batches]
@@ -443,3 +443,26 @@ def test_a_call_that_raises_changes_nothing_and_the_run_goes_on_as_a_clean_one(w
     assert_bitwise(losses, ref_losses)
     _assert_same(_everything(model, opt, step), _everything(ref_model, ref_opt, ref_step))
     assert step.scaler.stats() == ref_step.scaler.stats()
+
+
+def test_the_default_dtype_is_the_policys_for_the_device():
+    """autocast= without a dtype takes the policy's lower_precision_dtype, as ampkit.autocast
+    does: the step trains exactly as a hand-written loop in that policy's region."""
+    policy = ampkit.load_policy("torch_default").with_dtype("cpu", torch.float16)
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    torch.manual_seed(0)
+    ours = torch.nn.Linear(4, 2)
+    theirs = torch.nn.Linear(4, 2)
+    theirs.load_state_dict(ours.state_dict())
+    step = ampkit.make_train_step(ours, torch.nn.functional.mse_loss, torch.optim.SGD(ours.parameters(), lr=0.1),
+                                  scaler=ampkit.GradScaler("cpu", enabled=False),
+                                  autocast=dict(device_type="cpu", policy=policy), capture=False)
+    assert step.autocast["dtype"] is torch.float16
+    opt = torch.optim.SGD(theirs.parameters(), lr=0.1)
+    with ampkit.autocast("cpu", policy=policy):
+        loss = torch.nn.functional.mse_loss(theirs(x), y)
+    loss.backward()
+    opt.step()
+    step(x, y)
+    for p, q in zip(ours.parameters(), theirs.parameters()):
+        assert torch.equal(p, q)

@@ -3,7 +3,7 @@
 Cases and variants are YAML data (shared_specs/benchmarks); `build_case` makes the same
 seeded model and data for the Python runner (`python -m ampkit.bench`) and the R runner
 (benchmarks/run.R, through reticulate); `make_record`, `derive` and `write_document`
-write the one results schema (benchmarks/schema.json) for both.
+write the one results schema (shared_specs/benchmarks/schema.json) for both.
 
 >>> import ampkit.bench as bench
 >>> b = bench.build_case("seed_mlp", "tiny", seed=0, device="cpu")
@@ -25,6 +25,9 @@ from ampkit.bench._spec import spec_dir
 from ampkit.bench._build import BuiltCase
 from ampkit.bench._build import build_case
 from ampkit.bench._build import resolve_device
+from ampkit.bench._resolved import ResolvedRun
+from ampkit.bench._resolved import resolve_run
+from ampkit.bench._results import RIVALS
 from ampkit.bench._results import SCHEMA_VERSION
 from ampkit.bench._results import check
 from ampkit.bench._results import context
@@ -35,8 +38,26 @@ from ampkit.bench._results import merge
 from ampkit.bench._results import read_document
 from ampkit.bench._results import validate
 from ampkit.bench._results import write_document
+from ampkit.bench._machine import CpuCapability
+from ampkit.bench._machine import capability_from
+from ampkit.bench._machine import compile_reason
+from ampkit.bench._machine import cpu_capability
+from ampkit.bench._budget import COMPILE_S
+from ampkit.bench._budget import RunLength
+from ampkit.bench._budget import StepCost
+from ampkit.bench._budget import calibrate
+from ampkit.bench._budget import estimate_s
+from ampkit.bench._budget import fit as fit_budget
+from ampkit.bench._budget import notches
+from ampkit.bench._budget import write_sized_cases
+from ampkit.bench._runner import GROWTH_INTERVAL
+from ampkit.bench._runner import INIT_SCALE
+from ampkit.bench._runner import compile_counts
+from ampkit.bench._runner import compile_model
+from ampkit.bench._runner import compile_note
 from ampkit.bench._runner import loop_step
 from ampkit.bench._runner import peak_memory
+from ampkit.bench._runner import precision_flags
 from ampkit.bench._runner import progress
 from ampkit.bench._runner import reset_peak_memory
 from ampkit.bench._runner import run_variant
@@ -47,31 +68,52 @@ __all__ = [
     "BenchSpecError",
     "BuiltCase",
     "Case",
+    "COMPILE_S",
+    "CpuCapability",
+    "GROWTH_INTERVAL",
+    "INIT_SCALE",
     "PROFILES",
+    "RIVALS",
+    "ResolvedRun",
+    "RunLength",
     "SCHEMA_VERSION",
+    "StepCost",
     "Variant",
     "build_case",
+    "calibrate",
+    "capability_from",
     "check",
+    "compile_counts",
+    "compile_model",
+    "compile_note",
+    "compile_reason",
     "context",
+    "cpu_capability",
     "derive",
+    "estimate_s",
     "finalize_json",
+    "fit_budget",
     "load_case",
     "load_cases",
     "load_variants",
-    "make_record",
     "loop_step",
+    "make_record",
     "merge",
+    "notches",
     "peak_memory",
     "plan",
+    "precision_flags",
     "progress",
     "read_document",
     "reset_peak_memory",
     "resolve_device",
     "run_variant",
+    "resolve_run",
     "select",
     "skipped_from_scale",
     "spec_dir",
     "synchronize",
     "validate",
     "write_document",
+    "write_sized_cases",
 ]

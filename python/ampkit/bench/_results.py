@@ -1,4 +1,4 @@
-"""Benchmark results: one JSON schema for both languages (benchmarks/schema.json).
+"""Benchmark results: one JSON schema for both languages (shared_specs/benchmarks/schema.json).
 
 A results document is {"context": {...}, "records": [...]}: the context says where and
 with what it ran (host, CPU, card, library versions, commit, profile); each record is
@@ -19,6 +19,8 @@ import statistics
 import subprocess
 from pathlib import Path
 
+from ampkit._specs import specs_root
+
 SCHEMA_VERSION = 1
 NOISE = 0.05  # a ratio whose [low, high] lies wholly past 1 +/- NOISE is flagged as a change
 # The rivals every record is timed against (same case and language), and the field each
@@ -30,8 +32,8 @@ ERROR_CHARS = 600  # a failed record keeps the error's first characters, on one 
 
 
 def schema_path() -> Path:
-    from ampkit.bench._spec import spec_dir
-    return spec_dir().parent.parent / "benchmarks" / "schema.json"
+    """The results schema, shipped with the cases (``shared_specs/benchmarks/schema.json``)."""
+    return specs_root() / "benchmarks" / "schema.json"
 
 
 def load_schema() -> dict:
@@ -122,8 +124,7 @@ def _cpu_model() -> str:
 def _git_commit():
     if os.environ.get("AMPKIT_GIT_COMMIT"):  # where the checkout has no .git (the device machine)
         return os.environ["AMPKIT_GIT_COMMIT"]
-    from ampkit.bench._spec import spec_dir
-    repo = spec_dir().parent.parent
+    repo = specs_root().parent  # the checkout (an installed package has no commit: None)
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
                              timeout=10).stdout.strip()
@@ -177,19 +178,16 @@ def _num(x):
     return x if math.isfinite(x) else None
 
 
-def make_record(case, variant, language: str, profile: str, device: str, *, status: str = "ok",
-                samples_ms=None, final_loss=None, peak_memory_bytes=None, final_scale=None,
-                skipped_steps=None, reason=None, error=None, torch_threads=None, wall_s=None,
-                repeats=None, graph_captured=None, compile_s=None) -> dict:
-    """One record, the same fields from either language. `case` is a BuiltCase (or Case with
-    `repeats`), `variant` a Variant; samples_ms holds one ms/step value per timed repeat;
-    compile_s the first warm-up step of a compiled variant (torch.compile's compilation)."""
+def make_record(run, *, status: str = "ok", samples_ms=None, final_loss=None, peak_memory_bytes=None,
+                final_scale=None, skipped_steps=None, reason=None, error=None, torch_threads=None,
+                wall_s=None, graph_captured=None, compile_s=None) -> dict:
+    """One record, the same fields from either language: ``run`` (a ResolvedRun, see
+    ``resolve_run``) says what ran; the keywords what it measured. samples_ms holds one
+    ms/step value per timed repeat; compile_s the first warm-up step of a compiled variant
+    (torch.compile's compilation)."""
     import torch
-    from ampkit.bench._spec import Case
     if status not in ("ok", "skipped", "failed"):
         raise ValueError("status must be 'ok', 'skipped' or 'failed', got %r" % (status,))
-    spec = case if isinstance(case, Case) else case.case
-    prof = spec.profile(profile)
     samples = [float(s) for s in (samples_ms or [])]
     if status == "ok" and not samples:
         raise ValueError("an 'ok' record needs its timed samples")
@@ -202,26 +200,26 @@ def make_record(case, variant, language: str, profile: str, device: str, *, stat
         error = " ".join(str(error).split())[:ERROR_CHARS]
     q = statistics.quantiles(samples, n=4, method="inclusive") if len(samples) >= 2 else [None, None, None]
     rec = {
-        "case": spec.name,
-        "variant": variant.name,
-        "language": language,
-        "profile": profile,
-        "device": device,
+        "case": run.case,
+        "variant": run.variant.name,
+        "language": run.language,
+        "profile": run.profile,
+        "device": run.device,
         "status": status,
         "reason": reason,
         "error": error,
-        "autocast": variant.autocast,
-        "scaler": variant.scaler,
-        "dtype": variant.resolved_dtype(device),
-        "tf32": bool(variant.tf32),
-        "runner": variant.runner,
-        "compile": variant.compile,
+        "autocast": run.variant.autocast,
+        "scaler": run.variant.scaler,
+        "dtype": run.dtype,
+        "tf32": bool(run.variant.tf32),
+        "runner": run.variant.runner,
+        "compile": run.variant.compile,
         "graph_captured": None if graph_captured is None else bool(graph_captured),
         "compile_s": _num(compile_s) if status == "ok" else None,
-        "sizes": prof["sizes"],
-        "num_batches": prof["num_batches"],
-        "warmup_steps": variant.warmup_steps(prof["warmup_steps"]),
-        "repeats": int(repeats if repeats is not None else getattr(case, "repeats", prof["repeats"])),
+        "sizes": dict(run.sizes),
+        "num_batches": run.num_batches,
+        "warmup_steps": run.warmup_steps,
+        "repeats": run.repeats,
         "unit": "ms/step",
         "samples": samples,
         "median": statistics.median(samples) if samples else None,

@@ -25,6 +25,7 @@ import time
 import torch
 
 from ampkit.bench._build import BuiltCase
+from ampkit.bench._resolved import resolve_run
 from ampkit.bench._results import make_record
 from ampkit.bench._spec import Variant, load_variants
 
@@ -133,7 +134,7 @@ def make_step(variant: Variant, built: BuiltCase, model, opt, scaler):
     device, loss_fn = built.device, built.loss_fn
     dtype = variant.resolved_dtype(device)
     dtype = getattr(torch, dtype) if dtype else None
-    if variant.runner == "train_step":  # issue 6: ampkit's graph-captured step
+    if variant.runner == "train_step":  # ampkit's graph-captured step
         import ampkit
         return ampkit.make_train_step(model, loss_fn, opt, scaler=scaler,
                                       autocast=dict(device_type=device, dtype=dtype))
@@ -195,7 +196,7 @@ def run_variant(built: BuiltCase, variant: Variant, language: str = "python") ->
             % (variant, variant if isinstance(variant, str) else "fp32",
                ", ".join(sorted(load_variants()))))
     device = built.device
-    common = dict(case=built, variant=variant, language=language, profile=built.profile, device=device)
+    common = dict(run=resolve_run(built, variant, language))
     reason = variant.skip_reason(device)
     if reason:
         return make_record(status="skipped", reason=reason, **common)
@@ -244,9 +245,18 @@ def run_variant(built: BuiltCase, variant: Variant, language: str = "python") ->
         reset_peak_memory(device)
 
 
+_PROGRESS: dict = {}  # language -> seconds the finished runs of this runner took (their wall_s)
+
+
 def progress(language: str, i: int, total: int, rec: dict, file=sys.stderr) -> None:
-    """One line per finished run: '[python  3/24] seed_mlp / torch_amp: 12.31 ms/step ...'."""
-    head = "[%-6s %2d/%d] %s / %s:" % (language, i, total, rec["case"], rec["variant"])
+    """One line per finished run, with the time left at the pace so far:
+    '[python  3/24, ~1 min 40 s left] seed_mlp / torch_amp: 12.31 ms/step ...'."""
+    spent = (0.0 if i <= 1 else _PROGRESS.get(language, 0.0)) + float(rec.get("wall_s") or 0.0)
+    _PROGRESS[language] = spent
+    left = spent / max(i, 1) * (total - i)
+    eta = "" if i >= total else ", ~%s left" % (
+        "%d min %02d s" % divmod(int(left), 60) if left >= 60 else "%d s" % int(left))
+    head = "[%-6s %2d/%d%s] %s / %s:" % (language, i, total, eta, rec["case"], rec["variant"])
     if rec["status"] == "ok":
         tail = "%.2f ms/step (median of %d, %.2f-%.2f), final loss %.5g" % (
             rec["median"], len(rec["samples"]), rec["min"], rec["max"], rec["final_loss"])

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import os
 from pathlib import Path
 from typing import Any, Mapping
 
 import yaml
+
+from ampkit._specs import SpecsNotFoundError, bench_dir
 
 SPEC_SCHEMA_VERSION = 1
 PROFILES = ("tiny", "cpu", "full")
@@ -41,20 +42,12 @@ class BenchSpecError(ValueError):
 
 
 def spec_dir() -> Path:
-    """The folder of case files: $AMPKIT_BENCH_SPECS, else the repository's shared_specs/benchmarks."""
-    env = os.environ.get("AMPKIT_BENCH_SPECS")
-    if env:
-        return Path(env)
-    here = Path(__file__).resolve()
-    for parent in here.parents:
-        cand = parent / "shared_specs" / "benchmarks"
-        if cand.is_dir():
-            return cand
-    repo = os.environ.get("AMPKIT_REPO")
-    if repo:
-        return Path(repo) / "shared_specs" / "benchmarks"
-    raise BenchSpecError(
-        "cannot find shared_specs/benchmarks above %s; set AMPKIT_BENCH_SPECS to the folder" % here)
+    """The folder of case files: $AMPKIT_BENCH_SPECS, else shared_specs/benchmarks (of the
+    installed package or the checkout; ``ampkit._specs`` says where it looks)."""
+    try:
+        return bench_dir()
+    except SpecsNotFoundError as e:
+        raise BenchSpecError("%s; or set AMPKIT_BENCH_SPECS to a folder of case files" % e) from e
 
 
 def _fail(path: Path, key: str, msg: str) -> BenchSpecError:
@@ -229,6 +222,9 @@ class Variant:
         """Why this variant cannot run on the device (None when it can)."""
         if device not in self.devices:
             return "%s runs only on %s; this run is on %s" % (self.name, " or ".join(self.devices), device)
+        if self.compile != "none" and device == "cpu":
+            from ampkit.bench._machine import compile_reason
+            return compile_reason()
         return None
 
 

@@ -1,6 +1,6 @@
 """Drift check: does the shipped policy still describe the installed torch?
 
-    python -m ampkit.policy check --device cpu [--dtype bfloat16] [--policy PATH] [--ops a,b] [--verbose]
+    python -m ampkit.drift check --device cpu [--dtype bfloat16] [--policy PATH] [--ops a,b] [--verbose]
 
 For every op of the policy (and a broad list of candidates from
 ``ampkit.testing``) the same fresh inputs are run under ``torch.autocast`` and
@@ -248,7 +248,7 @@ def check(device="cpu", dtype=None, policy="torch_default", ops=None, verbose=Fa
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ampkit.policy", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ampkit.drift", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("check", help="compare the policy with the installed torch's native autocast")
     c.add_argument("--device", default="cpu", choices=["cpu", "cuda"])

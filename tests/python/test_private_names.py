@@ -1,0 +1,246 @@
+"""No file reads another module's private names: each room has one public face.
+
+An AST walk over python/, tests/python/ and benchmarks/. A name is private when it starts
+with one underscore. A file breaks the rule when it
+
+- imports a private name from another module (``from ampkit._scaler import _inf_norms``),
+  or any name from a private module of ampkit when it is not part of the package itself
+  (a test or a benchmark: ``from ampkit._scaler import HISTORY_SIZE``, ``import ampkit._ops``);
+- reads a private attribute of an imported module (``_autocast._engine()``, ``bench._runner``);
+- reads a private attribute, defined by an ampkit class, of an object other than ``self`` or
+  ``cls`` in a file that does not define that attribute itself (``scaler._scale``).
+
+Inside python/ampkit the private modules are the package's own structure: modules import
+each other's public names (``from ampkit._policy import load_policy``), never their private
+ones. What must stay is listed in ALLOWED with the reason; an entry that no longer occurs
+fails too, so that the list only shrinks.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+ROOTS = ("python", "tests/python", "benchmarks")
+PACKAGE = "ampkit"
+
+WHITE_BOX = "a white-box test of this private module's internals, which have no public face"
+# (file, name read) -> why it stays.
+ALLOWED = {
+    ("tests/python/conftest.py", "ampkit._native"):
+        "the test suite skips where torch's table is known to differ from the shipped one "
+        "(_native.differs, torch_version): internals of the engine's native path",
+    ("tests/python/test_autocast_decompose.py", "ampkit._autocast"):
+        "reference() runs the YAML-only engine, the oracle side of the table tests",
+    ("tests/python/test_autocast_decompose.py", "ampkit._decompositions"): WHITE_BOX,
+    ("tests/python/test_autocast_decompose.py", "_cross_entropy_functional"): WHITE_BOX,
+    ("tests/python/test_autocast_decompose.py", "_cross_entropy_aten"): WHITE_BOX,
+    ("tests/python/test_autocast_narrow.py", "ampkit._narrow_casts"): WHITE_BOX,
+    ("tests/python/test_autocast_semantics.py", "ampkit._autocast"):
+        "the engine's cast cache and region depth (thread_engine()), which have no public face",
+    ("tests/python/test_autocast_table.py", "ampkit._autocast"):
+        "reference() runs the YAML-only engine, the oracle side of the table tests",
+    ("tests/python/test_trace.py", "ampkit._autocast"):
+        "the engine's mode after a trace exits (thread_engine()), which has no public face",
+    ("tests/python/test_policy.py", "ampkit._policy"):
+        "parse_policy (a policy from YAML text) is the loader's internal step",
+    ("tests/python/test_policy.py", "_outcome"):
+        "the drift check's classification of one probe (oracle error or drift)",
+    ("tests/python/test_scaler.py", "ampkit._scaler"):
+        "HISTORY_SIZE and the read-only check's probes (_finite_probes): the scaler's internals",
+    ("tests/python/test_scaler.py", "_finite_probes"): WHITE_BOX,
+    ("tests/python/test_scaler.py", "_scale"):
+        "bitwise equality of the scale tensor with torch's GradScaler (scale_tensor is public; "
+        "the scaler's tests are owned by the scaler's room)",
+    ("tests/python/test_scaler.py", "_growth_tracker"):
+        "bitwise equality of the growth tracker tensor with torch's GradScaler, torch's name",
+    ("tests/python/test_scaler.py", "_per_optimizer"):
+        "the per-optimizer stage records, to prove no state changed after misuse",
+    ("tests/python/test_scaler_cuda.py", "_scale"):
+        "bitwise equality of the scale tensor with torch's GradScaler on the GPU",
+    ("tests/python/test_scaler_cuda.py", "_growth_tracker"):
+        "bitwise equality of the growth tracker tensor with torch's GradScaler on the GPU",
+    ("tests/python/test_scaler_cuda.py", "_per_optimizer"):
+        "the per-optimizer found-inf flags the fused optimizer reads",
+    ("tests/python/test_scaler_property.py", "ampkit._scaler"): WHITE_BOX,
+    ("tests/python/test_scaler_property.py", "_inf_norms"): WHITE_BOX,
+    ("tests/python/test_train_step.py", "ampkit._train_step"):
+        "_optimizer_refusals: why an optimizer cannot be captured, an internal of the step",
+    ("tests/python/test_train_step.py", "_optimizer_refusals"): WHITE_BOX,
+    ("tests/python/test_train_step.py", "ampkit._scaler"):
+        "the scaler's OptState through its module (now exported as ampkit.OptState)",
+    ("tests/python/test_train_step.py", "_after_failed_capture"):
+        "the step's recovery after a failed capture, driven directly (no CUDA graph on the CPU)",
+}
+
+
+def _files():
+    for root in ROOTS:
+        yield from sorted(p for p in (REPO / root).rglob("*.py") if ".venv" not in p.parts)
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _module_of(path: Path):
+    rel = path.relative_to(REPO / "python") if path.is_relative_to(REPO / "python") else None
+    if rel is None:
+        return None
+    parts = list(rel.with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _local_modules() -> set:
+    return {p.stem for root in ROOTS[1:] for p in (REPO / root).rglob("*.py")}
+
+
+def _is_ours(module: str, local: set) -> bool:
+    return module == PACKAGE or module.startswith(PACKAGE + ".") or module.split(".")[0] in local
+
+
+def _class_private_attributes() -> dict:
+    """Private attributes that ampkit's classes define: name -> files defining it."""
+    out: dict = {}
+    for path in (REPO / "python").rglob("*.py"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            for node in ast.walk(cls):
+                names = []
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name:
+                    names.append(node.name)
+                elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) \
+                        and isinstance(node.value, ast.Name) and node.value.id == "self":
+                    names.append(node.attr)
+                elif isinstance(node, (ast.Assign, ast.AnnAssign)) and node in cls.body:
+                    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                    names += [t.id for t in targets if isinstance(t, ast.Name)]
+                for n in names:
+                    if _private(n):
+                        out.setdefault(n, set()).add(path)
+    return out
+
+
+def _defined_here(tree) -> set:
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+    return names
+
+
+def _violations(path: Path, local: set, class_attrs: dict) -> list:
+    """(name, line, what) for each private read of another module in one file."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    me = _module_of(path)
+    in_package = me is not None and me.split(".")[0] == PACKAGE
+    modules = {}  # local name -> module it is bound to
+    out = []
+
+    def bad(name, node, what):
+        out.append((name, node.lineno, what))
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if not _is_ours(a.name, local):
+                    continue
+                if not in_package and any(_private(p) for p in a.name.split(".")):
+                    bad(a.name, node, "imports the private module %s" % a.name)
+                modules[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if not _is_ours(node.module, local):
+                continue
+            if not in_package and any(_private(p) for p in node.module.split(".")):
+                bad(node.module, node, "imports from the private module %s" % node.module)
+            for a in node.names:
+                full = "%s.%s" % (node.module, a.name)
+                is_module = (REPO / "python" / (full.replace(".", "/") + ".py")).is_file() or \
+                    (REPO / "python" / full.replace(".", "/")).is_dir()
+                if is_module:
+                    modules[a.asname or a.name] = full
+                if _private(a.name):
+                    if is_module and not in_package:
+                        bad(full, node, "imports the private module %s" % full)
+                    elif not is_module:
+                        bad(a.name, node, "imports the private name %s from %s" % (a.name, node.module))
+    here = _defined_here(tree)
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or not _private(node.attr):
+            continue
+        base = node.value
+        owner = _dotted(base, modules)
+        if owner is not None:
+            full = "%s.%s" % (owner, node.attr)
+            is_module = (REPO / "python" / (full.replace(".", "/") + ".py")).is_file()
+            if is_module and in_package:
+                continue  # the package's own structure
+            bad(full if is_module else node.attr, node, "reads %s.%s" % (owner, node.attr))
+        elif isinstance(base, ast.Name) and base.id in ("self", "cls"):
+            continue
+        elif isinstance(base, ast.Call) and isinstance(base.func, ast.Name) and base.func.id == "super":
+            continue
+        elif node.attr in class_attrs and path not in class_attrs[node.attr] and node.attr not in here:
+            bad(node.attr, node, "reads %s, private to %s" % (
+                node.attr, ", ".join(sorted(p.name for p in class_attrs[node.attr]))))
+    return out
+
+
+def _dotted(node, modules: dict):
+    """The module an expression names (``ampkit.bench`` for ``ampkit.bench`` when ``ampkit``
+    is an imported module), else None."""
+    if isinstance(node, ast.Name):
+        return modules.get(node.id)
+    if isinstance(node, ast.Attribute) and not _private(node.attr):
+        owner = _dotted(node.value, modules)
+        if owner is not None:
+            full = "%s.%s" % (owner, node.attr)
+            path = REPO / "python" / full.replace(".", "/")
+            return full if path.is_dir() or path.with_suffix(".py").is_file() else None
+    return None
+
+
+def _all_violations() -> dict:
+    local, class_attrs = _local_modules(), _class_private_attributes()
+    found = {}
+    for path in _files():
+        rel = path.relative_to(REPO).as_posix()
+        for name, line, what in _violations(path, local, class_attrs):
+            found.setdefault((rel, name), []).append("%s:%d %s" % (rel, line, what))
+    return found
+
+
+def test_no_file_reads_another_modules_private_names():
+    found = _all_violations()
+    new = {k: v for k, v in found.items() if k not in ALLOWED}
+    assert not new, "private names read across modules (give the room a public face, or list " \
+        "the read in ALLOWED with the reason):\n  " + "\n  ".join(x for v in new.values() for x in v)
+
+
+def test_every_allowed_read_still_occurs():
+    found = _all_violations()
+    stale = sorted(k for k in ALLOWED if k not in found)
+    assert not stale, "ALLOWED lists reads that no longer occur (remove them): %s" % stale
+
+
+def test_the_walk_catches_each_kind_of_read(tmp_path):
+    """The detector itself, on a file that commits each kind of read once."""
+    src = tmp_path / "probe.py"
+    src.write_text(
+        "import ampkit\n"
+        "from ampkit import _autocast\n"
+        "from ampkit._policy import parse_policy\n"
+        "from ampkit._scaler import _inf_norms\n"
+        "import ampkit._ops as ops\n"
+        "_autocast._engine()\n"
+        "ampkit.bench._runner\n"
+        "def f(scaler):\n"
+        "    return scaler._scale, self._fine\n")
+    names = sorted(n for n, _, _ in _violations(src, set(), {"_scale": {Path("x.py")}}))
+    assert names == ["_engine", "_inf_norms", "_scale", "ampkit._autocast", "ampkit._ops", "ampkit._policy",
+                     "ampkit._scaler", "ampkit.bench._runner"]
