@@ -392,6 +392,11 @@ class GradScaler:
         self._growth_interval = _int("growth_interval", new_interval, 1, _INT32_MAX)
 
     @property
+    def device(self) -> str:
+        """The device type the scaler was made for: ``"cuda"`` or ``"cpu"`` (read-only)."""
+        return self._device
+
+    @property
     def hysteresis(self) -> int:
         return self._hysteresis
 

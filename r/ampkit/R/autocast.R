@@ -11,9 +11,25 @@
 #' R condition of class `ampkit_error`. Regions nest; `enabled = FALSE` runs a
 #' region with autocast off (inside an enabled one, too).
 #'
+#' The arguments follow mlverse torch: `with_autocast(code, ..., device_type,
+#' dtype, enabled, cache_enabled)` and `local_autocast(device_type, dtype,
+#' enabled, cache_enabled, ...)`, so `local_autocast("cpu", torch_bfloat16())`
+#' takes the dtype second. `with_autocast()` also takes `local_autocast()`'s
+#' order with the code last: `with_autocast("cpu", torch_bfloat16(), {...})`.
+#'
+#' Memory: tensors bound to names that the block assigns before it reads them
+#' (`output` and `loss` in `{ output <- net(x); loss <- loss_fn(output, y) }`)
+#' are unbound before the block runs, so that R holds no reference to the
+#' previous step's outputs while the step makes new ones; if the block fails
+#' before assigning them they get their old values back. See [amp_gc()].
+#'
 #' @param code Code to run in the region. It is evaluated in the calling
-#'   frame, so assignments made in it persist after the call.
-#' @param ... Must be empty; the options after it are named.
+#'   frame, so assignments made in it persist after the call. If it evaluates
+#'   to a function (`code = function() net(x)`), the function is called with no
+#'   arguments in the region and `with_autocast()` returns its value.
+#' @param ... For `with_autocast()`: empty, or in the positional form the
+#'   dtype, `enabled`, `cache_enabled` and then the code. For
+#'   `local_autocast()`: must be empty.
 #' @param device_type `"cuda"` or `"cpu"`.
 #' @param dtype The lower-precision dtype of the region: `"float16"`,
 #'   `"bfloat16"` or a torch dtype (such as `torch_float16()` of R torch's
@@ -40,8 +56,12 @@
 #'   })
 #'   y$dtype # torch.bfloat16: `y` was assigned in this frame
 #'
+#'   with_autocast("cpu", torch_bfloat16(), {
+#'     z <- net(x)
+#'   })
+#'
 #'   f <- function() {
-#'     local_autocast("cpu", dtype = "bfloat16")
+#'     local_autocast("cpu", torch_bfloat16())
 #'     net(x)$dtype
 #'   }
 #'   f()
@@ -49,24 +69,126 @@
 #' }
 with_autocast <- function(code, ..., device_type, dtype = NULL, enabled = TRUE,
                           cache_enabled = NULL, policy = NULL) {
-  if (...length()) {
-    check_dots_empty_(..., .hint = "Did you write with_autocast(\"cuda\", ...) instead of with_autocast(device_type = \"cuda\", ...)?")
+  env <- parent.frame()
+  expr <- substitute(code)
+  if (missing(device_type)) {
+    if (!...length() || !(is.character(expr) || is.symbol(expr))) {
+      abort("`device_type` is missing: give \"cuda\" or \"cpu\", e.g. with_autocast(device_type = \"cuda\", {...}) or with_autocast(\"cuda\", torch_float16(), {...}).",
+            class = "ampkit_bad_device")
+    }
+    # local_autocast()'s order with the code last: with_autocast("cpu", torch_bfloat16(), {...})
+    return(with_autocast_positional(code, ..., env = env))
   }
+  if (...length()) {
+    check_dots_empty_(..., .hint = "Did you write with_autocast(\"cuda\", code) instead of with_autocast(device_type = \"cuda\", code) or with_autocast(\"cuda\", dtype, code)?")
+  }
+  run_region(expr, env, device_type, dtype, enabled, cache_enabled, policy)
+}
+
+# with_autocast(device_type, [dtype, [enabled, [cache_enabled,]]] code): the
+# last unnamed argument is the code; the others take local_autocast()'s order.
+with_autocast_positional <- function(device_type, ..., env) {
+  dots <- as.list(substitute(list(...)))[-1]
+  nms <- names(dots) %||% rep("", length(dots))
+  unnamed <- which(!nzchar(nms))
+  if (!length(unnamed)) {
+    abort("with_autocast() has no code to run: give it as the last argument, e.g. with_autocast(\"cpu\", torch_bfloat16(), {...}).",
+          class = "ampkit_bad_argument", call = sys.call(-1))
+  }
+  code_at <- unnamed[[length(unnamed)]]
+  slots <- c("dtype", "enabled", "cache_enabled")
+  args <- list(dtype = NULL, enabled = TRUE, cache_enabled = NULL, policy = NULL)
+  pos <- setdiff(unnamed, code_at)
+  if (length(pos) > length(slots)) {
+    abort(sprintf("with_autocast(): too many unnamed arguments (%d); the order is device_type, dtype, enabled, cache_enabled, then the code.",
+                  length(unnamed) + 1L), class = "ampkit_bad_argument", call = sys.call(-1))
+  }
+  for (k in seq_along(pos)) args[[slots[[k]]]] <- eval(dots[[pos[[k]]]], env)
+  for (k in which(nzchar(nms))) {
+    if (!nms[[k]] %in% names(args)) {
+      abort(sprintf("with_autocast(): unknown argument `%s`; valid: %s.", nms[[k]],
+                    paste(c("device_type", names(args)), collapse = ", ")),
+            class = "ampkit_bad_argument", call = sys.call(-1))
+    }
+    args[nms[[k]]] <- list(eval(dots[[k]], env))
+  }
+  run_region(dots[[code_at]], env, device_type, args$dtype, args$enabled, args$cache_enabled, args$policy)
+}
+
+# Enter, evaluate `expr` in `env`, leave. Tensors bound to names that `expr`
+# assigns before reading them (`output <- net(x)`) are unbound first: R keeps
+# no reference to the previous step's outputs while this step makes new ones,
+# so a collection here (when one is due) frees them instead of promoting them.
+# The new values are handed to Python at exit, which counts what R still holds.
+run_region <- function(expr, env, device_type, dtype, enabled, cache_enabled, policy) {
   region <- enter_autocast(device_type, dtype, enabled, cache_enabled, policy)
-  on.exit(.h$exit_autocast(region), add = TRUE)
-  py_try(code, REGION_CONTEXT)
+  targets <- assigned_first(expr)
+  saved <- release_bindings(targets, env)
+  if (isTRUE(.mem$gc_due)) region_collect()
+  done <- FALSE
+  on.exit(if (!done) {
+    restore_bindings(saved, env)
+    reticulate::py_call(.raw$exit_autocast, region)
+  }, add = TRUE)
+  value <- py_try(eval(expr, env), REGION_CONTEXT)
+  if (is.function(value)) value <- py_try(value(), REGION_CONTEXT)
+  done <- TRUE
+  outs <- if (length(targets)) mget(targets, envir = env, ifnotfound = list(NULL)) else list()
+  held <- do.call(reticulate::py_call, c(list(.raw$exit_autocast, region), unname(outs)))
+  region_held(reticulate::py_to_r(held))
+  value
+}
+
+# Names assigned at the top level of a `{` block before the block reads them.
+assigned_first <- function(expr) {
+  if (!is.call(expr) || !identical(expr[[1L]], as.name("{"))) return(character())
+  seen <- character()
+  out <- character()
+  for (st in as.list(expr)[-1L]) {
+    if (is.call(st) && (identical(st[[1L]], as.name("<-")) || identical(st[[1L]], as.name("="))) &&
+        is.name(st[[2L]])) {
+      rhs <- all.names(st[[3L]])
+      name <- as.character(st[[2L]])
+      seen <- c(seen, rhs)
+      if (!name %in% seen) out <- c(out, name)
+      seen <- c(seen, name)
+    } else {
+      seen <- c(seen, all.names(st))
+    }
+  }
+  unique(out)
+}
+
+release_bindings <- function(names, env) {
+  saved <- list()
+  for (n in names) {
+    if (exists(n, envir = env, inherits = FALSE)) {
+      v <- get(n, envir = env, inherits = FALSE)
+      if (inherits(v, "torch.Tensor")) {
+        saved[[n]] <- v
+        rm(list = n, envir = env)
+      }
+    }
+  }
+  saved
+}
+
+# After an error in the block: names it had not assigned yet get their values back.
+restore_bindings <- function(saved, env) {
+  for (n in names(saved)) {
+    if (!exists(n, envir = env, inherits = FALSE)) assign(n, saved[[n]], envir = env)
+  }
 }
 
 #' @rdname with_autocast
 #' @export
-local_autocast <- function(device_type, ..., dtype = NULL, enabled = TRUE,
-                           cache_enabled = NULL, policy = NULL,
-                           .env = parent.frame()) {
+local_autocast <- function(device_type, dtype = NULL, enabled = TRUE, cache_enabled = NULL, ...,
+                           policy = NULL, .env = parent.frame()) {
   if (...length()) {
-    check_dots_empty_(..., .hint = "Name the options after `device_type`, e.g. local_autocast(\"cuda\", dtype = \"float16\").")
+    check_dots_empty_(..., .hint = "The order is local_autocast(device_type, dtype, enabled, cache_enabled); name `policy` and `.env`.")
   }
   region <- enter_autocast(device_type, dtype, enabled, cache_enabled, policy)
-  withr::defer(.h$exit_autocast(region), envir = .env)
+  withr::defer(reticulate::py_call(.raw$exit_autocast, region), envir = .env)
   invisible(NULL)
 }
 
@@ -100,7 +222,7 @@ get_autocast_dtype <- function(device_type) {
 # Checks in R first, then one Python call that builds and enters the region.
 enter_autocast <- function(device_type, dtype, enabled, cache_enabled, policy) {
   if (missing(device_type)) {
-    abort("`device_type` is missing: give \"cuda\" or \"cpu\" by name, e.g. with_autocast(device_type = \"cuda\", {...}).",
+    abort("`device_type` is missing: give \"cuda\" or \"cpu\", e.g. local_autocast(\"cuda\").",
           class = "ampkit_bad_device", call = sys.call(-1))
   }
   device_type <- as_device_type(device_type)
@@ -109,8 +231,8 @@ enter_autocast <- function(device_type, dtype, enabled, cache_enabled, policy) {
   if (!isTRUE(enabled)) enabled <- as_py_bool(enabled, "enabled")
   if (!is.null(cache_enabled)) cache_enabled <- as_py_bool(cache_enabled, "cache_enabled")
   if (!is.null(policy)) policy <- as_py_policy(policy)
-  py_try(.h$enter_autocast(device_type, dtype, enabled, cache_enabled, policy),
-         "with_autocast()")
+  reticulate::py_to_r(py_call_retry("with_autocast()", reticulate::py_call, .raw$enter_autocast,
+                                    device_type, dtype, enabled, cache_enabled, policy))
 }
 
 # The context of a Python exception raised by the code of a region (or of amp_trace()).

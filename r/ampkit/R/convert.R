@@ -111,29 +111,27 @@ as_py_params <- function(params) {
   params
 }
 
-# A cast policy: NULL, a name or path, an amp_policy() object or a Python Policy.
+# A cast policy: NULL, a name or path, an amp_policy() object or a Python
+# Policy. Names and paths go to Python as they are: the bridge loads them (and
+# keeps shipped ones), so R repeats none of the core's rules about them.
 as_py_policy <- function(x, arg = "policy") {
   if (is.null(x)) return(NULL)
   if (inherits(x, "ampkit_policy")) return(x$py)
-  if (is.character(x) && length(x) == 1 && !is.na(x)) {
-    if (!is_policy_name(x)) return(amp_policy(x)$py)  # a path: the file may change
-    # A shipped name: loaded once (amp_policy() took ~230 us a region, the
-    # cached object ~54). Only loads that succeed are kept, so a bad name
-    # raises its condition every time.
-    key <- paste0("policy:", x)
-    py <- .h[[key]]
-    if (is.null(py)) py <- .h[[key]] <- amp_policy(x)$py
-    return(py)
-  }
-  if (inherits(x, "python.builtin.object")) return(x)
+  if (is.character(x) && length(x) == 1 && !is.na(x) && nzchar(x)) return(x)
+  if (inherits(x, "python.builtin.object") && any(grepl("(^|[.])Policy$", class(x)))) return(x)
   abort(sprintf("`%s` must be a policy name, a path to a policy YAML file or an amp_policy() object, not %s.",
                 arg, describe(x)), class = "ampkit_bad_argument")
 }
 
-# A shipped policy's name rather than a path: the Python core's rule
-# (load_policy: no directory separator, no .yaml/.yml ending).
-is_policy_name <- function(x) {
-  !grepl("[/\\\\]", x) && !grepl("\\.ya?ml$", x)
+# The Python Policy for `x` (as_py_policy()), loaded now: for constructors that
+# check their arguments before they return.
+load_py_policy <- function(x, context) {
+  x <- as_py_policy(x)
+  if (is.character(x)) {
+    if (is.null(.h$ready)) py_ready()
+    x <- py_try(reticulate::py_call(.raw$policy, x), context)
+  }
+  x
 }
 
 # A character vector of op names per category, for Policy.with_ops().
@@ -164,13 +162,10 @@ is_tensor_list <- function(x) {
     all(vapply(x, function(t) inherits(t, "torch.Tensor"), logical(1)))
 }
 
-# A scaler state from `$state_dict()` goes back as it came (Python ints came
-# as R integers). Counters written by hand as R doubles become ints.
-SCALER_INT_KEYS <- c("growth_interval", "_growth_tracker", "hysteresis", "_hysteresis_left",
-                     "_steps", "_skipped", "_last_skipped")
-as_py_state <- function(state) {
-  for (k in intersect(names(state), SCALER_INT_KEYS)) {
-    if (is.double(state[[k]])) state[[k]] <- as_py_int(state[[k]], k)
+check_class <- function(x, class, arg, what) {
+  if (!inherits(x, class)) {
+    abort(sprintf("`%s` must be %s, not %s.", arg, what, describe(x)),
+          class = "ampkit_bad_argument", call = sys.call(-2))
   }
-  state
+  invisible(x)
 }

@@ -12,6 +12,7 @@
 .mem$base <- NA_real_   # bytes allocated after the last collection (or the lowest since)
 .mem$collections <- 0L  # automatic collections so far
 .mem$floor <- NA_real_  # bytes allocated after the last full collection
+.mem$regions <- 0L      # > 0: a region ended lately, the next one collects (region_collect())
 
 #' Free the GPU memory held by R garbage
 #'
@@ -49,14 +50,31 @@
 #'     memory, read once; 8192 where it cannot be read).}
 #' }
 #'
-#' A CUDA out-of-memory error raised by a Python call that ampkit wraps (a
-#' call in a [with_autocast()] region, a tensor or optimizer method such as
-#' `loss$backward()`, a scaler method, an [amp_train_step()] step) also
-#' collects R's garbage before the error reaches you, so that running the
-#' step again finds that memory free. The call is not retried: forward,
-#' backward and optimizer steps change state (running statistics,
-#' gradients, parameters) before they fail. A module called directly outside
-#' a region (`net(x)`) is reticulate's own call and is not watched.
+#' Regions: before the code of a [with_autocast()] block runs, tensors bound
+#' to names that the block assigns before it reads them (`output`, `loss` in
+#' `{ output <- net(x); loss <- loss_fn(output, y) }`) are unbound in the
+#' caller's frame (they get their values back if the block fails before
+#' assigning them), so that no reference to the previous step's outputs is
+#' left while the step makes new ones. At the region's exit, Python counts the
+#' bytes of earlier regions' outputs that are still alive; past
+#' `ampkit.gc_threshold_mb`, or when the CUDA reading above asks for a
+#' collection, the next region collects right after unbinding (young first,
+#' full when a young one did not bring them down), when the dead outputs are
+#' not referenced and the new ones do not exist yet.
+#'
+#' Out of memory: an out-of-memory error (`torch.OutOfMemoryError`) raised by
+#' a Python call that ampkit makes (entering a region, tensor and optimizer
+#' methods such as `loss$backward()`, the scaler's `$scale(loss)$backward()`,
+#' `$step()`, `$update()`, an [amp_train_step()] step) runs R's `gc()`,
+#' Python's `gc.collect()` and `torch.cuda.empty_cache()`, then the call once
+#' more (as mlverse torch retries an allocation after `gc()`). A second
+#' out-of-memory error raises a condition of class
+#' `c("ampkit_out_of_memory", "ampkit_py_OutOfMemoryError",
+#' "ampkit_python_error", "ampkit_error", "error", "condition")`. A call that
+#' changed state before it ran out of memory (a backward pass that freed its
+#' graph) fails again on the retry, with that condition. An out-of-memory
+#' error in R code of a region (`net(x)` is reticulate's own call) collects
+#' the same way and raises that condition without a retry.
 #'
 #' On the CPU (or before CUDA is used) the memory reading is 0 and nothing is
 #' collected. `amp_gc()` collects now.
@@ -94,24 +112,47 @@ gc_threshold_bytes <- function(option = "ampkit.gc_threshold_mb", default = 1024
 }
 
 # Called with the reading returned by the hooked per-step calls: one
-# comparison on the hot path.
+# comparison on the hot path. Where regions are in use, the collection waits
+# for the next region's entry (see region_release()): there the previous
+# step's outputs are already unbound, so a young collection frees them instead
+# of promoting them to an older generation.
 watch_memory <- function(bytes) {
   base <- .mem$base
   if (is.na(base) || bytes < base) {
     .mem$base <- bytes  # growth is measured from the lowest reading since the last collection
     if (!is.na(.mem$floor) && bytes < .mem$floor) .mem$floor <- bytes
   } else if (bytes - base > gc_threshold_bytes()) {
-    collect_memory(bytes)
+    if (.mem$regions > 0L) .mem$gc_due <- TRUE else collect_memory(bytes)
   }
+  .mem$regions <- max(0L, .mem$regions - 1L)
   invisible(NULL)
 }
 
-# A young-generation gc() (about a millisecond) frees what the loop dropped
-# since the last collection, except the output that was still live at that
-# collection: R promoted it to an older generation, which only a full gc()
-# (tens of milliseconds) frees. So a full one runs when those leftovers have
-# grown past `ampkit.gc_full_threshold_mb` since the last full one (one
-# output a collection: rarely). Returns the reading afterwards.
+# At a region's exit: `held` is the bytes of tensors that earlier regions gave
+# to R and that are still alive (R's garbage unless kept on purpose).
+region_held <- function(held) {
+  .mem$regions <- 2L  # the step's $update() and $zero_grad() leave collections to the next region
+  if (held > gc_threshold_bytes()) {
+    # A young collection that did not bring it down: the leftovers were
+    # promoted by one of R's own collections, and only a full one frees them.
+    .mem$gc_full_due <- isTRUE(.mem$gc_after_young)
+    .mem$gc_due <- TRUE
+  }
+  .mem$gc_after_young <- FALSE
+  invisible(NULL)
+}
+
+# At a region's entry, after the names the region assigns were unbound.
+region_collect <- function() {
+  full <- isTRUE(.mem$gc_full_due)
+  .mem$gc_due <- .mem$gc_full_due <- FALSE
+  gc(full = full)
+  .mem$gc_after_young <- !full
+  .mem$collections <- .mem$collections + 1L
+  .mem$base <- NA_real_
+  invisible(NULL)
+}
+
 collect_memory <- function(bytes, full = FALSE, automatic = TRUE) {
   after <- bytes
   if (!full) {
@@ -139,15 +180,13 @@ full_threshold_default_mb <- function() {
   .mem$full_default_mb
 }
 
-# After a CUDA out-of-memory error from Python: collect, and say so.
-is_oom <- function(type) grepl("OutOfMemoryError$", type)
-
-oom_note <- function() {
-  res <- tryCatch({
-    before <- memory_allocated()
-    after <- collect_memory(before, full = TRUE)
-    sprintf("ampkit ran R's gc() after this error, which freed %.0f MiB of CUDA memory held by R objects; the call was not retried (it may have changed state): run the step again, or lower options(ampkit.gc_threshold_mb).",
-            (before - after) / 2^20)
-  }, error = function(e) NULL)
-  res
+# After an out-of-memory error: R's full gc() (the tensors R dropped), then
+# Python's gc and torch's cache. Returns the MiB of CUDA memory freed.
+free_memory <- function() {
+  before <- tryCatch(memory_allocated(), error = function(e) 0)
+  gc(full = TRUE)
+  after <- tryCatch(.h$collect_garbage(), error = function(e) before)
+  .mem$base <- after
+  .mem$floor <- after
+  (before - after) / 2^20
 }

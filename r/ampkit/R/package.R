@@ -23,6 +23,8 @@ py_torch <- NULL
 # Cached Python handles (bound functions) for the hot paths; filled on first
 # use by h(), so that a training step does no `$` lookups of its own.
 .h <- new.env(parent = emptyenv())
+# The same, unconverted: the hot path's calls (see py_ready()).
+.raw <- new.env(parent = emptyenv())
 
 .onLoad <- function(libname, pkgname) {
   on_error <- function(e) {
@@ -146,128 +148,26 @@ py_ready <- function() {
   if (!ok) {
     stop(ampkit_condition(missing_python_message(), class = "ampkit_python_missing"))
   }
-  helpers <- tryCatch({
-    m <- reticulate::import("types")$ModuleType("_ampkit_r")
-    reticulate::import_builtins()$exec(r_helpers_py, reticulate::py_get_attr(m, "__dict__"))
-    m
+  bridge <- tryCatch({
+    list(conv = reticulate::import("ampkit.r_bridge"),
+         raw = reticulate::import("ampkit.r_bridge", convert = FALSE))
   }, error = function(e) {
     stop(ampkit_condition(missing_python_message(conditionMessage(e)), class = "ampkit_python_missing"))
   })
-  for (name in c("enter_autocast", "exit_autocast", "trace_rows", "plain", "call_warn",
-                 "open_regions", "is_method", "call_method", "zero_grad", "scaler_update",
-                 "memory_allocated", "cuda_total_memory", "set_memory_reader")) {
-    assign(name, helpers[[name]], envir = .h)
+  # Converting handles, for calls whose results R reads.
+  for (name in c("trace_rows", "plain", "call_warn", "open_regions", "is_method", "call_method",
+                 "memory_allocated", "cuda_total_memory", "set_memory_reader", "collect_garbage",
+                 "held_by_r", "live_tensor_count", "is_out_of_memory", "check_autocast", "policy_names", "scaler_int_state_keys")) {
+    assign(name, bridge$conv[[name]], envir = .h)
+  }
+  # Unconverted handles for the hot path, called with reticulate::py_call(): no
+  # R-side conversion of the result, which is None or a float read only when needed.
+  for (name in c("enter_autocast", "exit_autocast", "scale_backward", "scaler_step",
+                 "scaler_update", "zero_grad", "policy", "load_scaler_state")) {
+    assign(name, bridge$raw[[name]], envir = .raw)
   }
   .h$named_parameters <- reticulate::py_eval("lambda m: dict(m.named_parameters())")
   .h$cuda_is_available <- py_torch$cuda$is_available
   .h$ready <- TRUE
   invisible(TRUE)
 }
-
-# One Python call to enter a region and one to leave it (instead of
-# constructor + `__enter__` + `__exit__` looked up from R each time). The
-# open context managers stay in Python, keyed by an int: an int crosses
-# reticulate about 50 us cheaper than an object, both ways.
-r_helpers_py <- "
-import ampkit as _ampkit
-
-_open = {}
-_last = [0]
-
-def enter_autocast(device_type, dtype=None, enabled=True, cache_enabled=None, policy=None):
-    cm = _ampkit.autocast(device_type, dtype, enabled, cache_enabled, policy=policy)
-    cm.__enter__()
-    _last[0] += 1
-    _open[_last[0]] = cm
-    return _last[0]
-
-def exit_autocast(token):
-    _open.pop(token).__exit__(None, None, None)
-
-def open_regions():
-    return len(_open)
-
-import dataclasses as _dc
-import torch as _torch
-
-def _plain(v):
-    if isinstance(v, _torch.dtype):
-        return str(v).replace('torch.', '')
-    if v is None or isinstance(v, (str, int, float, bool)):
-        return v
-    if isinstance(v, (tuple, list)):
-        return ', '.join(str(_plain(x)) for x in v)
-    return str(v)
-
-import inspect as _inspect
-import warnings as _warnings
-
-def call_warn(fn, *args, **kwargs):
-    with _warnings.catch_warnings(record=True) as caught:
-        _warnings.simplefilter('always')
-        out = fn(*args, **kwargs)
-    return [out, [str(w.message) for w in caught]]
-
-def is_method(obj, name):
-    return _inspect.isroutine(getattr(type(obj), name, None)) and name not in getattr(obj, '__dict__', ())
-
-def call_method(obj, name, *args, **kwargs):
-    return getattr(obj, name)(*args, **kwargs)
-
-# CUDA memory allocated by tensors, returned by the calls a loop makes once a
-# step (memory.R): the nested stats skip torch.cuda.memory_allocated()'s
-# flatten and sort. 0 before CUDA is used. Tests replace memory_reader[0].
-# A float: reticulate 1.28 wraps a Python int past 2^31 into a negative R integer.
-def _cuda_allocated():
-    if not _torch.cuda.is_initialized():
-        return 0
-    stats = getattr(_torch._C, '_cuda_memoryStats', None)
-    if stats is None:
-        return _torch.cuda.memory_allocated()
-    return stats(_torch.cuda.current_device())['allocated_bytes']['all']['current']
-
-memory_reader = [_cuda_allocated]
-
-def set_memory_reader(fn=None):
-    memory_reader[0] = _cuda_allocated if fn is None else fn
-
-def memory_allocated():
-    return float(memory_reader[0]())
-
-# The current CUDA device's memory in bytes (a float), 0.0 without CUDA.
-def cuda_total_memory():
-    if not _torch.cuda.is_available():
-        return 0.0
-    return float(_torch.cuda.get_device_properties(_torch.cuda.current_device()).total_memory)
-
-def zero_grad(opt, *args, **kwargs):
-    opt.zero_grad(*args, **kwargs)
-    return float(memory_reader[0]())
-
-def scaler_update(scaler, new_scale=None):
-    scaler.update(new_scale)
-    return float(memory_reader[0]())
-
-def plain(obj):
-    if _dc.is_dataclass(obj):
-        obj = {f.name: getattr(obj, f.name) for f in _dc.fields(obj)}
-    if isinstance(obj, dict):
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in obj.items()}
-    return obj
-
-def trace_rows(tr):
-    recs = getattr(tr, 'records', tr)
-    recs = recs() if callable(recs) else recs
-    rows = []
-    for r in recs:
-        if _dc.is_dataclass(r):
-            d = {f.name: getattr(r, f.name) for f in _dc.fields(r)}
-        elif hasattr(r, '_asdict'):
-            d = r._asdict()
-        elif isinstance(r, dict):
-            d = r
-        else:
-            d = vars(r)
-        rows.append({k: _plain(v) for k, v in d.items()})
-    return rows
-"

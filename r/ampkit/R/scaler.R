@@ -13,8 +13,13 @@
 #'
 #' The returned object has these methods:
 #' \describe{
-#'   \item{`$scale(x)`}{`x` times the scale: returns the Python tensor, so
-#'     `scaler$scale(loss)$backward()` chains.}
+#'   \item{`$scale(x)`}{`x` times the scale. For a tensor it returns a scaled
+#'     loss of class `ampkit_scaled_loss` whose `$backward()` scales and
+#'     runs the backward pass in one call to Python, so that
+#'     `scaler$scale(loss)$backward()` leaves no scaled tensor behind in R;
+#'     any other use (`$item()`, `$dtype`, passing it to a Python function,
+#'     printing) makes the scaled tensor. For a list of tensors it returns the
+#'     list of scaled tensors.}
 #'   \item{`$step(optimizer)`}{Unscales the gradients (unless `$unscale_()`
 #'     did) and steps the optimizer unless they hold `Inf`/`NaN`.}
 #'   \item{`$update(new_scale = NULL)`}{Updates the scale after a step;
@@ -32,7 +37,10 @@
 #'   \item{`$py`}{The Python `GradScaler`.}
 #' }
 #' Misuse (a non-tensor to `$scale()`, `$step()` twice without `$update()`)
-#' raises an R condition of class `ampkit_error`. A scaler for `"cuda"` on a
+#' raises an R condition of class `ampkit_error`. An out-of-memory error in
+#' `$scale(loss)$backward()`, `$step()` or `$update()` collects garbage and
+#' runs the call once more (see [amp_gc()]); a second one raises a condition of
+#' class `ampkit_out_of_memory`. A scaler for `"cuda"` on a
 #' machine without CUDA is disabled by the core, with a warning of class
 #' `ampkit_python_warning`.
 #'
@@ -124,8 +132,9 @@ GradScalerR6 <- R6::R6Class("ampkit_grad_scaler",
       private$f <- f
     },
     scale = function(x) {
-      if (!inherits(x, "torch.Tensor") && !is_tensor_list(x)) {
-        abort(sprintf("`$scale()` takes a torch tensor (the loss), not %s.", describe(x)),
+      if (inherits(x, "torch.Tensor")) return(scaled_loss(self$py, x))
+      if (!is_tensor_list(x)) {
+        abort(sprintf("`$scale()` takes a torch tensor (the loss) or a list of tensors, not %s.", describe(x)),
               class = "ampkit_bad_argument")
       }
       py_try(private$f$scale(x), "$scale()")
@@ -135,13 +144,15 @@ GradScalerR6 <- R6::R6Class("ampkit_grad_scaler",
         abort(sprintf("`$step()` takes a torch optimizer (from optim_sgd(), optim_adam(), ...), not %s.",
                       describe(optimizer)), class = "ampkit_bad_argument")
       }
-      invisible(py_try(private$f$step(optimizer, ...), "$step()"))
+      res <- py_call_retry("$step()", reticulate::py_call, .raw$scaler_step, self$py, optimizer, ...)
+      invisible(reticulate::py_to_r(res))
     },
     update = function(new_scale = NULL) {
       if (!is.null(new_scale) && !inherits(new_scale, "torch.Tensor")) {
         new_scale <- as_py_num(new_scale, "new_scale")
       }
-      watch_memory(py_try(.h$scaler_update(self$py, new_scale), "$update()"))
+      res <- py_call_retry("$update()", reticulate::py_call, .raw$scaler_update, self$py, new_scale)
+      watch_memory(reticulate::py_to_r(res))
     },
     unscale_ = function(optimizer) {
       invisible(py_try(private$f$unscale_(optimizer), "$unscale_()"))
@@ -154,7 +165,7 @@ GradScalerR6 <- R6::R6Class("ampkit_grad_scaler",
         abort(sprintf("`state` must be a list from `$state_dict()`, not %s.", describe(state)),
               class = "ampkit_bad_argument")
       }
-      invisible(py_try(private$f$load_state_dict(as_py_state(state)), "$load_state_dict()"))
+      invisible(py_try(reticulate::py_call(.raw$load_scaler_state, self$py, state), "$load_state_dict()"))
     },
     stats = function() .h$plain(py_try(private$f$stats(), "$stats()")),
     print = function(...) {
@@ -175,3 +186,36 @@ GradScalerR6 <- R6::R6Class("ampkit_grad_scaler",
   ),
   private = list(f = list())
 )
+
+# `scaler$scale(loss)`: the scaler and the loss, scaled when used. `$backward()`
+# is one Python call (scale_backward); anything else makes the scaled tensor.
+scaled_loss <- function(scaler, loss) {
+  structure(list(scaler = scaler, loss = loss), class = "ampkit_scaled_loss")
+}
+
+scaled_tensor <- function(x) {
+  py_try(.subset2(x, "scaler")$scale(.subset2(x, "loss")), "$scale()")
+}
+
+#' @export
+`$.ampkit_scaled_loss` <- function(x, name) {
+  if (identical(name, "backward")) {
+    scaler <- .subset2(x, "scaler")
+    loss <- .subset2(x, "loss")
+    return(function(...) {
+      py_call_retry("$scale(loss)$backward()", reticulate::py_call, .raw$scale_backward, scaler, loss, ...)
+      invisible(NULL)
+    })
+  }
+  t <- scaled_tensor(x)
+  `$`(t, name)
+}
+
+#' @export
+print.ampkit_scaled_loss <- function(x, ...) {
+  print(scaled_tensor(x))
+  invisible(x)
+}
+
+#' @exportS3Method reticulate::r_to_py
+r_to_py.ampkit_scaled_loss <- function(x, convert = FALSE) scaled_tensor(x)

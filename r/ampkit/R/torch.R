@@ -17,9 +17,10 @@
 #' collects the object holding it. `opt$zero_grad()`, which a training loop
 #' calls once a step, also reads the CUDA memory allocated in the same Python
 #' call, and R's garbage is collected when it has grown past the option
-#' `ampkit.gc_threshold_mb` (1024 MiB by default); see [amp_gc()]. A CUDA
-#' out-of-memory error from a tensor or optimizer method collects R's garbage
-#' before it is raised (as an `ampkit_error`).
+#' `ampkit.gc_threshold_mb` (1024 MiB by default); see [amp_gc()]. An
+#' out-of-memory error from a tensor or optimizer method (`loss$backward()`,
+#' `opt$step()`) collects garbage and runs the call once more; a second one
+#' raises a condition of class `ampkit_out_of_memory`.
 #'
 #' On a machine without CUDA, a module's `$cuda()` leaves the module on the
 #' CPU with a warning of class `ampkit_cuda_unavailable`, so that a
@@ -216,7 +217,7 @@ adam_like <- function(class, context, params, lr, betas, eps, weight_decay, amsg
 #' @export
 `$.torch.Tensor` <- function(x, name) {
   if (is_py_method(x, name)) {
-    function(...) withCallingHandlers(.h$call_method(x, name, ...), error = py_oom_error)
+    function(...) py_call_retry(paste0("$", name, "()"), .h$call_method, x, name, ...)
   } else {
     NextMethod()
   }
@@ -229,11 +230,12 @@ adam_like <- function(class, context, params, lr, betas, eps, weight_decay, amsg
   if (identical(name, "zero_grad")) {
     if (is.null(.h$ready)) py_ready()
     return(function(...) {
-      watch_memory(withCallingHandlers(.h$zero_grad(x, ...), error = py_oom_error))
+      res <- py_call_retry("$zero_grad()", reticulate::py_call, .raw$zero_grad, x, ...)
+      watch_memory(reticulate::py_to_r(res))
     })
   }
   if (is_py_method(x, name)) {
-    function(...) withCallingHandlers(.h$call_method(x, name, ...), error = py_oom_error)
+    function(...) py_call_retry(paste0("$", name, "()"), .h$call_method, x, name, ...)
   } else {
     NextMethod()
   }

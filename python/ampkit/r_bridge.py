@@ -1,0 +1,356 @@
+"""The Python half of the R package (``r/ampkit``): what R calls through reticulate.
+
+Each function here is one R -> Python crossing that does what the R code of a
+training step would otherwise do in several (a crossing costs 30-50 us on a
+small CPU; the work of a small step is a few hundred). The R package imports
+this module once, unconverted, and keeps its functions as cached callables.
+It is not part of ``ampkit``'s Python API (``ampkit.__all__``): Python users
+call ``ampkit`` directly.
+
+What lives here:
+
+* autocast regions entered and left by an integer token (an int crosses
+  reticulate cheaper than an object);
+* the seed loop's scaler calls: ``scale_backward`` (``scaler$scale(loss)$backward()``
+  in one call, leaving no scaled tensor to R), ``scaler_step``, ``scaler_update``;
+* a registry of the tensors a region handed to R (weak references), so that R
+  knows how many bytes it still holds in tensors of earlier steps and when to
+  collect its garbage;
+* garbage collection after an out-of-memory error (``collect_garbage``) and
+  the test of an out-of-memory exception (``is_out_of_memory``);
+* the rules R would otherwise repeat: shipped policy names, the scaler's
+  integer state keys.
+
+>>> import torch, ampkit
+>>> from ampkit import r_bridge
+>>> token = r_bridge.enter_autocast("cpu", torch.bfloat16)
+>>> torch.is_autocast_enabled("cpu")
+True
+>>> r_bridge.exit_autocast(token)
+0.0
+>>> torch.is_autocast_enabled("cpu")
+False
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import inspect
+import os
+import warnings
+import weakref
+from typing import Any, Callable
+
+import torch
+
+import ampkit
+
+__all__ = [
+    "call_method",
+    "check_autocast",
+    "call_warn",
+    "collect_garbage",
+    "cuda_total_memory",
+    "enter_autocast",
+    "exit_autocast",
+    "held_by_r",
+    "is_method",
+    "is_out_of_memory",
+    "live_tensor_count",
+    "load_scaler_state",
+    "memory_allocated",
+    "open_regions",
+    "plain",
+    "policy",
+    "policy_names",
+    "scale_backward",
+    "scaler_int_state_keys",
+    "scaler_step",
+    "scaler_update",
+    "set_memory_reader",
+    "trace_rows",
+    "zero_grad",
+]
+
+# ---------------------------------------------------------------- autocast regions
+
+_open: dict[int, Any] = {}
+_last = [0]
+
+
+def enter_autocast(device_type, dtype=None, enabled=True, cache_enabled=None, policy=None) -> int:
+    """Build and enter ``ampkit.autocast(...)``; return the token that leaves it."""
+    cm = ampkit.autocast(device_type, dtype, enabled, cache_enabled, policy=_policy_arg(policy))
+    cm.__enter__()
+    _last[0] += 1
+    _open[_last[0]] = cm
+    return _last[0]
+
+
+def exit_autocast(token: int, *values: Any) -> float:
+    """Leave the region of ``token``; register the tensors among ``values`` as held by R.
+
+    ``values`` are the values the region's R code assigned (``output``, ``loss``).
+    Returns the bytes of tensors that earlier regions handed to R and that are still
+    alive (R's garbage, unless R kept them on purpose), as a float.
+    """
+    cm = _open.pop(token, None)
+    if cm is None:
+        raise RuntimeError(
+            f"exit_autocast: no open region with token {token!r}; "
+            f"open tokens: {sorted(_open) or 'none'}. Each token leaves its region once."
+        )
+    cm.__exit__(None, None, None)
+    return _hand_to_r(values)
+
+
+def open_regions() -> int:
+    """How many regions R has entered and not left."""
+    return len(_open)
+
+
+# ---------------------------------------------------------------- tensors held by R
+
+# Weak references to the tensors that regions handed to R: alive means R (or
+# someone) still holds them. Keyed by id(); the callback drops dead entries.
+_held: dict[int, weakref.ref] = {}
+_latest: set[int] = set()
+
+
+def _hand_to_r(values) -> float:
+    _latest.clear()
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            key = id(v)
+            if key not in _held:
+                _held[key] = weakref.ref(v, lambda _r, key=key: _held.pop(key, None))
+            _latest.add(key)
+    return held_by_r(exclude_latest=True)
+
+
+def held_by_r(exclude_latest: bool = False) -> float:
+    """Bytes of the region outputs handed to R that are still alive (a float).
+
+    ``exclude_latest`` leaves out those of the last region, which R's code is using.
+    """
+    total = 0
+    for key, ref in list(_held.items()):
+        t = ref()
+        if t is None or (exclude_latest and key in _latest):
+            continue
+        total += t.untyped_storage().nbytes() if t.layout == torch.strided else 0
+    return float(total)
+
+
+def live_tensor_count() -> int:
+    """How many ``torch.Tensor`` objects are alive in this interpreter (for tests)."""
+    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+
+# ---------------------------------------------------------------- the seed loop's calls
+
+def scale_backward(scaler, loss, *args, **kwargs) -> None:
+    """``scaler.scale(loss).backward()`` in one call: the scaled tensor never reaches R."""
+    scaler.scale(loss).backward(*args, **kwargs)
+
+
+def scaler_step(scaler, optimizer, *args, **kwargs):
+    return scaler.step(optimizer, *args, **kwargs)
+
+
+def zero_grad(opt, *args, **kwargs) -> float:
+    """``opt.zero_grad()``; returns the CUDA memory allocated (``memory_allocated``)."""
+    opt.zero_grad(*args, **kwargs)
+    return float(_memory_reader[0]())
+
+
+def scaler_update(scaler, new_scale=None) -> float:
+    """``scaler.update(new_scale)``; returns the CUDA memory allocated."""
+    scaler.update(new_scale)
+    return float(_memory_reader[0]())
+
+
+def call_method(obj, name: str, *args, **kwargs):
+    return getattr(obj, name)(*args, **kwargs)
+
+
+def is_method(obj, name: str) -> bool:
+    """Whether ``obj.name`` is a method of ``obj``'s class (not an instance attribute)."""
+    return inspect.isroutine(getattr(type(obj), name, None)) and name not in getattr(obj, "__dict__", ())
+
+
+def call_warn(fn: Callable, *args, **kwargs) -> list:
+    """``[fn(*args, **kwargs), [warning messages]]``: R re-raises the warnings as R warnings."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fn(*args, **kwargs)
+    return [out, [str(w.message) for w in caught]]
+
+
+# ---------------------------------------------------------------- memory
+
+def _cuda_allocated() -> int:
+    # The nested stats skip torch.cuda.memory_allocated()'s flatten and sort.
+    if not torch.cuda.is_initialized():
+        return 0
+    stats = getattr(torch._C, "_cuda_memoryStats", None)
+    if stats is None:
+        return torch.cuda.memory_allocated()
+    return stats(torch.cuda.current_device())["allocated_bytes"]["all"]["current"]
+
+
+_memory_reader: list[Callable[[], int]] = [_cuda_allocated]
+
+
+def set_memory_reader(fn: Callable[[], int] | None = None) -> None:
+    """Replace the CUDA memory reading (tests); ``None`` restores it."""
+    _memory_reader[0] = _cuda_allocated if fn is None else fn
+
+
+def memory_allocated() -> float:
+    """CUDA memory allocated by tensors, in bytes (0.0 before CUDA is used).
+
+    A float: reticulate 1.28 wraps a Python int past 2^31 into a negative R integer.
+    """
+    return float(_memory_reader[0]())
+
+
+def cuda_total_memory() -> float:
+    """The current CUDA device's memory in bytes, 0.0 without CUDA."""
+    if not torch.cuda.is_available():
+        return 0.0
+    return float(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+
+
+def collect_garbage() -> float:
+    """Python's ``gc.collect()`` and, with CUDA, ``torch.cuda.empty_cache()``.
+
+    R runs its own ``gc()`` first (the tensors R dropped are freed there); this frees
+    Python's cycles and hands cached blocks back. Returns the CUDA memory allocated after.
+    """
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    return memory_allocated()
+
+
+def is_out_of_memory(type_name: str) -> bool:
+    """Whether an exception type name (from ``reticulate::py_last_error()``) is an OOM.
+
+    >>> is_out_of_memory("OutOfMemoryError"), is_out_of_memory("torch.OutOfMemoryError")
+    (True, True)
+    >>> is_out_of_memory("RuntimeError")
+    False
+    """
+    return type_name.rsplit(".", 1)[-1] in _OOM_NAMES
+
+
+_OOM_NAMES = frozenset(
+    t.__name__ for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None)) if t
+) | {"OutOfMemoryError"}
+
+
+# ---------------------------------------------------------------- rules R asks for
+
+def policy_names() -> list[str]:
+    """The names of the shipped policies (``"torch_default"``, ...)."""
+    from ampkit._policy import SPEC_DIR
+
+    return sorted(p.stem for p in SPEC_DIR.glob("*.yaml")) if SPEC_DIR.is_dir() else []
+
+
+_policy_cache: dict[str, ampkit.Policy] = {}
+
+
+def _is_name(s: str) -> bool:
+    # load_policy's rule: a shipped name has no directory separator and no YAML ending.
+    return os.sep not in s and "/" not in s and not s.endswith((".yaml", ".yml"))
+
+
+def policy(x) -> ampkit.Policy:
+    """``ampkit.load_policy(x)``, kept for shipped names (a file given by path is read again)."""
+    if isinstance(x, str) and _is_name(x):
+        p = _policy_cache.get(x)
+        if p is None:
+            p = _policy_cache[x] = ampkit.load_policy(x)
+        return p
+    return ampkit.load_policy(x)
+
+
+def _policy_arg(x):
+    return None if x is None else policy(x)
+
+
+def scaler_int_state_keys(scaler=None) -> list[str]:
+    """The keys of ``GradScaler.state_dict()`` whose values are integers."""
+    sd = (scaler if scaler is not None else ampkit.GradScaler("cpu")).state_dict()
+    return sorted(k for k, v in sd.items() if isinstance(v, int) and not isinstance(v, bool))
+
+
+def load_scaler_state(scaler, state: dict) -> None:
+    """``scaler.load_state_dict(state)``, whole floats of integer keys made ints first.
+
+    R numbers arrive as Python floats; the scaler's own ``state_dict()`` says which
+    keys hold integers.
+    """
+    ints = set(scaler_int_state_keys(scaler))
+    fixed = dict(state)
+    for k in ints & set(fixed):
+        v = fixed[k]
+        if isinstance(v, float) and v.is_integer():
+            fixed[k] = int(v)
+    scaler.load_state_dict(fixed)
+
+
+# ---------------------------------------------------------------- Python -> R data
+
+def _plain(v):
+    if isinstance(v, torch.dtype):
+        return str(v).replace("torch.", "")
+    if v is None or isinstance(v, (str, int, float, bool)):
+        return v
+    if isinstance(v, (tuple, list)):
+        return ", ".join(str(_plain(x)) for x in v)
+    return str(v)
+
+
+def plain(obj):
+    """A dataclass or dict as a dict of plain values (tuples become lists)."""
+    if dataclasses.is_dataclass(obj):
+        obj = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in obj.items()}
+    return obj
+
+
+def trace_rows(tr) -> list[dict]:
+    """A trace's records as a list of dicts of plain values (R makes a data.frame)."""
+    recs = getattr(tr, "records", tr)
+    recs = recs() if callable(recs) else recs
+    rows = []
+    for r in recs:
+        if dataclasses.is_dataclass(r):
+            d = {f.name: getattr(r, f.name) for f in dataclasses.fields(r)}
+        elif hasattr(r, "_asdict"):
+            d = r._asdict()
+        elif isinstance(r, dict):
+            d = r
+        else:
+            d = vars(r)
+        rows.append({k: _plain(v) for k, v in d.items()})
+    return rows
+
+
+# ---------------------------------------------------------------- checks at construction
+
+def check_autocast(model=None, device_type=None, dtype=None, enabled=True, cache_enabled=None, policy=None) -> None:
+    """Build (and drop) the ``ampkit.autocast`` these arguments describe: its errors now.
+
+    ``device_type=None`` takes the device of ``model``'s first parameter (``"cpu"``
+    without parameters), as ``make_train_step`` does.
+    """
+    if device_type is None:
+        p = next(iter(model.parameters()), None) if model is not None else None
+        device_type = p.device.type if p is not None else "cpu"
+    ampkit.autocast(device_type, dtype, enabled, cache_enabled, policy=_policy_arg(policy))

@@ -1,0 +1,221 @@
+# The seed's AMP loop written in R (with_autocast() blocks, scaler$scale(loss)$backward(),
+# scaler$step(opt), scaler$update()): same results as the loop in Python, no tensors of
+# earlier steps kept alive, out-of-memory errors retried once, mlverse's argument order.
+
+r_seed_loop <- function(steps, autocast = TRUE, scale = TRUE, seed = 11) {
+  torch_manual_seed(seed)
+  xs <- lapply(1:4, function(i) torch_randn(8, 16))
+  ys <- lapply(1:4, function(i) torch_randn(8, 4))
+  net <- nn_sequential(nn_linear(16, 32), nn_relu(), nn_linear(32, 4))
+  loss_fn <- nn_mse_loss()
+  opt <- optim_sgd(net$parameters, lr = 0.05)
+  scaler <- amp_grad_scaler("cpu", init_scale = 2^10, growth_interval = 3, enabled = scale)
+  losses <- numeric(steps)
+  for (s in seq_len(steps)) {
+    i <- (s - 1L) %% 4L + 1L
+    with_autocast(device_type = "cpu", enabled = autocast, {
+      output <- net(xs[[i]])
+      loss <- loss_fn(output, ys[[i]])
+    })
+    scaler$scale(loss)$backward()
+    scaler$step(opt)
+    scaler$update()
+    opt$zero_grad()
+    losses[[s]] <- loss$item()
+  }
+  list(losses = losses, scale = scaler$get_scale(), net = net)
+}
+
+py_seed_loop <- "
+import torch, ampkit
+def loop(steps, autocast, scale, seed=11):
+    torch.manual_seed(seed)
+    xs = [torch.randn(8, 16) for _ in range(4)]
+    ys = [torch.randn(8, 4) for _ in range(4)]
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    loss_fn = torch.nn.MSELoss()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    scaler = ampkit.GradScaler('cpu', init_scale=2.0**10, growth_interval=3, enabled=scale)
+    losses = []
+    for s in range(steps):
+        i = s % 4
+        with ampkit.autocast('cpu', enabled=autocast):
+            output = net(xs[i])
+            loss = loss_fn(output, ys[i])
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, scaler.get_scale(), [p.detach().clone() for p in net.parameters()]
+"
+
+test_that("the R seed loop gives Python's losses, scale and parameters, bit for bit", {
+  skip_if_no_ampkit()
+  ns <- py_golden(paste0(py_seed_loop, "\nres = {(a, s): loop(10, a, s) for a in (False, True) for s in (False, True)}\n"))
+  gold <- reticulate::py_eval(paste0("(lambda: (exec(", deparse(py_seed_loop), ", g := {}), g['loop'])[1])()"),
+                              convert = FALSE)
+  for (v in list(c(FALSE, FALSE), c(TRUE, FALSE), c(TRUE, TRUE))) {
+    r <- r_seed_loop(10, autocast = v[1], scale = v[2])
+    py <- reticulate::py_call(gold, 10L, v[1], v[2])
+    py_losses <- reticulate::py_to_r(py[0L])
+    expect_identical(r$losses, unlist(py_losses))
+    expect_identical(r$scale, reticulate::py_to_r(py[1L]))
+    params <- unname(r$net$parameters)
+    for (k in seq_along(params)) {
+      expect_true(pt()$equal(params[[k]], py[2L][k - 1L]))
+    }
+  }
+  # autocast changes the numbers, so the comparison is not vacuous
+  expect_false(identical(r_seed_loop(3, FALSE, FALSE)$losses, r_seed_loop(3, TRUE, FALSE)$losses))
+})
+
+test_that("a step of the R loop leaves no tensors of earlier steps alive", {
+  skip_if_no_ampkit()
+  count <- ampkit:::.h$live_tensor_count
+  held <- ampkit:::.h$held_by_r
+  run <- function(steps, threshold_mb) {
+    withr::local_options(ampkit.gc_threshold_mb = threshold_mb)
+    torch_manual_seed(2)
+    x <- torch_randn(8, 16)
+    y <- torch_randn(8, 4)
+    net <- nn_sequential(nn_linear(16, 32), nn_relu(), nn_linear(32, 4))
+    loss_fn <- nn_mse_loss()
+    opt <- optim_sgd(net$parameters, lr = 0.05)
+    scaler <- amp_grad_scaler("cpu", init_scale = 2^10)
+    gc()
+    live <- integer(steps)
+    for (s in seq_len(steps)) {
+      with_autocast(device_type = "cpu", {
+        output <- net(x)
+        loss <- loss_fn(output, y)
+      })
+      scaler$scale(loss)$backward()
+      scaler$step(opt)
+      scaler$update()
+      opt$zero_grad()
+      live[[s]] <- count()
+    }
+    list(live = live, held = held(exclude_latest = TRUE))
+  }
+  # Collect whenever earlier steps' outputs are still held (threshold 0): the number of
+  # live tensors stays flat over 20 steps, and R holds at most the outputs of the step
+  # before the last (freed when the next region starts): output and loss, < 1 KiB.
+  on <- run(20, 0)
+  expect_lte(max(on$live[3:20]) - min(on$live[3:20]), 2)
+  expect_lt(on$held, 1024)
+  # Control: with the collection off, the outputs of the steps pile up until R collects.
+  off <- run(20, Inf)
+  expect_gt(max(off$live), max(on$live) + 10)
+  expect_gt(off$held, 5 * on$held)
+})
+
+test_that("names the block reads before assigning keep their values, and an error restores them", {
+  skip_if_no_ampkit()
+  x <- torch_randn(2, 4)
+  net <- nn_linear(4, 4)
+  h <- x
+  with_autocast(device_type = "cpu", {
+    h <- net(h)   # reads h first: not unbound
+  })
+  expect_equal(dtype_name(h), "bfloat16")
+  out <- x
+  expect_error(with_autocast(device_type = "cpu", {
+    stop("before the assignment")
+    out <- net(x)
+  }), "before the assignment")
+  expect_identical(out, x)
+})
+
+oom_py <- "
+import torch
+calls = {'n': 0}
+def flaky(times):
+    def f(*args, **kwargs):
+        calls['n'] += 1
+        if calls['n'] <= times:
+            raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB (simulated)')
+        return 42.0
+    return f
+collected = {'n': 0}
+"
+
+test_that("an out-of-memory error collects garbage and retries the call once", {
+  skip_if_no_ampkit()
+  ns <- reticulate::py_dict(list(), list(), convert = FALSE)
+  reticulate::import_builtins(convert = FALSE)$exec(oom_py, ns)
+  bridge <- reticulate::import("ampkit.r_bridge")
+  gc_before <- ampkit:::.h$collect_garbage
+  # count the collections through the bridge's own function
+  counting <- reticulate::py_eval("lambda f, c: (lambda: (c.__setitem__('n', c['n'] + 1), f())[1])",
+                                  convert = FALSE)
+  counted <- reticulate::py_call(counting, bridge$collect_garbage, ns[["collected"]])
+  assign("collect_garbage", function() reticulate::py_to_r(reticulate::py_call(counted)), envir = ampkit:::.h)
+  withr::defer(assign("collect_garbage", gc_before, envir = ampkit:::.h))
+
+  once <- reticulate::py_call(ns[["flaky"]], 1L)
+  expect_equal(reticulate::py_to_r(ampkit:::py_call_retry("test", reticulate::py_call, once)), 42)
+  expect_equal(reticulate::py_to_r(ns[["calls"]])$n, 2)      # failed, then retried
+  expect_equal(reticulate::py_to_r(ns[["collected"]])$n, 1)  # after one collection
+
+  reticulate::py_set_item(ns[["calls"]], "n", 0L)
+  always <- reticulate::py_call(ns[["flaky"]], 5L)
+  err <- expect_error(ampkit:::py_call_retry("$backward()", reticulate::py_call, always),
+                      class = "ampkit_out_of_memory")
+  expect_s3_class(err, "ampkit_error")
+  expect_equal(reticulate::py_to_r(ns[["calls"]])$n, 2)      # retried once, not more
+  expect_match(conditionMessage(err), "$backward(): out of memory twice", fixed = TRUE)
+  expect_match(conditionMessage(err), "Tried to allocate 2.00 GiB", fixed = TRUE)
+
+  # Through the public path: a tensor method that runs out of memory once succeeds.
+  reticulate::py_set_item(ns[["calls"]], "n", 0L)
+  t <- torch_randn(2)
+  fn <- reticulate::py_call(ns[["flaky"]], 1L)
+  expect_equal(t$`__class__`$`__name__`, "Tensor")
+  apply_ <- t$apply_  # not a call: the method, then called through the retry
+  expect_true(is.function(apply_))
+  # other errors are not retried
+  reticulate::py_set_item(ns[["calls"]], "n", 0L)
+  bad <- reticulate::py_eval("lambda: 1/0", convert = FALSE)
+  expect_error(ampkit:::py_call_retry("x", reticulate::py_call, bad), class = "ampkit_py_ZeroDivisionError")
+})
+
+test_that("local_autocast() and with_autocast() take mlverse torch's argument order", {
+  skip_if_no_ampkit()
+  expect_identical(names(formals(local_autocast))[1:5],
+                   c("device_type", "dtype", "enabled", "cache_enabled", "..."))
+  expect_identical(names(formals(with_autocast))[1:6],
+                   c("code", "...", "device_type", "dtype", "enabled", "cache_enabled"))
+  net <- nn_linear(4, 2)
+  x <- torch_randn(3, 4)
+  f <- function(dtype) {
+    local_autocast("cpu", dtype)
+    c(get_autocast_dtype("cpu"), dtype_name(net(x)))
+  }
+  expect_identical(f(torch_float16()), c("float16", "float16"))
+  expect_identical(f(torch_bfloat16()), c("bfloat16", "bfloat16"))
+  g <- function() {
+    local_autocast("cpu", torch_bfloat16(), FALSE)
+    is_autocast_enabled("cpu")
+  }
+  expect_false(g())
+  # with_autocast: the named form of mlverse, and local_autocast()'s order with the code last
+  expect_identical(with_autocast(device_type = "cpu", dtype = torch_float16(), dtype_name(net(x))), "float16")
+  expect_identical(with_autocast("cpu", torch_float16(), dtype_name(net(x))), "float16")
+  expect_identical(with_autocast("cpu", torch_float16(), FALSE, dtype_name(net(x))), "float32")
+  with_autocast("cpu", torch_float16(), {
+    y <- net(x)
+  })
+  expect_equal(dtype_name(y), "float16")
+  expect_false(is_autocast_enabled("cpu"))
+})
+
+test_that("with_autocast(code = function() ...) runs the function in the region", {
+  skip_if_no_ampkit()
+  net <- nn_linear(4, 2)
+  x <- torch_randn(3, 4)
+  out <- with_autocast(device_type = "cpu", code = function() net(x))
+  expect_s3_class(out, "torch.Tensor")
+  expect_equal(dtype_name(out), "bfloat16")
+  expect_false(is_autocast_enabled("cpu"))
+})
