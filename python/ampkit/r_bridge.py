@@ -26,8 +26,7 @@ What lives here:
 >>> token = r_bridge.enter_autocast("cpu", torch.bfloat16)
 >>> torch.is_autocast_enabled("cpu")
 True
->>> r_bridge.exit_autocast(token)
-0.0
+>>> held = r_bridge.exit_autocast(token)  # bytes of earlier regions' outputs still alive
 >>> torch.is_autocast_enabled("cpu")
 False
 """
@@ -62,6 +61,8 @@ __all__ = [
     "memory_allocated",
     "open_regions",
     "plain",
+    "retry_call",
+    "set_r_collector",
     "policy",
     "policy_names",
     "scale_backward",
@@ -73,6 +74,45 @@ __all__ = [
     "zero_grad",
 ]
 
+# ---------------------------------------------------------------- out of memory: collect, retry once
+
+# R's collector (``gc()``), set by the R package: the tensors R dropped are freed there.
+_r_collector: list[Callable[[], Any] | None] = [None]
+
+
+def set_r_collector(fn: Callable[[], Any] | None) -> None:
+    """The function that runs R's ``gc()`` (the R package sets it when it starts)."""
+    _r_collector[0] = fn
+
+
+def retry_call(fn: Callable, *args, **kwargs):
+    """``fn(*args, **kwargs)``; after an out-of-memory error, collect garbage and call once more.
+
+    The collection is R's ``gc()`` (the tensors R dropped), Python's ``gc.collect()`` and
+    ``torch.cuda.empty_cache()``, as mlverse torch retries an allocation after ``gc()``.
+    A second out-of-memory error propagates, its message saying that the retry was made.
+    """
+    try:
+        return fn(*args, **kwargs)
+    except _OOM_TYPES:
+        pass  # leave the except block: the traceback would keep the failed call's tensors
+    freed = _collect_all()
+    try:
+        return fn(*args, **kwargs)
+    except _OOM_TYPES as e:
+        raise type(e)(
+            f"{e} [ampkit: out of memory again after R's gc(), Python's gc and "
+            f"torch.cuda.empty_cache() ({freed / 2**20:.0f} MiB freed) and one retry]"
+        ) from None
+
+
+def _collect_all() -> float:
+    before = memory_allocated()
+    if _r_collector[0] is not None:
+        _r_collector[0]()
+    return before - collect_garbage()
+
+
 # ---------------------------------------------------------------- autocast regions
 
 _open: dict[int, Any] = {}
@@ -82,7 +122,7 @@ _last = [0]
 def enter_autocast(device_type, dtype=None, enabled=True, cache_enabled=None, policy=None) -> int:
     """Build and enter ``ampkit.autocast(...)``; return the token that leaves it."""
     cm = ampkit.autocast(device_type, dtype, enabled, cache_enabled, policy=_policy_arg(policy))
-    cm.__enter__()
+    retry_call(cm.__enter__)
     _last[0] += 1
     _open[_last[0]] = cm
     return _last[0]
@@ -145,34 +185,36 @@ def held_by_r(exclude_latest: bool = False) -> float:
 
 def live_tensor_count() -> int:
     """How many ``torch.Tensor`` objects are alive in this interpreter (for tests)."""
-    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+    return sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
 
 
 # ---------------------------------------------------------------- the seed loop's calls
 
 def scale_backward(scaler, loss, *args, **kwargs) -> None:
     """``scaler.scale(loss).backward()`` in one call: the scaled tensor never reaches R."""
-    scaler.scale(loss).backward(*args, **kwargs)
+    retry_call(lambda: scaler.scale(loss).backward(*args, **kwargs))
 
 
 def scaler_step(scaler, optimizer, *args, **kwargs):
-    return scaler.step(optimizer, *args, **kwargs)
+    """``scaler.step(optimizer)``, retried once after an out-of-memory error."""
+    return retry_call(scaler.step, optimizer, *args, **kwargs)
 
 
 def zero_grad(opt, *args, **kwargs) -> float:
     """``opt.zero_grad()``; returns the CUDA memory allocated (``memory_allocated``)."""
-    opt.zero_grad(*args, **kwargs)
+    retry_call(opt.zero_grad, *args, **kwargs)
     return float(_memory_reader[0]())
 
 
 def scaler_update(scaler, new_scale=None) -> float:
     """``scaler.update(new_scale)``; returns the CUDA memory allocated."""
-    scaler.update(new_scale)
+    retry_call(scaler.update, new_scale)
     return float(_memory_reader[0]())
 
 
 def call_method(obj, name: str, *args, **kwargs):
-    return getattr(obj, name)(*args, **kwargs)
+    """``obj.name(*args, **kwargs)``, retried once after an out-of-memory error."""
+    return retry_call(getattr(obj, name), *args, **kwargs)
 
 
 def is_method(obj, name: str) -> bool:
@@ -246,9 +288,10 @@ def is_out_of_memory(type_name: str) -> bool:
     return type_name.rsplit(".", 1)[-1] in _OOM_NAMES
 
 
-_OOM_NAMES = frozenset(
-    t.__name__ for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None)) if t
-) | {"OutOfMemoryError"}
+_OOM_TYPES = tuple(
+    {t for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None)) if t}
+)
+_OOM_NAMES = frozenset(t.__name__ for t in _OOM_TYPES) | {"OutOfMemoryError"}
 
 
 # ---------------------------------------------------------------- rules R asks for

@@ -122,20 +122,32 @@ with_autocast_positional <- function(device_type, ..., env) {
 # The new values are handed to Python at exit, which counts what R still holds.
 run_region <- function(expr, env, device_type, dtype, enabled, cache_enabled, policy) {
   region <- enter_autocast(device_type, dtype, enabled, cache_enabled, policy)
-  targets <- assigned_first(expr)
+  # A loop enters the same block each step: its analysis is kept (identical()
+  # compares the pointer first).
+  if (identical(expr, .mem$block)) {
+    targets <- .mem$block_targets
+  } else {
+    targets <- assigned_first(expr)
+    .mem$block <- expr
+    .mem$block_targets <- targets
+  }
   saved <- release_bindings(targets, env)
   if (isTRUE(.mem$gc_due)) region_collect()
   done <- FALSE
   on.exit(if (!done) {
     restore_bindings(saved, env)
-    reticulate::py_call(.raw$exit_autocast, region)
+    .h$exit_autocast(region)
   }, add = TRUE)
   value <- py_try(eval(expr, env), REGION_CONTEXT)
   if (is.function(value)) value <- py_try(value(), REGION_CONTEXT)
   done <- TRUE
   outs <- if (length(targets)) mget(targets, envir = env, ifnotfound = list(NULL)) else list()
-  held <- do.call(reticulate::py_call, c(list(.raw$exit_autocast, region), unname(outs)))
-  region_held(reticulate::py_to_r(held))
+  held <- switch(length(outs) + 1L,
+    .h$exit_autocast(region),
+    .h$exit_autocast(region, outs[[1L]]),
+    .h$exit_autocast(region, outs[[1L]], outs[[2L]]),
+    do.call(.h$exit_autocast, c(list(region), unname(outs))))
+  region_held(held)
   value
 }
 
@@ -188,7 +200,7 @@ local_autocast <- function(device_type, dtype = NULL, enabled = TRUE, cache_enab
     check_dots_empty_(..., .hint = "The order is local_autocast(device_type, dtype, enabled, cache_enabled); name `policy` and `.env`.")
   }
   region <- enter_autocast(device_type, dtype, enabled, cache_enabled, policy)
-  withr::defer(reticulate::py_call(.raw$exit_autocast, region), envir = .env)
+  withr::defer(.h$exit_autocast(region), envir = .env)
   invisible(NULL)
 }
 
@@ -231,8 +243,7 @@ enter_autocast <- function(device_type, dtype, enabled, cache_enabled, policy) {
   if (!isTRUE(enabled)) enabled <- as_py_bool(enabled, "enabled")
   if (!is.null(cache_enabled)) cache_enabled <- as_py_bool(cache_enabled, "cache_enabled")
   if (!is.null(policy)) policy <- as_py_policy(policy)
-  reticulate::py_to_r(py_call_retry("with_autocast()", reticulate::py_call, .raw$enter_autocast,
-                                    device_type, dtype, enabled, cache_enabled, policy))
+  py_try(.h$enter_autocast(device_type, dtype, enabled, cache_enabled, policy), "with_autocast()")
 }
 
 # The context of a Python exception raised by the code of a region (or of amp_trace()).

@@ -38,7 +38,7 @@ py_try <- function(expr, context = NULL) {
   withCallingHandlers(expr, error = function(e) {
     if (is_py_error(e)) {
       cond <- py_error_condition(e, context)
-      if (is_oom(cond$py_type)) stop(oom_condition(cond, context, free_memory(), retried = FALSE))
+      if (is_oom(cond$py_type)) stop(oom_condition(cond, context))
       stop(cond)
     }
   })
@@ -51,37 +51,20 @@ is_oom <- function(type) {
                                     error = function(e) grepl("OutOfMemoryError$", type)))
 }
 
-# Call `f(...)` (a Python call); a Python exception becomes an ampkit_error. An
-# out-of-memory error collects garbage (R's gc(), Python's gc, torch's CUDA
-# cache) and the call runs once more, as mlverse torch retries an allocation
-# after gc(); a second out-of-memory error is signalled as a condition of class
-# `ampkit_out_of_memory`. R errors pass untouched.
-py_call_retry <- function(context, f, ...) {
-  first <- tryCatch(f(...), error = function(e) failed_call(e, context))
-  if (!inherits(first, "ampkit_failed_call")) return(first)
-  cond <- first$condition
-  if (!is_oom(cond$py_type)) stop(cond)
-  freed <- free_memory()
-  second <- tryCatch(f(...), error = function(e) failed_call(e, context))
-  if (!inherits(second, "ampkit_failed_call")) return(second)
-  cond <- second$condition
-  if (!is_oom(cond$py_type)) stop(cond)
-  stop(oom_condition(cond, context, freed, retried = TRUE))
-}
+# The bridge's calls retry once after an out-of-memory error (r_bridge.retry_call,
+# which runs R's gc() through the collector set in py_ready()); the message of
+# the second error says so.
+oom_retried <- function(cond) grepl("[ampkit: out of memory again", cond$py_message %||% "", fixed = TRUE)
 
-# A failed call, as a value (so that tryCatch() can hand it back): R errors are
-# re-raised at once, Python ones carry their ampkit condition.
-failed_call <- function(e, context) {
-  if (!is_py_error(e)) stop(e)
-  structure(list(condition = py_error_condition(e, context)), class = "ampkit_failed_call")
-}
-
-oom_condition <- function(cond, context, freed_mb, retried) {
-  msg <- sprintf("%s: out of memory%s. ampkit ran R's gc(), Python's gc and torch.cuda.empty_cache() (%.0f MiB freed)%s. Free memory (drop tensors you keep, use a smaller batch) or lower options(ampkit.gc_threshold_mb).\n%s",
-                 context %||% "ampkit", if (retried) " twice" else "", freed_mb,
-                 if (retried) " and retried the call once" else "; the call was not retried (R code ran in it)",
+oom_condition <- function(cond, context) {
+  retried <- oom_retried(cond)
+  freed <- if (retried) NULL else free_memory()
+  msg <- sprintf("%s: out of memory%s. %s Free memory (drop tensors you keep, use a smaller batch) or lower options(ampkit.gc_threshold_mb).\n%s",
+                 context %||% "ampkit", if (retried) " twice" else "",
+                 if (retried) "ampkit collected garbage (R's gc(), Python's gc, torch.cuda.empty_cache()) and retried the call once."
+                 else sprintf("ampkit collected garbage (%.0f MiB freed); the call was not retried: R code ran in it.", freed),
                  cond$message)
-  ampkit_condition(msg, class = c("ampkit_out_of_memory", class(cond)[!class(cond) %in% c("ampkit_error", "error", "condition")]),
+  ampkit_condition(msg, class = c("ampkit_out_of_memory", setdiff(class(cond), c("ampkit_error", "error", "condition"))),
                    py_type = cond$py_type, py_message = cond$py_message, parent = cond)
 }
 

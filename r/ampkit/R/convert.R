@@ -129,7 +129,7 @@ load_py_policy <- function(x, context) {
   x <- as_py_policy(x)
   if (is.character(x)) {
     if (is.null(.h$ready)) py_ready()
-    x <- py_try(reticulate::py_call(.raw$policy, x), context)
+    x <- py_try(.h$policy(x), context)
   }
   x
 }

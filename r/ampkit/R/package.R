@@ -7,9 +7,9 @@
 #' [optim_sgd()], ...) so that AMP code written for the R torch package runs
 #' as written.
 #'
-#' Python is found by reticulate (set `RETICULATE_PYTHON` to the project's
-#' virtual environment, as `make setup` and `make test` do) and is started on
-#' first use, not when the package loads.
+#' Python is found by reticulate: `RETICULATE_PYTHON` if set (as `make setup`
+#' and `make test` do), else the virtual environment that [install_ampkit()]
+#' made. It is started on first use, not when the package loads.
 #'
 #' @keywords internal
 #' @importFrom R6 R6Class
@@ -23,14 +23,13 @@ py_torch <- NULL
 # Cached Python handles (bound functions) for the hot paths; filled on first
 # use by h(), so that a training step does no `$` lookups of its own.
 .h <- new.env(parent = emptyenv())
-# The same, unconverted: the hot path's calls (see py_ready()).
-.raw <- new.env(parent = emptyenv())
 
 .onLoad <- function(libname, pkgname) {
   on_error <- function(e) {
     stop(ampkit_condition(missing_python_message(conditionMessage(e)),
                           class = "ampkit_python_missing"))
   }
+  use_ampkit_env()
   lazy <- list(before_load = python_startup, on_error = on_error)
   py_ampkit <<- reticulate::import("ampkit", delay_load = lazy)
   py_torch <<- reticulate::import("torch", delay_load = lazy)
@@ -92,9 +91,9 @@ missing_python_message <- function(detail = NULL) {
   }, error = function(e) paste("Python could not be started:", conditionMessage(e)))
   paste0(
     "ampkit needs Python with `torch` and the `ampkit` Python package, but ", what, ".\n",
-    "Run `make setup` in the ampkit repository, then point reticulate at its ",
-    "virtual environment: Sys.setenv(RETICULATE_PYTHON = \"<repo>/.venv/bin/python\") ",
-    "before the first use of ampkit.",
+    "Run ampkit::install_ampkit(\"<path of the ampkit repository or wheel>\") and restart R ",
+    "(or, in the repository, `make setup` and Sys.setenv(RETICULATE_PYTHON = \"<repo>/.venv/bin/python\") ",
+    "before the first use of ampkit).",
     if (!is.null(detail) && nzchar(detail)) paste0("\nCause: ", detail)
   )
 }
@@ -148,26 +147,32 @@ py_ready <- function() {
   if (!ok) {
     stop(ampkit_condition(missing_python_message(), class = "ampkit_python_missing"))
   }
-  bridge <- tryCatch({
-    list(conv = reticulate::import("ampkit.r_bridge"),
-         raw = reticulate::import("ampkit.r_bridge", convert = FALSE))
-  }, error = function(e) {
+  bridge <- tryCatch(reticulate::import("ampkit.r_bridge"), error = function(e) {
     stop(ampkit_condition(missing_python_message(conditionMessage(e)), class = "ampkit_python_missing"))
   })
-  # Converting handles, for calls whose results R reads.
-  for (name in c("trace_rows", "plain", "call_warn", "open_regions", "is_method", "call_method",
-                 "memory_allocated", "cuda_total_memory", "set_memory_reader", "collect_garbage",
-                 "held_by_r", "live_tensor_count", "is_out_of_memory", "check_autocast", "policy_names", "scaler_int_state_keys")) {
-    assign(name, bridge$conv[[name]], envir = .h)
-  }
-  # Unconverted handles for the hot path, called with reticulate::py_call(): no
-  # R-side conversion of the result, which is None or a float read only when needed.
+  # Bound once: each call of the hot path is then one crossing, without `$` lookups.
+  # Results are converted (None -> NULL, floats -> numbers: no wrapper for R to
+  # collect); tensors stay Python objects.
   for (name in c("enter_autocast", "exit_autocast", "scale_backward", "scaler_step",
-                 "scaler_update", "zero_grad", "policy", "load_scaler_state")) {
-    assign(name, bridge$raw[[name]], envir = .raw)
+                 "scaler_update", "zero_grad", "call_method", "retry_call", "is_method",
+                 "policy", "load_scaler_state", "check_autocast", "trace_rows", "plain",
+                 "call_warn", "open_regions", "memory_allocated", "cuda_total_memory",
+                 "set_memory_reader", "collect_garbage", "held_by_r", "live_tensor_count",
+                 "is_out_of_memory", "policy_names", "scaler_int_state_keys")) {
+    assign(name, bridge[[name]], envir = .h)
   }
+  # An out-of-memory error in Python runs R's gc() before the retry.
+  py_reset_collector()
   .h$named_parameters <- reticulate::py_eval("lambda m: dict(m.named_parameters())")
   .h$cuda_is_available <- py_torch$cuda$is_available
   .h$ready <- TRUE
   invisible(TRUE)
+}
+
+# R's collector for the bridge's out-of-memory retry (r_bridge.retry_call).
+py_reset_collector <- function() {
+  reticulate::import("ampkit.r_bridge")$set_r_collector(function() {
+    gc(full = TRUE)
+    invisible(NULL)
+  })
 }

@@ -144,15 +144,13 @@ GradScalerR6 <- R6::R6Class("ampkit_grad_scaler",
         abort(sprintf("`$step()` takes a torch optimizer (from optim_sgd(), optim_adam(), ...), not %s.",
                       describe(optimizer)), class = "ampkit_bad_argument")
       }
-      res <- py_call_retry("$step()", reticulate::py_call, .raw$scaler_step, self$py, optimizer, ...)
-      invisible(reticulate::py_to_r(res))
+      invisible(py_try(.h$scaler_step(self$py, optimizer, ...), "$step()"))
     },
     update = function(new_scale = NULL) {
       if (!is.null(new_scale) && !inherits(new_scale, "torch.Tensor")) {
         new_scale <- as_py_num(new_scale, "new_scale")
       }
-      res <- py_call_retry("$update()", reticulate::py_call, .raw$scaler_update, self$py, new_scale)
-      watch_memory(reticulate::py_to_r(res))
+      watch_memory(py_try(.h$scaler_update(self$py, new_scale), "$update()"))
     },
     unscale_ = function(optimizer) {
       invisible(py_try(private$f$unscale_(optimizer), "$unscale_()"))
@@ -165,7 +163,7 @@ GradScalerR6 <- R6::R6Class("ampkit_grad_scaler",
         abort(sprintf("`state` must be a list from `$state_dict()`, not %s.", describe(state)),
               class = "ampkit_bad_argument")
       }
-      invisible(py_try(reticulate::py_call(.raw$load_scaler_state, self$py, state), "$load_state_dict()"))
+      invisible(py_try(.h$load_scaler_state(self$py, state), "$load_state_dict()"))
     },
     stats = function() .h$plain(py_try(private$f$stats(), "$stats()")),
     print = function(...) {
@@ -203,7 +201,7 @@ scaled_tensor <- function(x) {
     scaler <- .subset2(x, "scaler")
     loss <- .subset2(x, "loss")
     return(function(...) {
-      py_call_retry("$scale(loss)$backward()", reticulate::py_call, .raw$scale_backward, scaler, loss, ...)
+      py_try(.h$scale_backward(scaler, loss, ...), "$scale(loss)$backward()")
       invisible(NULL)
     })
   }

@@ -217,7 +217,7 @@ adam_like <- function(class, context, params, lr, betas, eps, weight_decay, amsg
 #' @export
 `$.torch.Tensor` <- function(x, name) {
   if (is_py_method(x, name)) {
-    function(...) py_call_retry(paste0("$", name, "()"), .h$call_method, x, name, ...)
+    function(...) py_try(.h$call_method(x, name, ...), paste0("$", name, "()"))
   } else {
     NextMethod()
   }
@@ -230,12 +230,11 @@ adam_like <- function(class, context, params, lr, betas, eps, weight_decay, amsg
   if (identical(name, "zero_grad")) {
     if (is.null(.h$ready)) py_ready()
     return(function(...) {
-      res <- py_call_retry("$zero_grad()", reticulate::py_call, .raw$zero_grad, x, ...)
-      watch_memory(reticulate::py_to_r(res))
+      watch_memory(py_try(.h$zero_grad(x, ...), "$zero_grad()"))
     })
   }
   if (is_py_method(x, name)) {
-    function(...) py_call_retry(paste0("$", name, "()"), .h$call_method, x, name, ...)
+    function(...) py_try(.h$call_method(x, name, ...), paste0("$", name, "()"))
   } else {
     NextMethod()
   }

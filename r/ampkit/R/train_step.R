@@ -81,7 +81,8 @@ amp_train_step <- function(model, loss_fn, optimizer, ..., scaler = NULL,
                                          autocast = autocast, capture = capture,
                                          warmup = warmup), "amp_train_step()")
   call <- py[["__call__"]]
-  step <- function(inputs, targets) py_call_retry("amp_train_step", call, inputs, targets)
+  retry <- .h$retry_call
+  step <- function(inputs, targets) py_try(retry(call, inputs, targets), "amp_train_step")
   structure(step, class = c("ampkit_train_step", "function"), py = py)
 }
 

@@ -8,7 +8,9 @@
 #
 # Writes <out-dir>/rprof.txt (summaryRprof by self and total time),
 # <out-dir>/cprofile.txt (cProfile, by internal and cumulative time) and
-# <out-dir>/timing.txt (ms per step, R and Python, per variant).
+# <out-dir>/timing.txt (ms per step, R and Python, per variant: medians of the
+# process's CPU time, which other processes on a shared machine disturb less
+# than wall time, and of wall time).
 args <- commandArgs(trailingOnly = TRUE)
 out_dir <- if (length(args) >= 1) args[[1]] else "."
 steps <- if (length(args) >= 2) as.integer(args[[2]]) else 400L
@@ -128,19 +130,23 @@ rows <- list()
 for (vn in names(variants)) {
   v <- variants[[vn]]
   run(v[1], v[2], 50L); py_side(v[1], v[2], 50L)
-  tr <- tp <- numeric(repeats)
+  tr <- tp <- wr <- wp <- numeric(repeats)
+  cpu <- function(t) t[["user.self"]] + t[["sys.self"]]
   for (k in seq_len(repeats)) {
-    tp[k] <- system.time(py_side(v[1], v[2], steps))[["elapsed"]] / steps
-    tr[k] <- system.time(run(v[1], v[2], steps))[["elapsed"]] / steps
+    t <- system.time(py_side(v[1], v[2], steps))
+    tp[k] <- cpu(t) / steps; wp[k] <- t[["elapsed"]] / steps
+    t <- system.time(run(v[1], v[2], steps))
+    tr[k] <- cpu(t) / steps; wr[k] <- t[["elapsed"]] / steps
   }
   rows[[vn]] <- data.frame(variant = vn, python_ms = round(median(tp) * 1e3, 3),
                            r_ms = round(median(tr) * 1e3, 3),
                            r_over_python = round(median(tr) / median(tp), 2),
-                           r_extra_us = round((median(tr) - median(tp)) * 1e6))
+                           r_extra_us = round((median(tr) - median(tp)) * 1e6),
+                           wall_python_ms = round(median(wp) * 1e3, 3), wall_r_ms = round(median(wr) * 1e3, 3))
 }
 tab <- do.call(rbind, rows)
 sink(file.path(out_dir, "timing.txt"))
-cat(sprintf("Seed loop, batch %d, width %d, %d layers, %d steps per repeat, %d repeats (median wall ms/step), torch threads 1\n",
+cat(sprintf("Seed loop, batch %d, width %d, %d layers, %d steps per repeat, %d repeats (median process CPU ms/step, user + system; wall medians too), torch threads 1\n",
             batch_size, in_size, num_layers, steps, repeats))
 cat("Command: Rscript r/ampkit/bench/profile_seed.R", out_dir, steps, repeats, "\n")
 print(tab, row.names = FALSE)

@@ -145,39 +145,45 @@ test_that("an out-of-memory error collects garbage and retries the call once", {
   ns <- reticulate::py_dict(list(), list(), convert = FALSE)
   reticulate::import_builtins(convert = FALSE)$exec(oom_py, ns)
   bridge <- reticulate::import("ampkit.r_bridge")
-  gc_before <- ampkit:::.h$collect_garbage
-  # count the collections through the bridge's own function
-  counting <- reticulate::py_eval("lambda f, c: (lambda: (c.__setitem__('n', c['n'] + 1), f())[1])",
-                                  convert = FALSE)
-  counted <- reticulate::py_call(counting, bridge$collect_garbage, ns[["collected"]])
-  assign("collect_garbage", function() reticulate::py_to_r(reticulate::py_call(counted)), envir = ampkit:::.h)
-  withr::defer(assign("collect_garbage", gc_before, envir = ampkit:::.h))
+  # R's collector, as the package sets it, counting its calls
+  r_collections <- 0L
+  bridge$set_r_collector(function() {
+    r_collections <<- r_collections + 1L
+    gc(full = TRUE)
+    invisible(NULL)
+  })
+  withr::defer(ampkit:::py_reset_collector())
 
-  once <- reticulate::py_call(ns[["flaky"]], 1L)
-  expect_equal(reticulate::py_to_r(ampkit:::py_call_retry("test", reticulate::py_call, once)), 42)
-  expect_equal(reticulate::py_to_r(ns[["calls"]])$n, 2)      # failed, then retried
-  expect_equal(reticulate::py_to_r(ns[["collected"]])$n, 1)  # after one collection
+  # A tensor method that runs out of memory once succeeds after one collection.
+  t <- torch_randn(3)
+  flaky <- reticulate::py_call(ns[["flaky"]], 1L)
+  reticulate::py_set_attr(pt()$Tensor, "ampkit_test_flaky", reticulate::py_eval("lambda f: (lambda self: f())")(flaky))
+  withr::defer(reticulate::py_del_attr(pt()$Tensor, "ampkit_test_flaky"))
+  expect_equal(t$ampkit_test_flaky(), 42)
+  expect_equal(reticulate::py_to_r(ns[["calls"]])$n, 2)  # failed, then retried
+  expect_equal(r_collections, 1L)
 
+  # Out of memory twice: one retry, then a condition of class ampkit_out_of_memory.
   reticulate::py_set_item(ns[["calls"]], "n", 0L)
-  always <- reticulate::py_call(ns[["flaky"]], 5L)
-  err <- expect_error(ampkit:::py_call_retry("$backward()", reticulate::py_call, always),
-                      class = "ampkit_out_of_memory")
+  reticulate::py_set_attr(pt()$Tensor, "ampkit_test_flaky",
+                          reticulate::py_eval("lambda f: (lambda self: f())")(reticulate::py_call(ns[["flaky"]], 5L)))
+  err <- expect_error(t$ampkit_test_flaky(), class = "ampkit_out_of_memory")
   expect_s3_class(err, "ampkit_error")
-  expect_equal(reticulate::py_to_r(ns[["calls"]])$n, 2)      # retried once, not more
-  expect_match(conditionMessage(err), "$backward(): out of memory twice", fixed = TRUE)
+  expect_s3_class(err, "ampkit_py_OutOfMemoryError")
+  expect_equal(reticulate::py_to_r(ns[["calls"]])$n, 2)  # retried once, not more
+  expect_equal(r_collections, 2L)
+  expect_match(conditionMessage(err), "$ampkit_test_flaky(): out of memory twice", fixed = TRUE)
   expect_match(conditionMessage(err), "Tried to allocate 2.00 GiB", fixed = TRUE)
 
-  # Through the public path: a tensor method that runs out of memory once succeeds.
+  # The scaler's calls and the train step go through the same retry.
   reticulate::py_set_item(ns[["calls"]], "n", 0L)
-  t <- torch_randn(2)
-  fn <- reticulate::py_call(ns[["flaky"]], 1L)
-  expect_equal(t$`__class__`$`__name__`, "Tensor")
-  apply_ <- t$apply_  # not a call: the method, then called through the retry
-  expect_true(is.function(apply_))
-  # other errors are not retried
-  reticulate::py_set_item(ns[["calls"]], "n", 0L)
-  bad <- reticulate::py_eval("lambda: 1/0", convert = FALSE)
-  expect_error(ampkit:::py_call_retry("x", reticulate::py_call, bad), class = "ampkit_py_ZeroDivisionError")
+  expect_equal(ampkit:::.h$retry_call(reticulate::py_call(ns[["flaky"]], 1L)), 42)
+  expect_equal(r_collections, 3L)
+
+  # Other errors are not retried.
+  reticulate::py_set_attr(pt()$Tensor, "ampkit_test_flaky", reticulate::py_eval("lambda self: 1/0"))
+  expect_error(t$ampkit_test_flaky(), class = "ampkit_py_ZeroDivisionError")
+  expect_equal(r_collections, 3L)
 })
 
 test_that("local_autocast() and with_autocast() take mlverse torch's argument order", {
