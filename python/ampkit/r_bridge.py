@@ -48,6 +48,7 @@ import ampkit
 __all__ = [
     "call_method",
     "check_autocast",
+    "clear_policy_cache",
     "call_warn",
     "collect_garbage",
     "cuda_total_memory",
@@ -153,9 +154,20 @@ def open_regions() -> int:
 # ---------------------------------------------------------------- tensors held by R
 
 # Weak references to the tensors that regions handed to R: alive means R (or
-# someone) still holds them. Keyed by id(); the callback drops dead entries.
+# someone) still holds them. Keyed by id(); the callback drops dead entries and
+# their bytes from the running total, so a reading costs O(outputs of a region).
 _held: dict[int, weakref.ref] = {}
-_latest: set[int] = set()
+_held_bytes = [0]
+_latest: dict[int, int] = {}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes() if t.layout == torch.strided else 0
+
+
+def _drop(key: int, nbytes: int) -> None:
+    if _held.pop(key, None) is not None:
+        _held_bytes[0] -= nbytes
 
 
 def _hand_to_r(values) -> float:
@@ -163,9 +175,11 @@ def _hand_to_r(values) -> float:
     for v in values:
         if isinstance(v, torch.Tensor):
             key = id(v)
+            n = _nbytes(v)
             if key not in _held:
-                _held[key] = weakref.ref(v, lambda _r, key=key: _held.pop(key, None))
-            _latest.add(key)
+                _held[key] = weakref.ref(v, lambda _r, key=key, n=n: _drop(key, n))
+                _held_bytes[0] += n
+            _latest[key] = n
     return held_by_r(exclude_latest=True)
 
 
@@ -174,12 +188,9 @@ def held_by_r(exclude_latest: bool = False) -> float:
 
     ``exclude_latest`` leaves out those of the last region, which R's code is using.
     """
-    total = 0
-    for key, ref in list(_held.items()):
-        t = ref()
-        if t is None or (exclude_latest and key in _latest):
-            continue
-        total += t.untyped_storage().nbytes() if t.layout == torch.strided else 0
+    total = _held_bytes[0]
+    if exclude_latest:
+        total -= sum(n for key, n in _latest.items() if key in _held)
     return float(total)
 
 
@@ -319,6 +330,11 @@ def policy(x) -> ampkit.Policy:
             p = _policy_cache[x] = ampkit.load_policy(x)
         return p
     return ampkit.load_policy(x)
+
+
+def clear_policy_cache() -> None:
+    """Forget the shipped policies loaded so far (the next region loads them again)."""
+    _policy_cache.clear()
 
 
 def _policy_arg(x):

@@ -18,9 +18,10 @@ describe <- function(x) {
   else paste0("an object of class <", class(x)[[1]], ">")
 }
 
-as_py_int <- function(x, arg = deparse(substitute(x))) {
-  if (!is.numeric(x) || length(x) != 1 || is.na(x) || !is.finite(x) || x != round(x)) {
-    abort(sprintf("`%s` must be a whole number, not %s.", arg, describe(x)),
+as_py_int <- function(x, arg = deparse(substitute(x)), min = -Inf) {
+  if (!is.numeric(x) || length(x) != 1 || is.na(x) || !is.finite(x) || x != round(x) || x < min) {
+    abort(sprintf("`%s` must be a whole number%s, not %s.", arg,
+                  if (is.finite(min)) sprintf(" >= %d", as.integer(min)) else "", describe(x)),
           class = "ampkit_bad_argument")
   }
   as.integer(x)
@@ -92,9 +93,18 @@ as_py_dtype <- function(x, arg = "dtype", null_ok = TRUE) {
 
 # Tensor sizes: R numbers -> a Python list of ints.
 as_py_size <- function(dims, arg = "size") {
-  dims <- unlist(dims, use.names = FALSE)
+  dims <- unlist(lapply(dims, function(d) if (is.numeric(d)) as.list(d) else list(d)), recursive = FALSE)
   if (!length(dims)) return(list())
-  as.list(vapply(seq_along(dims), function(i) as_py_int(dims[[i]], arg), integer(1)))
+  lapply(dims, function(d) as_py_int(d, arg, min = 0))
+}
+
+# One of `choices` (a string).
+as_choice <- function(x, choices, arg = deparse(substitute(x))) {
+  if (!is.character(x) || length(x) != 1 || is.na(x) || !(x %in% choices)) {
+    abort(sprintf("`%s` must be one of %s, not %s.", arg, fmt(choices), describe(x)),
+          class = "ampkit_bad_argument", call = sys.call(-1))
+  }
+  x
 }
 
 # Parameters for an optimizer: `net$parameters` (an R list of tensors), a
@@ -107,6 +117,14 @@ as_py_params <- function(params) {
       abort("`params` is empty: the optimizer has nothing to update.",
             class = "ampkit_bad_argument")
     }
+    ok <- vapply(params, function(p) inherits(p, "torch.Tensor") || is.list(p), logical(1))
+    if (!all(ok)) {
+      abort(sprintf("`params` must be tensors (net$parameters); element %d is %s.",
+                    which(!ok)[[1]], describe(params[[which(!ok)[[1]]]])), class = "ampkit_bad_argument")
+    }
+  } else if (!inherits(params, "python.builtin.object")) {
+    abort(sprintf("`params` must be the parameters to optimize (net$parameters), not %s. The order is optim_sgd(params, lr, ...).",
+                  describe(params)), class = "ampkit_bad_argument")
   }
   params
 }

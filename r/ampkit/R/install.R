@@ -100,6 +100,6 @@ use_ampkit_env <- function() {
   envname <- default_envname()
   found <- tryCatch(reticulate::virtualenv_exists(envname), error = function(e) FALSE)
   if (!isTRUE(found)) return(invisible(FALSE))
-  tryCatch(reticulate::use_virtualenv(envname, required = FALSE), error = function(e) NULL)
+  tryCatch(reticulate::use_virtualenv(envname, required = TRUE), error = function(e) NULL)
   invisible(TRUE)
 }

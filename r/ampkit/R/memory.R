@@ -92,6 +92,8 @@
 #'   options(old)
 #' }
 amp_gc <- function() {
+  gc_threshold_bytes()
+  gc_threshold_bytes("ampkit.gc_full_threshold_mb", 8192)
   py_ready()
   before <- memory_allocated()
   after <- collect_memory(before, full = TRUE, automatic = FALSE)

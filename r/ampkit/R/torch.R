@@ -99,6 +99,9 @@ torch_float32 <- function() torch_dtype("float32")
 
 torch_dtype <- function(name) as_py_dtype(name)
 
+# The reductions of torch's losses.
+REDUCTIONS <- c("mean", "sum", "none")
+
 #' @rdname torch_layer
 #' @export
 cuda_is_available <- function() {
@@ -110,7 +113,8 @@ cuda_is_available <- function() {
 #' @export
 nn_linear <- function(in_features, out_features, bias = TRUE) {
   py_ready()
-  py_torch$nn$Linear(as_py_int(in_features), as_py_int(out_features), bias = as_py_bool(bias))
+  py_torch$nn$Linear(as_py_int(in_features, min = 1), as_py_int(out_features, min = 1),
+                     bias = as_py_bool(bias))
 }
 
 #' @rdname torch_layer
@@ -139,6 +143,7 @@ nn_sequential <- function(...) {
 #' @rdname torch_layer
 #' @export
 nn_mse_loss <- function(reduction = "mean") {
+  reduction <- as_choice(reduction, REDUCTIONS)
   py_ready()
   py_torch$nn$MSELoss(reduction = reduction)
 }
@@ -147,10 +152,20 @@ nn_mse_loss <- function(reduction = "mean") {
 #' @export
 nn_cross_entropy_loss <- function(weight = NULL, ignore_index = -100, reduction = "mean",
                                   label_smoothing = 0) {
+  reduction <- as_choice(reduction, REDUCTIONS)
+  if (!is.null(weight) && !inherits(weight, "torch.Tensor")) {
+    abort(sprintf("`weight` must be NULL or a tensor of class weights, not %s.", describe(weight)),
+          class = "ampkit_bad_argument")
+  }
+  label_smoothing <- as_py_num(label_smoothing)
+  if (label_smoothing < 0 || label_smoothing > 1) {
+    abort(sprintf("`label_smoothing` must be in [0, 1], not %s.", describe(label_smoothing)),
+          class = "ampkit_bad_argument")
+  }
+  ignore_index <- as_py_int(ignore_index)
   py_ready()
-  py_torch$nn$CrossEntropyLoss(weight = weight, ignore_index = as_py_int(ignore_index),
-                               reduction = reduction,
-                               label_smoothing = as_py_num(label_smoothing))
+  py_torch$nn$CrossEntropyLoss(weight = weight, ignore_index = ignore_index,
+                               reduction = reduction, label_smoothing = label_smoothing)
 }
 
 #' @rdname torch_layer
