@@ -13,9 +13,7 @@ What lives here:
   reticulate cheaper than an object);
 * the seed loop's scaler calls: ``scale_backward`` (``scaler$scale(loss)$backward()``
   in one call, leaving no scaled tensor to R), ``scaler_step``, ``scaler_update``;
-* a registry of the tensors a region handed to R (weak references), so that R
-  knows how many bytes it still holds in tensors of earlier steps and when to
-  collect its garbage;
+* the CUDA memory reading that the per-step calls return, for R's garbage watch;
 * garbage collection after an out-of-memory error (``collect_garbage``) and
   the test of an out-of-memory exception (``is_out_of_memory``);
 * the rules R would otherwise repeat: shipped policy names, the scaler's
@@ -26,7 +24,7 @@ What lives here:
 >>> token = r_bridge.enter_autocast("cpu", torch.bfloat16)
 >>> torch.is_autocast_enabled("cpu")
 True
->>> held = r_bridge.exit_autocast(token)  # bytes of earlier regions' outputs still alive
+>>> r_bridge.exit_autocast(token)
 >>> torch.is_autocast_enabled("cpu")
 False
 """
@@ -54,7 +52,6 @@ __all__ = [
     "cuda_total_memory",
     "enter_autocast",
     "exit_autocast",
-    "held_by_r",
     "is_method",
     "is_out_of_memory",
     "live_tensor_count",
@@ -129,13 +126,8 @@ def enter_autocast(device_type, dtype=None, enabled=True, cache_enabled=None, po
     return _last[0]
 
 
-def exit_autocast(token: int, *values: Any) -> float:
-    """Leave the region of ``token``; register the tensors among ``values`` as held by R.
-
-    ``values`` are the values the region's R code assigned (``output``, ``loss``).
-    Returns the bytes of tensors that earlier regions handed to R and that are still
-    alive (R's garbage, unless R kept them on purpose), as a float.
-    """
+def exit_autocast(token: int) -> None:
+    """Leave the region of ``token``."""
     cm = _open.pop(token, None)
     if cm is None:
         raise RuntimeError(
@@ -143,7 +135,6 @@ def exit_autocast(token: int, *values: Any) -> float:
             f"open tokens: {sorted(_open) or 'none'}. Each token leaves its region once."
         )
     cm.__exit__(None, None, None)
-    return _hand_to_r(values)
 
 
 def open_regions() -> int:
@@ -151,48 +142,7 @@ def open_regions() -> int:
     return len(_open)
 
 
-# ---------------------------------------------------------------- tensors held by R
-
-# Weak references to the tensors that regions handed to R: alive means R (or
-# someone) still holds them. Keyed by id(); the callback drops dead entries and
-# their bytes from the running total, so a reading costs O(outputs of a region).
-_held: dict[int, weakref.ref] = {}
-_held_bytes = [0]
-_latest: dict[int, int] = {}
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.untyped_storage().nbytes() if t.layout == torch.strided else 0
-
-
-def _drop(key: int, nbytes: int) -> None:
-    if _held.pop(key, None) is not None:
-        _held_bytes[0] -= nbytes
-
-
-def _hand_to_r(values) -> float:
-    _latest.clear()
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            key = id(v)
-            n = _nbytes(v)
-            if key not in _held:
-                _held[key] = weakref.ref(v, lambda _r, key=key, n=n: _drop(key, n))
-                _held_bytes[0] += n
-            _latest[key] = n
-    return held_by_r(exclude_latest=True)
-
-
-def held_by_r(exclude_latest: bool = False) -> float:
-    """Bytes of the region outputs handed to R that are still alive (a float).
-
-    ``exclude_latest`` leaves out those of the last region, which R's code is using.
-    """
-    total = _held_bytes[0]
-    if exclude_latest:
-        total -= sum(n for key, n in _latest.items() if key in _held)
-    return float(total)
-
+# ---------------------------------------------------------------- tensors alive
 
 def live_tensor_count() -> int:
     """How many ``torch.Tensor`` objects are alive in this interpreter (for tests)."""

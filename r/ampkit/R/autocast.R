@@ -17,12 +17,6 @@
 #' takes the dtype second. `with_autocast()` also takes `local_autocast()`'s
 #' order with the code last: `with_autocast("cpu", torch_bfloat16(), {...})`.
 #'
-#' Memory: tensors bound to names that the block assigns before it reads them
-#' (`output` and `loss` in `{ output <- net(x); loss <- loss_fn(output, y) }`)
-#' are unbound before the block runs, so that R holds no reference to the
-#' previous step's outputs while the step makes new ones; if the block fails
-#' before assigning them they get their old values back. See [amp_gc()].
-#'
 #' @param code Code to run in the region. It is evaluated in the calling
 #'   frame, so assignments made in it persist after the call. If it evaluates
 #'   to a function (`code = function() net(x)`), the function is called with no
@@ -115,81 +109,13 @@ with_autocast_positional <- function(device_type, ..., env) {
   run_region(dots[[code_at]], env, device_type, args$dtype, args$enabled, args$cache_enabled, args$policy)
 }
 
-# Enter, evaluate `expr` in `env`, leave. Tensors bound to names that `expr`
-# assigns before reading them (`output <- net(x)`) are unbound first: R keeps
-# no reference to the previous step's outputs while this step makes new ones,
-# so a collection here (when one is due) frees them instead of promoting them.
-# The new values are handed to Python at exit, which counts what R still holds.
+# Enter, evaluate `expr` in `env`, leave (also after an error).
 run_region <- function(expr, env, device_type, dtype, enabled, cache_enabled, policy) {
   region <- enter_autocast(device_type, dtype, enabled, cache_enabled, policy)
-  # A loop enters the same block each step: its analysis is kept (identical()
-  # compares the pointer first).
-  if (identical(expr, .mem$block)) {
-    targets <- .mem$block_targets
-  } else {
-    targets <- assigned_first(expr)
-    .mem$block <- expr
-    .mem$block_targets <- targets
-  }
-  saved <- release_bindings(targets, env)
-  if (isTRUE(.mem$gc_due)) region_collect()
-  done <- FALSE
-  on.exit(if (!done) {
-    restore_bindings(saved, env)
-    .h$exit_autocast(region)
-  }, add = TRUE)
+  on.exit(.h$exit_autocast(region), add = TRUE)
   value <- py_try(eval(expr, env), REGION_CONTEXT)
   if (is.function(value)) value <- py_try(value(), REGION_CONTEXT)
-  done <- TRUE
-  outs <- if (length(targets)) mget(targets, envir = env, ifnotfound = list(NULL)) else list()
-  held <- switch(length(outs) + 1L,
-    .h$exit_autocast(region),
-    .h$exit_autocast(region, outs[[1L]]),
-    .h$exit_autocast(region, outs[[1L]], outs[[2L]]),
-    do.call(.h$exit_autocast, c(list(region), unname(outs))))
-  region_held(held)
   value
-}
-
-# Names assigned at the top level of a `{` block before the block reads them.
-assigned_first <- function(expr) {
-  if (!is.call(expr) || !identical(expr[[1L]], as.name("{"))) return(character())
-  seen <- character()
-  out <- character()
-  for (st in as.list(expr)[-1L]) {
-    if (is.call(st) && (identical(st[[1L]], as.name("<-")) || identical(st[[1L]], as.name("="))) &&
-        is.name(st[[2L]])) {
-      rhs <- all.names(st[[3L]])
-      name <- as.character(st[[2L]])
-      seen <- c(seen, rhs)
-      if (!name %in% seen) out <- c(out, name)
-      seen <- c(seen, name)
-    } else {
-      seen <- c(seen, all.names(st))
-    }
-  }
-  unique(out)
-}
-
-release_bindings <- function(names, env) {
-  saved <- list()
-  for (n in names) {
-    if (exists(n, envir = env, inherits = FALSE)) {
-      v <- get(n, envir = env, inherits = FALSE)
-      if (inherits(v, "torch.Tensor")) {
-        saved[[n]] <- v
-        rm(list = n, envir = env)
-      }
-    }
-  }
-  saved
-}
-
-# After an error in the block: names it had not assigned yet get their values back.
-restore_bindings <- function(saved, env) {
-  for (n in names(saved)) {
-    if (!exists(n, envir = env, inherits = FALSE)) assign(n, saved[[n]], envir = env)
-  }
 }
 
 #' @rdname with_autocast

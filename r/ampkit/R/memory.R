@@ -12,7 +12,6 @@
 .mem$base <- NA_real_   # bytes allocated after the last collection (or the lowest since)
 .mem$collections <- 0L  # automatic collections so far
 .mem$floor <- NA_real_  # bytes allocated after the last full collection
-.mem$regions <- 0L      # > 0: a region ended lately, the next one collects (region_collect())
 
 #' Free the GPU memory held by R garbage
 #'
@@ -49,18 +48,6 @@
 #'     and that triggers a full one (default: a quarter of the CUDA device's
 #'     memory, read once; 8192 where it cannot be read).}
 #' }
-#'
-#' Regions: before the code of a [with_autocast()] block runs, tensors bound
-#' to names that the block assigns before it reads them (`output`, `loss` in
-#' `{ output <- net(x); loss <- loss_fn(output, y) }`) are unbound in the
-#' caller's frame (they get their values back if the block fails before
-#' assigning them), so that no reference to the previous step's outputs is
-#' left while the step makes new ones. At the region's exit, Python counts the
-#' bytes of earlier regions' outputs that are still alive; past
-#' `ampkit.gc_threshold_mb`, or when the CUDA reading above asks for a
-#' collection, the next region collects right after unbinding (young first,
-#' full when a young one did not bring them down), when the dead outputs are
-#' not referenced and the new ones do not exist yet.
 #'
 #' Out of memory: an out-of-memory error (`torch.OutOfMemoryError`) raised by
 #' a Python call that ampkit makes (entering a region, tensor and optimizer
@@ -114,44 +101,15 @@ gc_threshold_bytes <- function(option = "ampkit.gc_threshold_mb", default = 1024
 }
 
 # Called with the reading returned by the hooked per-step calls: one
-# comparison on the hot path. Where regions are in use, the collection waits
-# for the next region's entry (see region_release()): there the previous
-# step's outputs are already unbound, so a young collection frees them instead
-# of promoting them to an older generation.
+# comparison on the hot path.
 watch_memory <- function(bytes) {
   base <- .mem$base
   if (is.na(base) || bytes < base) {
     .mem$base <- bytes  # growth is measured from the lowest reading since the last collection
     if (!is.na(.mem$floor) && bytes < .mem$floor) .mem$floor <- bytes
   } else if (bytes - base > gc_threshold_bytes()) {
-    if (.mem$regions > 0L) .mem$gc_due <- TRUE else collect_memory(bytes)
+    collect_memory(bytes)
   }
-  .mem$regions <- max(0L, .mem$regions - 1L)
-  invisible(NULL)
-}
-
-# At a region's exit: `held` is the bytes of tensors that earlier regions gave
-# to R and that are still alive (R's garbage unless kept on purpose).
-region_held <- function(held) {
-  .mem$regions <- 2L  # the step's $update() and $zero_grad() leave collections to the next region
-  if (held > gc_threshold_bytes()) {
-    # A young collection that did not bring it down: the leftovers were
-    # promoted by one of R's own collections, and only a full one frees them.
-    .mem$gc_full_due <- isTRUE(.mem$gc_after_young)
-    .mem$gc_due <- TRUE
-  }
-  .mem$gc_after_young <- FALSE
-  invisible(NULL)
-}
-
-# At a region's entry, after the names the region assigns were unbound.
-region_collect <- function() {
-  full <- isTRUE(.mem$gc_full_due)
-  .mem$gc_due <- .mem$gc_full_due <- FALSE
-  gc(full = full)
-  .mem$gc_after_young <- !full
-  .mem$collections <- .mem$collections + 1L
-  .mem$base <- NA_real_
   invisible(NULL)
 }
 

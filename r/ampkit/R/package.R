@@ -157,7 +157,7 @@ py_ready <- function() {
                  "scaler_update", "zero_grad", "call_method", "retry_call", "is_method",
                  "policy", "load_scaler_state", "check_autocast", "trace_rows", "plain",
                  "call_warn", "open_regions", "memory_allocated", "cuda_total_memory",
-                 "set_memory_reader", "collect_garbage", "held_by_r", "live_tensor_count",
+                 "set_memory_reader", "collect_garbage", "live_tensor_count",
                  "is_out_of_memory", "policy_names", "scaler_int_state_keys")) {
     assign(name, bridge[[name]], envir = .h)
   }
