@@ -44,6 +44,8 @@ import torch
 import ampkit
 
 __all__ = [
+    "ScalerCalls",
+    "bound_zero_grad",
     "call_method",
     "check_autocast",
     "clear_policy_cache",
@@ -171,6 +173,32 @@ def scaler_update(scaler, new_scale=None) -> float:
     """``scaler.update(new_scale)``; returns the CUDA memory allocated."""
     retry_call(scaler.update, new_scale)
     return float(_memory_reader[0]())
+
+
+class ScalerCalls:
+    """A scaler's per-step calls, bound once: R passes no scaler on the hot path.
+
+    reticulate 1.28 converts every Python object an R call passes through R's
+    ``r_to_py()`` dispatch (about 30 us an argument on a small CPU), so the calls a
+    loop makes each step take as few object arguments as they can.
+    """
+
+    def __init__(self, scaler):
+        self.scaler = scaler
+
+    def scale_backward(self, loss, *args, **kwargs) -> None:
+        scale_backward(self.scaler, loss, *args, **kwargs)
+
+    def step(self, optimizer, *args, **kwargs):
+        return scaler_step(self.scaler, optimizer, *args, **kwargs)
+
+    def update(self, new_scale=None) -> float:
+        return scaler_update(self.scaler, new_scale)
+
+
+def bound_zero_grad(opt) -> Callable[..., float]:
+    """``opt.zero_grad`` bound once (see ``ScalerCalls``); returns the CUDA memory reading."""
+    return lambda *args, **kwargs: zero_grad(opt, *args, **kwargs)
 
 
 def call_method(obj, name: str, *args, **kwargs):

@@ -63,10 +63,11 @@ def test_seed_step_through_the_bridge_equals_the_plain_step():
                 out = net(x)
                 loss = torch.nn.functional.mse_loss(out, y)
                 r_bridge.exit_autocast(token)
-                r_bridge.scale_backward(scaler, loss)
-                r_bridge.scaler_step(scaler, opt)
-                r_bridge.scaler_update(scaler)
-                r_bridge.zero_grad(opt)
+                calls = r_bridge.ScalerCalls(scaler)
+                calls.scale_backward(loss)
+                calls.step(opt)
+                assert calls.update() == r_bridge.memory_allocated()  # the CUDA reading
+                r_bridge.bound_zero_grad(opt)()
             else:
                 with ampkit.autocast("cpu"):
                     out = net(x)

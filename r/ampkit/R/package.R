@@ -153,12 +153,12 @@ py_ready <- function() {
   # Bound once: each call of the hot path is then one crossing, without `$` lookups.
   # Results are converted (None -> NULL, floats -> numbers: no wrapper for R to
   # collect); tensors stay Python objects.
-  for (name in c("enter_autocast", "exit_autocast", "scale_backward", "scaler_step",
-                 "scaler_update", "zero_grad", "call_method", "retry_call", "is_method",
+  for (name in c("enter_autocast", "exit_autocast", "call_method", "retry_call", "is_method",
                  "policy", "load_scaler_state", "check_autocast", "trace_rows", "plain",
                  "call_warn", "open_regions", "memory_allocated", "cuda_total_memory",
                  "set_memory_reader", "collect_garbage", "live_tensor_count",
-                 "is_out_of_memory", "policy_names", "scaler_int_state_keys")) {
+                 "is_out_of_memory", "policy_names", "scaler_int_state_keys", "ScalerCalls",
+                 "bound_zero_grad")) {
     assign(name, bridge[[name]], envir = .h)
   }
   # An out-of-memory error in Python runs R's gc() before the retry.

@@ -123,16 +123,19 @@ GradScalerR6 <- R6::R6Class("ampkit_grad_scaler",
     initialize = function(py) {
       self$py <- py
       f <- private$f
-      # `update` is not among them: $update() goes through .h$scaler_update,
+      # `update` is not among them: $update() goes through ScalerCalls.update,
       # which also reads the CUDA memory for the garbage watch.
       for (name in c("scale", "step", "unscale_", "get_scale",
                      "is_enabled", "state_dict", "load_state_dict", "stats")) {
         f[[name]] <- py[[name]]
       }
       private$f <- f
+      # The per-step calls, bound to this scaler in Python (r_bridge.ScalerCalls).
+      calls <- .h$ScalerCalls(py)
+      private$hot <- list(scale_backward = calls$scale_backward, step = calls$step, update = calls$update)
     },
     scale = function(x) {
-      if (inherits(x, "torch.Tensor")) return(scaled_loss(self$py, x))
+      if (inherits(x, "torch.Tensor")) return(scaled_loss(self$py, x, private$hot$scale_backward))
       if (!is_tensor_list(x)) {
         abort(sprintf("`$scale()` takes a torch tensor (the loss) or a list of tensors, not %s.", describe(x)),
               class = "ampkit_bad_argument")
@@ -144,13 +147,13 @@ GradScalerR6 <- R6::R6Class("ampkit_grad_scaler",
         abort(sprintf("`$step()` takes a torch optimizer (from optim_sgd(), optim_adam(), ...), not %s.",
                       describe(optimizer)), class = "ampkit_bad_argument")
       }
-      invisible(py_try(.h$scaler_step(self$py, optimizer, ...), "$step()"))
+      invisible(py_try(private$hot$step(optimizer, ...), "$step()"))
     },
     update = function(new_scale = NULL) {
       if (!is.null(new_scale) && !inherits(new_scale, "torch.Tensor")) {
         new_scale <- as_py_num(new_scale, "new_scale")
       }
-      watch_memory(py_try(.h$scaler_update(self$py, new_scale), "$update()"))
+      watch_memory(py_try(private$hot$update(new_scale), "$update()"))
     },
     unscale_ = function(optimizer) {
       invisible(py_try(private$f$unscale_(optimizer), "$unscale_()"))
@@ -182,13 +185,13 @@ GradScalerR6 <- R6::R6Class("ampkit_grad_scaler",
         }, ""))
     }
   ),
-  private = list(f = list())
+  private = list(f = list(), hot = list())
 )
 
 # `scaler$scale(loss)`: the scaler and the loss, scaled when used. `$backward()`
 # is one Python call (scale_backward); anything else makes the scaled tensor.
-scaled_loss <- function(scaler, loss) {
-  structure(list(scaler = scaler, loss = loss), class = "ampkit_scaled_loss")
+scaled_loss <- function(scaler, loss, backward) {
+  structure(list(scaler = scaler, loss = loss, backward = backward), class = "ampkit_scaled_loss")
 }
 
 scaled_tensor <- function(x) {
@@ -198,10 +201,10 @@ scaled_tensor <- function(x) {
 #' @export
 `$.ampkit_scaled_loss` <- function(x, name) {
   if (identical(name, "backward")) {
-    scaler <- .subset2(x, "scaler")
     loss <- .subset2(x, "loss")
+    backward <- .subset2(x, "backward")
     return(function(...) {
-      py_try(.h$scale_backward(scaler, loss, ...), "$scale(loss)$backward()")
+      py_try(backward(loss, ...), "$scale(loss)$backward()")
       invisible(NULL)
     })
   }

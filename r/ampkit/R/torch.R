@@ -244,9 +244,14 @@ adam_like <- function(class, context, params, lr, betas, eps, weight_decay, amsg
 `$.torch.optim.optimizer.Optimizer` <- function(x, name) {
   if (identical(name, "zero_grad")) {
     if (is.null(.h$ready)) py_ready()
-    return(function(...) {
-      watch_memory(py_try(.h$zero_grad(x, ...), "$zero_grad()"))
-    })
+    # Bound in Python once per optimizer and kept in the optimizer's own R object
+    # (an environment): no optimizer argument to convert each step.
+    zero <- get0(".ampkit_zero_grad", envir = x, inherits = FALSE)
+    if (is.null(zero)) {
+      zero <- .h$bound_zero_grad(x)
+      assign(".ampkit_zero_grad", zero, envir = x)
+    }
+    return(function(...) watch_memory(py_try(zero(...), "$zero_grad()")))
   }
   if (is_py_method(x, name)) {
     function(...) py_try(.h$call_method(x, name, ...), paste0("$", name, "()"))
