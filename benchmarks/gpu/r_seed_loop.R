@@ -58,7 +58,7 @@ def py_run(autocast, scale, data, targets, in_size, out_size, num_layers, epochs
             opt.zero_grad()
     return loss.item()
 ")
-py <- reticulate::py_run_string("", convert = FALSE)  # __main__
+py <- reticulate::import_main()
 
 if (mode == "seed") {
   batch_size <- sizes[[1]]; in_size <- sizes[[2]]; out_size <- sizes[[3]]
@@ -117,7 +117,7 @@ if (mode == "seed") {
      ampkit_python_warning = function(w) invokeRestart("muffleWarning"))
   raw <- do.call(rbind, res)
   write.csv(raw, file.path(out_dir, "seed_loop_raw.csv"), row.names = FALSE)
-  med <- aggregate(cbind(seconds, peak_mib) ~ variant + lang, raw, median)
+  med <- aggregate(cbind(seconds, peak_mib) ~ variant + lang, raw, median, na.action = na.pass)
   tab <- reshape(med, idvar = "variant", timevar = "lang", direction = "wide")
   tab$r_over_python <- round(tab$seconds.R / tab$seconds.python, 3)
   tab$r_mem_over_python <- round(tab$peak_mib.R / tab$peak_mib.python, 3)
@@ -177,7 +177,7 @@ def py_fits(batch, profile, device, steps):
       model <- b$new_model()
       opt <- b$new_optimizer(model)
       loss_fn <- b$loss_fn
-      batches <- reticulate::py_to_r(b$batches)
+      batches <- b$batches  # a list of (inputs, targets)
       scaler <- amp_grad_scaler(device)
       for (s in seq_len(steps)) {
         xy <- batches[[(s - 1L) %% length(batches) + 1L]]
