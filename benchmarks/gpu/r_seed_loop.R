@@ -31,72 +31,16 @@ card <- if (cuda) torch$cuda$get_device_name(0L) else "cpu"
 say <- function(...) { cat(sprintf(...), "\n", sep = ""); flush.console() }
 say("device: %s; torch %s; mode %s", card, torch$`__version__`, mode)
 
-reticulate::py_run_string("
-import time, torch, ampkit
-
-def make_model(in_size, out_size, num_layers, device):
-    layers = []
-    for i in range(num_layers - 1):
-        layers += [torch.nn.Linear(in_size, in_size), torch.nn.ReLU()]
-    layers += [torch.nn.Linear(in_size, out_size)]
-    return torch.nn.Sequential(*layers).to(device)
-
-# The seed's run() in Python: the same calls as the R code below.
-def py_run(autocast, scale, data, targets, in_size, out_size, num_layers, epochs, device):
-    loss_fn = torch.nn.MSELoss().to(device)
-    net = make_model(in_size, out_size, num_layers, device)
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    scaler = ampkit.GradScaler(device, enabled=scale)
-    for epoch in range(epochs):
-        for i in range(len(data)):
-            with ampkit.autocast(device, enabled=autocast):
-                output = net(data[i])
-                loss = loss_fn(output, targets[i])
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad()
-    return loss.item()
-")
 py <- reticulate::import_main()
 
 if (mode == "seed") {
-  batch_size <- sizes[[1]]; in_size <- sizes[[2]]; out_size <- sizes[[3]]
-  num_layers <- sizes[[4]]; num_batches <- sizes[[5]]; epochs <- sizes[[6]]
-  torch_manual_seed(1)
-  data <- lapply(1:num_batches, function(x) torch_randn(batch_size, in_size, device = device))
-  targets <- lapply(1:num_batches, function(x) torch_randn(batch_size, out_size, device = device))
-  make_model <- function(in_size, out_size, num_layers) {
-    layers <- list()
-    for (i in seq_len(num_layers - 1)) {
-      layers <- c(layers, list(nn_linear(in_size, in_size), nn_relu()))
-    }
-    layers <- c(layers, list(nn_linear(in_size, out_size)))
-    nn_sequential(!!!layers)$cuda()
-  }
-  # The seed's run() as written (its device strings are the script's device).
-  run <- function(autocast, scale) {
-    loss_fn <- nn_mse_loss()$cuda()
-    net <- make_model(in_size, out_size, num_layers)
-    opt <- optim_sgd(net$parameters, lr = 0.1)
-    scaler <- amp_grad_scaler(device, enabled = scale)
-    for (epoch in seq_len(epochs)) {
-      for (i in seq_along(data)) {
-        with_autocast(enabled = autocast, device_type = device, {
-          output <- net(data[[i]])
-          loss <- loss_fn(output, targets[[i]])
-        })
-        scaler$scale(loss)$backward()
-        scaler$step(opt)
-        scaler$update()
-        opt$zero_grad()
-      }
-    }
-    loss$item()
-  }
-  py_run <- function(autocast, scale) {
-    py$py_run(autocast, scale, data, targets, in_size, out_size, num_layers, as.integer(epochs), device)
-  }
+  # The seed's run() as written (r/ampkit/bench/seed_loop.R: the fixture's code with
+  # its sizes and device strings set) and its Python twin on the same data.
+  source(file.path(Sys.getenv("AMPKIT_REPO", "."), "r", "ampkit", "bench", "seed_loop.R"))
+  seed <- seed_loop(device, c(batch_size = sizes[[1]], in_size = sizes[[2]], out_size = sizes[[3]],
+                              num_layers = sizes[[4]], num_batches = sizes[[5]], epochs = sizes[[6]]))
+  run <- seed$run
+  py_run <- seed$py_run
   timed <- function(f, autocast, scale) {
     clean(); peak_reset(); sync()
     t <- system.time({ f(autocast, scale); sync() })

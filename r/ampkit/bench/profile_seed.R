@@ -1,7 +1,8 @@
 # Where the time of the seed's AMP loop goes when it is driven from R: R's
 # sampling profiler (Rprof) and Python's cProfile over the same steps, in the
 # same run, then the R loop against its Python twin (same process, same
-# model sizes, medians after a warm-up).
+# model sizes, medians after a warm-up). The loop is the seed's run() as
+# written (bench/seed_loop.R), on the CPU, at small sizes.
 #
 #   RETICULATE_PYTHON=<repo>/.venv/bin/python R_LIBS=<repo>/.rlib OMP_NUM_THREADS=1 \
 #     Rscript r/ampkit/bench/profile_seed.R <out-dir> [steps=400] [repeats=5]
@@ -23,79 +24,17 @@ torch <- reticulate::import("torch")
 torch$set_num_threads(1L)
 options(warn = -1)
 
-batch_size <- 8; in_size <- 16; out_size <- 16; num_layers <- 3; num_batches <- 10
-torch_manual_seed(1)
-data <- lapply(1:num_batches, function(x) torch_randn(batch_size, in_size, device = "cpu"))
-targets <- lapply(1:num_batches, function(x) torch_randn(batch_size, out_size, device = "cpu"))
-
-make_model <- function(in_size, out_size, num_layers) {
-  layers <- list()
-  for (i in seq_len(num_layers - 1)) {
-    layers <- c(layers, list(nn_linear(in_size, in_size), nn_relu()))
-  }
-  layers <- c(layers, list(nn_linear(in_size, out_size)))
-  nn_sequential(!!!layers)$cuda()
+source(file.path(Sys.getenv("AMPKIT_REPO", "."), "r", "ampkit", "bench", "seed_loop.R"))
+# The seed's run() as written, on the CPU, steps = num_batches x epochs.
+seed_at <- function(steps) {
+  seed_loop("cpu", c(batch_size = 8, in_size = 16, out_size = 16, num_layers = 3, num_batches = 10,
+                     epochs = max(1, steps %/% 10)))
 }
-
-# The seed's run() as written (device strings "cpu"), with a step count.
-run <- function(autocast, scale, steps) {
-  loss_fn <- nn_mse_loss()$cuda()
-  net <- make_model(in_size, out_size, num_layers)
-  opt <- optim_sgd(net$parameters, lr = 0.1)
-  scaler <- amp_grad_scaler("cpu", enabled = scale)
-  n <- 0L
-  while (n < steps) {
-    for (i in seq_along(data)) {
-      with_autocast(enabled = autocast, device_type = "cpu", {
-        output <- net(data[[i]])
-        loss <- loss_fn(output, targets[[i]])
-      })
-      scaler$scale(loss)$backward()
-      scaler$step(opt)
-      scaler$update()
-      opt$zero_grad()
-      n <- n + 1L
-      if (n >= steps) break
-    }
-  }
-  loss$item()
-}
-
-reticulate::py_run_string("
-import time, torch, ampkit
-
-def make_model(in_size, out_size, num_layers):
-    layers = []
-    for i in range(num_layers - 1):
-        layers += [torch.nn.Linear(in_size, in_size), torch.nn.ReLU()]
-    layers += [torch.nn.Linear(in_size, out_size)]
-    return torch.nn.Sequential(*layers)
-
-def py_run(autocast, scale, steps, data, targets, in_size, out_size, num_layers):
-    loss_fn = torch.nn.MSELoss()
-    net = make_model(in_size, out_size, num_layers)
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    scaler = ampkit.GradScaler('cpu', enabled=scale)
-    n = 0
-    while n < steps:
-        for i in range(len(data)):
-            with ampkit.autocast('cpu', enabled=autocast):
-                output = net(data[i])
-                loss = loss_fn(output, targets[i])
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad()
-            n += 1
-            if n >= steps:
-                break
-    return loss.item()
-")
-py_run <- reticulate::py_eval("py_run")
-py_side <- function(autocast, scale, steps) {
-  py_run(autocast, scale, as.integer(steps), data, targets, as.integer(in_size),
-         as.integer(out_size), as.integer(num_layers))
-}
+seeds <- list(warm = seed_at(50), timed = seed_at(steps))
+batch_size <- 8; in_size <- 16; num_layers <- 3
+steps <- seeds$timed$steps
+run <- function(autocast, scale, n) (if (n <= 50) seeds$warm else seeds$timed)$run(autocast, scale)
+py_side <- function(autocast, scale, n) (if (n <= 50) seeds$warm else seeds$timed)$py_run(autocast, scale)
 
 # ---- profiles: the R-driven loop, autocast + scaler, both profilers at once
 run(TRUE, TRUE, 50L)  # warm-up

@@ -2,7 +2,8 @@
 # scaler$step(opt), scaler$update()): same results as the loop in Python, no tensors of
 # earlier steps kept alive, out-of-memory errors retried once, mlverse's argument order.
 
-r_seed_loop <- function(steps, autocast = TRUE, scale = TRUE, seed = 11) {
+# `each(step)` runs after every step (for counting).
+r_seed_loop <- function(steps, autocast = TRUE, scale = TRUE, seed = 11, each = NULL) {
   torch_manual_seed(seed)
   xs <- lapply(1:4, function(i) torch_randn(8, 16))
   ys <- lapply(1:4, function(i) torch_randn(8, 4))
@@ -22,6 +23,7 @@ r_seed_loop <- function(steps, autocast = TRUE, scale = TRUE, seed = 11) {
     scaler$update()
     opt$zero_grad()
     losses[[s]] <- loss$item()
+    if (!is.null(each)) each(s)
   }
   list(losses = losses, scale = scaler$get_scale(), net = net)
 }
@@ -79,26 +81,9 @@ test_that("a step of the R loop leaves no tensors of earlier steps alive", {
   withr::defer(bridge$set_memory_reader(NULL))
   run <- function(steps, threshold_mb) {
     withr::local_options(ampkit.gc_threshold_mb = threshold_mb)
-    torch_manual_seed(2)
-    x <- torch_randn(8, 16)
-    y <- torch_randn(8, 4)
-    net <- nn_sequential(nn_linear(16, 32), nn_relu(), nn_linear(32, 4))
-    loss_fn <- nn_mse_loss()
-    opt <- optim_sgd(net$parameters, lr = 0.05)
-    scaler <- amp_grad_scaler("cpu", init_scale = 2^10)
     amp_gc()
     live <- integer(steps)
-    for (s in seq_len(steps)) {
-      with_autocast(device_type = "cpu", {
-        output <- net(x)
-        loss <- loss_fn(output, y)
-      })
-      scaler$scale(loss)$backward()
-      scaler$step(opt)
-      scaler$update()
-      opt$zero_grad()
-      live[[s]] <- count()
-    }
+    r_seed_loop(steps, each = function(s) live[[s]] <<- count())
     live
   }
   # With the watch collecting on any growth (both thresholds 0: R's young collections
