@@ -445,6 +445,11 @@ class GradScaler:
         return self._scale
 
     @property
+    def device(self) -> str:
+        """The device type the scaler was made for: ``"cuda"`` or ``"cpu"`` (read-only)."""
+        return self._device
+
+    @property
     def hysteresis(self) -> int:
         return self._hysteresis
 

@@ -11,9 +11,19 @@
 #' R condition of class `ampkit_error`. Regions nest; `enabled = FALSE` runs a
 #' region with autocast off (inside an enabled one, too).
 #'
+#' The arguments follow mlverse torch: `with_autocast(code, ..., device_type,
+#' dtype, enabled, cache_enabled)` and `local_autocast(device_type, dtype,
+#' enabled, cache_enabled, ...)`, so `local_autocast("cpu", torch_bfloat16())`
+#' takes the dtype second. `with_autocast()` also takes `local_autocast()`'s
+#' order with the code last: `with_autocast("cpu", torch_bfloat16(), {...})`.
+#'
 #' @param code Code to run in the region. It is evaluated in the calling
-#'   frame, so assignments made in it persist after the call.
-#' @param ... Must be empty; the options after it are named.
+#'   frame, so assignments made in it persist after the call. If it evaluates
+#'   to a function (`code = function() net(x)`), the function is called with no
+#'   arguments in the region and `with_autocast()` returns its value.
+#' @param ... For `with_autocast()`: empty, or in the positional form the
+#'   dtype, `enabled`, `cache_enabled` and then the code. For
+#'   `local_autocast()`: must be empty.
 #' @param device_type `"cuda"` or `"cpu"`.
 #' @param dtype The lower-precision dtype of the region: `"float16"`,
 #'   `"bfloat16"` or a torch dtype (such as `torch_float16()` of R torch's
@@ -40,8 +50,12 @@
 #'   })
 #'   y$dtype # torch.bfloat16: `y` was assigned in this frame
 #'
+#'   with_autocast("cpu", torch_bfloat16(), {
+#'     z <- net(x)
+#'   })
+#'
 #'   f <- function() {
-#'     local_autocast("cpu", dtype = "bfloat16")
+#'     local_autocast("cpu", torch_bfloat16())
 #'     net(x)$dtype
 #'   }
 #'   f()
@@ -49,21 +63,67 @@
 #' }
 with_autocast <- function(code, ..., device_type, dtype = NULL, enabled = TRUE,
                           cache_enabled = NULL, policy = NULL) {
-  if (...length()) {
-    check_dots_empty_(..., .hint = "Did you write with_autocast(\"cuda\", ...) instead of with_autocast(device_type = \"cuda\", ...)?")
+  env <- parent.frame()
+  expr <- substitute(code)
+  if (missing(device_type)) {
+    if (!...length() || !(is.character(expr) || is.symbol(expr))) {
+      abort("`device_type` is missing: give \"cuda\" or \"cpu\", e.g. with_autocast(device_type = \"cuda\", {...}) or with_autocast(\"cuda\", torch_float16(), {...}).",
+            class = "ampkit_bad_device")
+    }
+    # local_autocast()'s order with the code last: with_autocast("cpu", torch_bfloat16(), {...})
+    return(with_autocast_positional(code, ..., env = env))
   }
+  if (...length()) {
+    check_dots_empty_(..., .hint = "Did you write with_autocast(\"cuda\", code) instead of with_autocast(device_type = \"cuda\", code) or with_autocast(\"cuda\", dtype, code)?")
+  }
+  run_region(expr, env, device_type, dtype, enabled, cache_enabled, policy)
+}
+
+# with_autocast(device_type, [dtype, [enabled, [cache_enabled,]]] code): the
+# last unnamed argument is the code; the others take local_autocast()'s order.
+with_autocast_positional <- function(device_type, ..., env) {
+  dots <- as.list(substitute(list(...)))[-1]
+  nms <- names(dots) %||% rep("", length(dots))
+  unnamed <- which(!nzchar(nms))
+  if (!length(unnamed)) {
+    abort("with_autocast() has no code to run: give it as the last argument, e.g. with_autocast(\"cpu\", torch_bfloat16(), {...}).",
+          class = "ampkit_bad_argument", call = sys.call(-1))
+  }
+  code_at <- unnamed[[length(unnamed)]]
+  slots <- c("dtype", "enabled", "cache_enabled")
+  args <- list(dtype = NULL, enabled = TRUE, cache_enabled = NULL, policy = NULL)
+  pos <- setdiff(unnamed, code_at)
+  if (length(pos) > length(slots)) {
+    abort(sprintf("with_autocast(): too many unnamed arguments (%d); the order is device_type, dtype, enabled, cache_enabled, then the code.",
+                  length(unnamed) + 1L), class = "ampkit_bad_argument", call = sys.call(-1))
+  }
+  for (k in seq_along(pos)) args[[slots[[k]]]] <- eval(dots[[pos[[k]]]], env)
+  for (k in which(nzchar(nms))) {
+    if (!nms[[k]] %in% names(args)) {
+      abort(sprintf("with_autocast(): unknown argument `%s`; valid: %s.", nms[[k]],
+                    paste(c("device_type", names(args)), collapse = ", ")),
+            class = "ampkit_bad_argument", call = sys.call(-1))
+    }
+    args[nms[[k]]] <- list(eval(dots[[k]], env))
+  }
+  run_region(dots[[code_at]], env, device_type, args$dtype, args$enabled, args$cache_enabled, args$policy)
+}
+
+# Enter, evaluate `expr` in `env`, leave (also after an error).
+run_region <- function(expr, env, device_type, dtype, enabled, cache_enabled, policy) {
   region <- enter_autocast(device_type, dtype, enabled, cache_enabled, policy)
   on.exit(.h$exit_autocast(region), add = TRUE)
-  py_try(code, REGION_CONTEXT)
+  value <- py_try(eval(expr, env), REGION_CONTEXT)
+  if (is.function(value)) value <- py_try(value(), REGION_CONTEXT)
+  value
 }
 
 #' @rdname with_autocast
 #' @export
-local_autocast <- function(device_type, ..., dtype = NULL, enabled = TRUE,
-                           cache_enabled = NULL, policy = NULL,
-                           .env = parent.frame()) {
+local_autocast <- function(device_type, dtype = NULL, enabled = TRUE, cache_enabled = NULL, ...,
+                           policy = NULL, .env = parent.frame()) {
   if (...length()) {
-    check_dots_empty_(..., .hint = "Name the options after `device_type`, e.g. local_autocast(\"cuda\", dtype = \"float16\").")
+    check_dots_empty_(..., .hint = "The order is local_autocast(device_type, dtype, enabled, cache_enabled); name `policy` and `.env`.")
   }
   region <- enter_autocast(device_type, dtype, enabled, cache_enabled, policy)
   withr::defer(.h$exit_autocast(region), envir = .env)
@@ -100,7 +160,7 @@ get_autocast_dtype <- function(device_type) {
 # Checks in R first, then one Python call that builds and enters the region.
 enter_autocast <- function(device_type, dtype, enabled, cache_enabled, policy) {
   if (missing(device_type)) {
-    abort("`device_type` is missing: give \"cuda\" or \"cpu\" by name, e.g. with_autocast(device_type = \"cuda\", {...}).",
+    abort("`device_type` is missing: give \"cuda\" or \"cpu\", e.g. local_autocast(\"cuda\").",
           class = "ampkit_bad_device", call = sys.call(-1))
   }
   device_type <- as_device_type(device_type)
@@ -109,8 +169,7 @@ enter_autocast <- function(device_type, dtype, enabled, cache_enabled, policy) {
   if (!isTRUE(enabled)) enabled <- as_py_bool(enabled, "enabled")
   if (!is.null(cache_enabled)) cache_enabled <- as_py_bool(cache_enabled, "cache_enabled")
   if (!is.null(policy)) policy <- as_py_policy(policy)
-  py_try(.h$enter_autocast(device_type, dtype, enabled, cache_enabled, policy),
-         "with_autocast()")
+  py_try(.h$enter_autocast(device_type, dtype, enabled, cache_enabled, policy), "with_autocast()")
 }
 
 # The context of a Python exception raised by the code of a region (or of amp_trace()).

@@ -25,8 +25,6 @@ py_error_condition <- function(e, context = NULL, call = NULL) {
   msg <- trimws(sub("\\n *Detailed traceback:.*$", "", full))
   # "pkg.module.TypeName: text" -> "TypeName: text"
   msg <- paste0(type, ": ", sub(paste0("^[A-Za-z0-9_.]*", type, ": "), "", msg))
-  # A CUDA out-of-memory error: free what R garbage holds first (memory.R).
-  if (is_oom(type)) msg <- paste(c(msg, oom_note()), collapse = "\n")
   ampkit_condition(
     paste0(if (!is.null(context)) paste0(context, ": "), "Python raised ", msg),
     class = c(paste0("ampkit_py_", type), "ampkit_python_error"),
@@ -38,18 +36,39 @@ py_error_condition <- function(e, context = NULL, call = NULL) {
 # R errors pass through untouched.
 py_try <- function(expr, context = NULL) {
   withCallingHandlers(expr, error = function(e) {
-    if (is_py_error(e)) stop(py_error_condition(e, context))
+    if (is_py_error(e)) {
+      cond <- py_error_condition(e, context)
+      if (is_oom(cond$py_type)) stop(oom_condition(cond, context))
+      stop(cond)
+    }
   })
 }
 
-# For calls not wrapped in py_try() (tensor and optimizer methods): only a
-# CUDA out-of-memory error becomes an ampkit_error (after collecting R's
-# garbage); other errors pass as they are.
-py_oom_error <- function(e) {
-  if (!is_py_error(e)) return()
-  err <- tryCatch(reticulate::py_last_error(), error = function(e) NULL)
-  if (!is.null(err) && !is.null(err$type) && is_oom(err$type)) stop(py_error_condition(e))
+# An out-of-memory exception (torch.OutOfMemoryError, torch.cuda.OutOfMemoryError):
+# the Python bridge says which type names are.
+is_oom <- function(type) {
+  !is.null(type) && isTRUE(tryCatch(.h$is_out_of_memory(type),
+                                    error = function(e) grepl("OutOfMemoryError$", type)))
 }
+
+# The bridge's calls retry once after an out-of-memory error (r_bridge.retry_call,
+# which runs R's gc() through the collector set in py_ready()); the message of
+# the second error says so.
+oom_retried <- function(cond) grepl("[ampkit: out of memory again", cond$py_message %||% "", fixed = TRUE)
+
+oom_condition <- function(cond, context) {
+  retried <- oom_retried(cond)
+  freed <- if (retried) NULL else free_memory()
+  msg <- sprintf("%s: out of memory%s. %s Free memory (drop tensors you keep, use a smaller batch) or lower options(ampkit.gc_threshold_mb).\n%s",
+                 context %||% "ampkit", if (retried) " twice" else "",
+                 if (retried) "ampkit collected garbage (R's gc(), Python's gc, torch.cuda.empty_cache()) and retried the call once."
+                 else sprintf("ampkit collected garbage (%.0f MiB freed); the call was not retried: R code ran in it.", freed),
+                 cond$message)
+  ampkit_condition(msg, class = c("ampkit_out_of_memory", setdiff(class(cond), c("ampkit_error", "error", "condition"))),
+                   py_type = cond$py_type, py_message = cond$py_message, parent = cond)
+}
+
+`%||%` <- function(a, b) if (is.null(a)) b else a
 
 # Call a Python function; its Python warnings become R warnings of class
 # ampkit_python_warning (used where warnings matter, off the hot path).

@@ -18,9 +18,10 @@ describe <- function(x) {
   else paste0("an object of class <", class(x)[[1]], ">")
 }
 
-as_py_int <- function(x, arg = deparse(substitute(x))) {
-  if (!is.numeric(x) || length(x) != 1 || is.na(x) || !is.finite(x) || x != round(x)) {
-    abort(sprintf("`%s` must be a whole number, not %s.", arg, describe(x)),
+as_py_int <- function(x, arg = deparse(substitute(x)), min = -Inf) {
+  if (!is.numeric(x) || length(x) != 1 || is.na(x) || !is.finite(x) || x != round(x) || x < min) {
+    abort(sprintf("`%s` must be a whole number%s, not %s.", arg,
+                  if (is.finite(min)) sprintf(" >= %d", as.integer(min)) else "", describe(x)),
           class = "ampkit_bad_argument")
   }
   as.integer(x)
@@ -92,9 +93,18 @@ as_py_dtype <- function(x, arg = "dtype", null_ok = TRUE) {
 
 # Tensor sizes: R numbers -> a Python list of ints.
 as_py_size <- function(dims, arg = "size") {
-  dims <- unlist(dims, use.names = FALSE)
+  dims <- unlist(lapply(dims, function(d) if (is.numeric(d)) as.list(d) else list(d)), recursive = FALSE)
   if (!length(dims)) return(list())
-  as.list(vapply(seq_along(dims), function(i) as_py_int(dims[[i]], arg), integer(1)))
+  lapply(dims, function(d) as_py_int(d, arg, min = 0))
+}
+
+# One of `choices` (a string).
+as_choice <- function(x, choices, arg = deparse(substitute(x))) {
+  if (!is.character(x) || length(x) != 1 || is.na(x) || !(x %in% choices)) {
+    abort(sprintf("`%s` must be one of %s, not %s.", arg, fmt(choices), describe(x)),
+          class = "ampkit_bad_argument", call = sys.call(-1))
+  }
+  x
 }
 
 # Parameters for an optimizer: `net$parameters` (an R list of tensors), a
@@ -107,33 +117,39 @@ as_py_params <- function(params) {
       abort("`params` is empty: the optimizer has nothing to update.",
             class = "ampkit_bad_argument")
     }
+    ok <- vapply(params, function(p) inherits(p, "torch.Tensor") || is.list(p), logical(1))
+    if (!all(ok)) {
+      abort(sprintf("`params` must be tensors (net$parameters); element %d is %s.",
+                    which(!ok)[[1]], describe(params[[which(!ok)[[1]]]])), class = "ampkit_bad_argument")
+    }
+  } else if (!inherits(params, "python.builtin.object")) {
+    abort(sprintf("`params` must be the parameters to optimize (net$parameters), not %s. The order is optim_sgd(params, lr, ...).",
+                  describe(params)), class = "ampkit_bad_argument")
   }
   params
 }
 
-# A cast policy: NULL, a name or path, an amp_policy() object or a Python Policy.
+# A cast policy: NULL, a name or path, an amp_policy() object or a Python
+# Policy. Names and paths go to Python as they are: the bridge loads them (and
+# keeps shipped ones), so R repeats none of the core's rules about them.
 as_py_policy <- function(x, arg = "policy") {
   if (is.null(x)) return(NULL)
   if (inherits(x, "ampkit_policy")) return(x$py)
-  if (is.character(x) && length(x) == 1 && !is.na(x)) {
-    if (!is_policy_name(x)) return(amp_policy(x)$py)  # a path: the file may change
-    # A shipped name: loaded once (amp_policy() took ~230 us a region, the
-    # cached object ~54). Only loads that succeed are kept, so a bad name
-    # raises its condition every time.
-    key <- paste0("policy:", x)
-    py <- .h[[key]]
-    if (is.null(py)) py <- .h[[key]] <- amp_policy(x)$py
-    return(py)
-  }
-  if (inherits(x, "python.builtin.object")) return(x)
+  if (is.character(x) && length(x) == 1 && !is.na(x) && nzchar(x)) return(x)
+  if (inherits(x, "python.builtin.object") && any(grepl("(^|[.])Policy$", class(x)))) return(x)
   abort(sprintf("`%s` must be a policy name, a path to a policy YAML file or an amp_policy() object, not %s.",
                 arg, describe(x)), class = "ampkit_bad_argument")
 }
 
-# A shipped policy's name rather than a path: the Python core's rule
-# (load_policy: no directory separator, no .yaml/.yml ending).
-is_policy_name <- function(x) {
-  !grepl("[/\\\\]", x) && !grepl("\\.ya?ml$", x)
+# The Python Policy for `x` (as_py_policy()), loaded now: for constructors that
+# check their arguments before they return.
+load_py_policy <- function(x, context) {
+  x <- as_py_policy(x)
+  if (is.character(x)) {
+    if (is.null(.h$ready)) py_ready()
+    x <- py_try(.h$policy(x), context)
+  }
+  x
 }
 
 # A character vector of op names per category, for Policy.with_ops().
@@ -164,13 +180,10 @@ is_tensor_list <- function(x) {
     all(vapply(x, function(t) inherits(t, "torch.Tensor"), logical(1)))
 }
 
-# A scaler state from `$state_dict()` goes back as it came (Python ints came
-# as R integers). Counters written by hand as R doubles become ints.
-SCALER_INT_KEYS <- c("growth_interval", "_growth_tracker", "hysteresis", "_hysteresis_left",
-                     "_steps", "_skipped", "_last_skipped")
-as_py_state <- function(state) {
-  for (k in intersect(names(state), SCALER_INT_KEYS)) {
-    if (is.double(state[[k]])) state[[k]] <- as_py_int(state[[k]], k)
+check_class <- function(x, class, arg, what) {
+  if (!inherits(x, class)) {
+    abort(sprintf("`%s` must be %s, not %s.", arg, what, describe(x)),
+          class = "ampkit_bad_argument", call = sys.call(-2))
   }
-  state
+  invisible(x)
 }

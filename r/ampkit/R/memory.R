@@ -49,14 +49,19 @@
 #'     memory, read once; 8192 where it cannot be read).}
 #' }
 #'
-#' A CUDA out-of-memory error raised by a Python call that ampkit wraps (a
-#' call in a [with_autocast()] region, a tensor or optimizer method such as
-#' `loss$backward()`, a scaler method, an [amp_train_step()] step) also
-#' collects R's garbage before the error reaches you, so that running the
-#' step again finds that memory free. The call is not retried: forward,
-#' backward and optimizer steps change state (running statistics,
-#' gradients, parameters) before they fail. A module called directly outside
-#' a region (`net(x)`) is reticulate's own call and is not watched.
+#' Out of memory: an out-of-memory error (`torch.OutOfMemoryError`) raised by
+#' a Python call that ampkit makes (entering a region, tensor and optimizer
+#' methods such as `loss$backward()`, the scaler's `$scale(loss)$backward()`,
+#' `$step()`, `$update()`, an [amp_train_step()] step) runs R's `gc()`,
+#' Python's `gc.collect()` and `torch.cuda.empty_cache()`, then the call once
+#' more (as mlverse torch retries an allocation after `gc()`). A second
+#' out-of-memory error raises a condition of class
+#' `c("ampkit_out_of_memory", "ampkit_py_OutOfMemoryError",
+#' "ampkit_python_error", "ampkit_error", "error", "condition")`. A call that
+#' changed state before it ran out of memory (a backward pass that freed its
+#' graph) fails again on the retry, with that condition. An out-of-memory
+#' error in R code of a region (`net(x)` is reticulate's own call) collects
+#' the same way and raises that condition without a retry.
 #'
 #' On the CPU (or before CUDA is used) the memory reading is 0 and nothing is
 #' collected. `amp_gc()` collects now.
@@ -74,6 +79,8 @@
 #'   options(old)
 #' }
 amp_gc <- function() {
+  gc_threshold_bytes()
+  gc_threshold_bytes("ampkit.gc_full_threshold_mb", 8192)
   py_ready()
   before <- memory_allocated()
   after <- collect_memory(before, full = TRUE, automatic = FALSE)
@@ -106,12 +113,6 @@ watch_memory <- function(bytes) {
   invisible(NULL)
 }
 
-# A young-generation gc() (about a millisecond) frees what the loop dropped
-# since the last collection, except the output that was still live at that
-# collection: R promoted it to an older generation, which only a full gc()
-# (tens of milliseconds) frees. So a full one runs when those leftovers have
-# grown past `ampkit.gc_full_threshold_mb` since the last full one (one
-# output a collection: rarely). Returns the reading afterwards.
 collect_memory <- function(bytes, full = FALSE, automatic = TRUE) {
   after <- bytes
   if (!full) {
@@ -139,15 +140,13 @@ full_threshold_default_mb <- function() {
   .mem$full_default_mb
 }
 
-# After a CUDA out-of-memory error from Python: collect, and say so.
-is_oom <- function(type) grepl("OutOfMemoryError$", type)
-
-oom_note <- function() {
-  res <- tryCatch({
-    before <- memory_allocated()
-    after <- collect_memory(before, full = TRUE)
-    sprintf("ampkit ran R's gc() after this error, which freed %.0f MiB of CUDA memory held by R objects; the call was not retried (it may have changed state): run the step again, or lower options(ampkit.gc_threshold_mb).",
-            (before - after) / 2^20)
-  }, error = function(e) NULL)
-  res
+# After an out-of-memory error: R's full gc() (the tensors R dropped), then
+# Python's gc and torch's cache. Returns the MiB of CUDA memory freed.
+free_memory <- function() {
+  before <- tryCatch(memory_allocated(), error = function(e) 0)
+  gc(full = TRUE)
+  after <- tryCatch(.h$collect_garbage(), error = function(e) before)
+  .mem$base <- after
+  .mem$floor <- after
+  (before - after) / 2^20
 }

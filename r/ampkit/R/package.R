@@ -7,9 +7,9 @@
 #' [optim_sgd()], ...) so that AMP code written for the R torch package runs
 #' as written.
 #'
-#' Python is found by reticulate (set `RETICULATE_PYTHON` to the project's
-#' virtual environment, as `make setup` and `make test` do) and is started on
-#' first use, not when the package loads.
+#' Python is found by reticulate: `RETICULATE_PYTHON` if set (as `make setup`
+#' and `make test` do), else the virtual environment that [install_ampkit()]
+#' made. It is started on first use, not when the package loads.
 #'
 #' @keywords internal
 #' @importFrom R6 R6Class
@@ -29,6 +29,7 @@ py_torch <- NULL
     stop(ampkit_condition(missing_python_message(conditionMessage(e)),
                           class = "ampkit_python_missing"))
   }
+  use_ampkit_env()
   lazy <- list(before_load = python_startup, on_error = on_error)
   py_ampkit <<- reticulate::import("ampkit", delay_load = lazy)
   py_torch <<- reticulate::import("torch", delay_load = lazy)
@@ -90,9 +91,9 @@ missing_python_message <- function(detail = NULL) {
   }, error = function(e) paste("Python could not be started:", conditionMessage(e)))
   paste0(
     "ampkit needs Python with `torch` and the `ampkit` Python package, but ", what, ".\n",
-    "Run `make setup` in the ampkit repository, then point reticulate at its ",
-    "virtual environment: Sys.setenv(RETICULATE_PYTHON = \"<repo>/.venv/bin/python\") ",
-    "before the first use of ampkit.",
+    "Run ampkit::install_ampkit(\"<path of the ampkit repository or wheel>\") and restart R ",
+    "(or, in the repository, `make setup` and Sys.setenv(RETICULATE_PYTHON = \"<repo>/.venv/bin/python\") ",
+    "before the first use of ampkit).",
     if (!is.null(detail) && nzchar(detail)) paste0("\nCause: ", detail)
   )
 }
@@ -146,128 +147,32 @@ py_ready <- function() {
   if (!ok) {
     stop(ampkit_condition(missing_python_message(), class = "ampkit_python_missing"))
   }
-  helpers <- tryCatch({
-    m <- reticulate::import("types")$ModuleType("_ampkit_r")
-    reticulate::import_builtins()$exec(r_helpers_py, reticulate::py_get_attr(m, "__dict__"))
-    m
-  }, error = function(e) {
+  bridge <- tryCatch(reticulate::import("ampkit.r_bridge"), error = function(e) {
     stop(ampkit_condition(missing_python_message(conditionMessage(e)), class = "ampkit_python_missing"))
   })
-  for (name in c("enter_autocast", "exit_autocast", "trace_rows", "plain", "call_warn",
-                 "open_regions", "is_method", "call_method", "zero_grad", "scaler_update",
-                 "memory_allocated", "cuda_total_memory", "set_memory_reader")) {
-    assign(name, helpers[[name]], envir = .h)
+  # Bound once: each call of the hot path is then one crossing, without `$` lookups.
+  # Results are converted (None -> NULL, floats -> numbers: no wrapper for R to
+  # collect); tensors stay Python objects.
+  for (name in c("enter_autocast", "exit_autocast", "call_method", "retry_call", "is_method",
+                 "policy", "load_scaler_state", "check_autocast", "trace_rows", "plain",
+                 "call_warn", "open_regions", "memory_allocated", "cuda_total_memory",
+                 "set_memory_reader", "collect_garbage", "live_tensor_count",
+                 "is_out_of_memory", "policy_names", "scaler_int_state_keys", "ScalerCalls",
+                 "bound_zero_grad")) {
+    assign(name, bridge[[name]], envir = .h)
   }
+  # An out-of-memory error in Python runs R's gc() before the retry.
+  py_reset_collector()
   .h$named_parameters <- reticulate::py_eval("lambda m: dict(m.named_parameters())")
   .h$cuda_is_available <- py_torch$cuda$is_available
   .h$ready <- TRUE
   invisible(TRUE)
 }
 
-# One Python call to enter a region and one to leave it (instead of
-# constructor + `__enter__` + `__exit__` looked up from R each time). The
-# open context managers stay in Python, keyed by an int: an int crosses
-# reticulate about 50 us cheaper than an object, both ways.
-r_helpers_py <- "
-import ampkit as _ampkit
-
-_open = {}
-_last = [0]
-
-def enter_autocast(device_type, dtype=None, enabled=True, cache_enabled=None, policy=None):
-    cm = _ampkit.autocast(device_type, dtype, enabled, cache_enabled, policy=policy)
-    cm.__enter__()
-    _last[0] += 1
-    _open[_last[0]] = cm
-    return _last[0]
-
-def exit_autocast(token):
-    _open.pop(token).__exit__(None, None, None)
-
-def open_regions():
-    return len(_open)
-
-import dataclasses as _dc
-import torch as _torch
-
-def _plain(v):
-    if isinstance(v, _torch.dtype):
-        return str(v).replace('torch.', '')
-    if v is None or isinstance(v, (str, int, float, bool)):
-        return v
-    if isinstance(v, (tuple, list)):
-        return ', '.join(str(_plain(x)) for x in v)
-    return str(v)
-
-import inspect as _inspect
-import warnings as _warnings
-
-def call_warn(fn, *args, **kwargs):
-    with _warnings.catch_warnings(record=True) as caught:
-        _warnings.simplefilter('always')
-        out = fn(*args, **kwargs)
-    return [out, [str(w.message) for w in caught]]
-
-def is_method(obj, name):
-    return _inspect.isroutine(getattr(type(obj), name, None)) and name not in getattr(obj, '__dict__', ())
-
-def call_method(obj, name, *args, **kwargs):
-    return getattr(obj, name)(*args, **kwargs)
-
-# CUDA memory allocated by tensors, returned by the calls a loop makes once a
-# step (memory.R): the nested stats skip torch.cuda.memory_allocated()'s
-# flatten and sort. 0 before CUDA is used. Tests replace memory_reader[0].
-# A float: reticulate 1.28 wraps a Python int past 2^31 into a negative R integer.
-def _cuda_allocated():
-    if not _torch.cuda.is_initialized():
-        return 0
-    stats = getattr(_torch._C, '_cuda_memoryStats', None)
-    if stats is None:
-        return _torch.cuda.memory_allocated()
-    return stats(_torch.cuda.current_device())['allocated_bytes']['all']['current']
-
-memory_reader = [_cuda_allocated]
-
-def set_memory_reader(fn=None):
-    memory_reader[0] = _cuda_allocated if fn is None else fn
-
-def memory_allocated():
-    return float(memory_reader[0]())
-
-# The current CUDA device's memory in bytes (a float), 0.0 without CUDA.
-def cuda_total_memory():
-    if not _torch.cuda.is_available():
-        return 0.0
-    return float(_torch.cuda.get_device_properties(_torch.cuda.current_device()).total_memory)
-
-def zero_grad(opt, *args, **kwargs):
-    opt.zero_grad(*args, **kwargs)
-    return float(memory_reader[0]())
-
-def scaler_update(scaler, new_scale=None):
-    scaler.update(new_scale)
-    return float(memory_reader[0]())
-
-def plain(obj):
-    if _dc.is_dataclass(obj):
-        obj = {f.name: getattr(obj, f.name) for f in _dc.fields(obj)}
-    if isinstance(obj, dict):
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in obj.items()}
-    return obj
-
-def trace_rows(tr):
-    recs = getattr(tr, 'records', tr)
-    recs = recs() if callable(recs) else recs
-    rows = []
-    for r in recs:
-        if _dc.is_dataclass(r):
-            d = {f.name: getattr(r, f.name) for f in _dc.fields(r)}
-        elif hasattr(r, '_asdict'):
-            d = r._asdict()
-        elif isinstance(r, dict):
-            d = r
-        else:
-            d = vars(r)
-        rows.append({k: _plain(v) for k, v in d.items()})
-    return rows
-"
+# R's collector for the bridge's out-of-memory retry (r_bridge.retry_call).
+py_reset_collector <- function() {
+  reticulate::import("ampkit.r_bridge")$set_r_collector(function() {
+    gc(full = TRUE)
+    invisible(NULL)
+  })
+}

@@ -13,8 +13,13 @@
 #'
 #' The returned object has these methods:
 #' \describe{
-#'   \item{`$scale(x)`}{`x` times the scale: returns the Python tensor, so
-#'     `scaler$scale(loss)$backward()` chains.}
+#'   \item{`$scale(x)`}{`x` times the scale. For a tensor it returns a scaled
+#'     loss of class `ampkit_scaled_loss` whose `$backward()` scales and
+#'     runs the backward pass in one call to Python, so that
+#'     `scaler$scale(loss)$backward()` leaves no scaled tensor behind in R;
+#'     any other use (`$item()`, `$dtype`, passing it to a Python function,
+#'     printing) makes the scaled tensor. For a list of tensors it returns the
+#'     list of scaled tensors.}
 #'   \item{`$step(optimizer)`}{Unscales the gradients (unless `$unscale_()`
 #'     did) and steps the optimizer unless they hold `Inf`/`NaN`.}
 #'   \item{`$update(new_scale = NULL)`}{Updates the scale after a step;
@@ -32,7 +37,10 @@
 #'   \item{`$py`}{The Python `GradScaler`.}
 #' }
 #' Misuse (a non-tensor to `$scale()`, `$step()` twice without `$update()`)
-#' raises an R condition of class `ampkit_error`. A scaler for `"cuda"` on a
+#' raises an R condition of class `ampkit_error`. An out-of-memory error in
+#' `$scale(loss)$backward()`, `$step()` or `$update()` collects garbage and
+#' runs the call once more (see [amp_gc()]); a second one raises a condition of
+#' class `ampkit_out_of_memory`. A scaler for `"cuda"` on a
 #' machine without CUDA is disabled by the core, with a warning of class
 #' `ampkit_python_warning`.
 #'
@@ -115,17 +123,21 @@ GradScalerR6 <- R6::R6Class("ampkit_grad_scaler",
     initialize = function(py) {
       self$py <- py
       f <- private$f
-      # `update` is not among them: $update() goes through .h$scaler_update,
+      # `update` is not among them: $update() goes through ScalerCalls.update,
       # which also reads the CUDA memory for the garbage watch.
       for (name in c("scale", "step", "unscale_", "get_scale",
                      "is_enabled", "state_dict", "load_state_dict", "stats")) {
         f[[name]] <- py[[name]]
       }
       private$f <- f
+      # The per-step calls, bound to this scaler in Python (r_bridge.ScalerCalls).
+      calls <- .h$ScalerCalls(py)
+      private$hot <- list(scale_backward = calls$scale_backward, step = calls$step, update = calls$update)
     },
     scale = function(x) {
-      if (!inherits(x, "torch.Tensor") && !is_tensor_list(x)) {
-        abort(sprintf("`$scale()` takes a torch tensor (the loss), not %s.", describe(x)),
+      if (inherits(x, "torch.Tensor")) return(scaled_loss(self$py, x, private$hot$scale_backward))
+      if (!is_tensor_list(x)) {
+        abort(sprintf("`$scale()` takes a torch tensor (the loss) or a list of tensors, not %s.", describe(x)),
               class = "ampkit_bad_argument")
       }
       py_try(private$f$scale(x), "$scale()")
@@ -135,13 +147,13 @@ GradScalerR6 <- R6::R6Class("ampkit_grad_scaler",
         abort(sprintf("`$step()` takes a torch optimizer (from optim_sgd(), optim_adam(), ...), not %s.",
                       describe(optimizer)), class = "ampkit_bad_argument")
       }
-      invisible(py_try(private$f$step(optimizer, ...), "$step()"))
+      invisible(py_try(private$hot$step(optimizer, ...), "$step()"))
     },
     update = function(new_scale = NULL) {
       if (!is.null(new_scale) && !inherits(new_scale, "torch.Tensor")) {
         new_scale <- as_py_num(new_scale, "new_scale")
       }
-      watch_memory(py_try(.h$scaler_update(self$py, new_scale), "$update()"))
+      watch_memory(py_try(private$hot$update(new_scale), "$update()"))
     },
     unscale_ = function(optimizer) {
       invisible(py_try(private$f$unscale_(optimizer), "$unscale_()"))
@@ -154,7 +166,7 @@ GradScalerR6 <- R6::R6Class("ampkit_grad_scaler",
         abort(sprintf("`state` must be a list from `$state_dict()`, not %s.", describe(state)),
               class = "ampkit_bad_argument")
       }
-      invisible(py_try(private$f$load_state_dict(as_py_state(state)), "$load_state_dict()"))
+      invisible(py_try(.h$load_scaler_state(self$py, state), "$load_state_dict()"))
     },
     stats = function() .h$plain(py_try(private$f$stats(), "$stats()")),
     print = function(...) {
@@ -173,5 +185,38 @@ GradScalerR6 <- R6::R6Class("ampkit_grad_scaler",
         }, ""))
     }
   ),
-  private = list(f = list())
+  private = list(f = list(), hot = list())
 )
+
+# `scaler$scale(loss)`: the scaler and the loss, scaled when used. `$backward()`
+# is one Python call (scale_backward); anything else makes the scaled tensor.
+scaled_loss <- function(scaler, loss, backward) {
+  structure(list(scaler = scaler, loss = loss, backward = backward), class = "ampkit_scaled_loss")
+}
+
+scaled_tensor <- function(x) {
+  py_try(.subset2(x, "scaler")$scale(.subset2(x, "loss")), "$scale()")
+}
+
+#' @export
+`$.ampkit_scaled_loss` <- function(x, name) {
+  if (identical(name, "backward")) {
+    loss <- .subset2(x, "loss")
+    backward <- .subset2(x, "backward")
+    return(function(...) {
+      py_try(backward(loss, ...), "$scale(loss)$backward()")
+      invisible(NULL)
+    })
+  }
+  t <- scaled_tensor(x)
+  `$`(t, name)
+}
+
+#' @export
+print.ampkit_scaled_loss <- function(x, ...) {
+  print(scaled_tensor(x))
+  invisible(x)
+}
+
+#' @exportS3Method reticulate::r_to_py
+r_to_py.ampkit_scaled_loss <- function(x, convert = FALSE) scaled_tensor(x)

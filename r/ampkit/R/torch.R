@@ -17,9 +17,10 @@
 #' collects the object holding it. `opt$zero_grad()`, which a training loop
 #' calls once a step, also reads the CUDA memory allocated in the same Python
 #' call, and R's garbage is collected when it has grown past the option
-#' `ampkit.gc_threshold_mb` (1024 MiB by default); see [amp_gc()]. A CUDA
-#' out-of-memory error from a tensor or optimizer method collects R's garbage
-#' before it is raised (as an `ampkit_error`).
+#' `ampkit.gc_threshold_mb` (1024 MiB by default); see [amp_gc()]. An
+#' out-of-memory error from a tensor or optimizer method (`loss$backward()`,
+#' `opt$step()`) collects garbage and runs the call once more; a second one
+#' raises a condition of class `ampkit_out_of_memory`.
 #'
 #' On a machine without CUDA, a module's `$cuda()` leaves the module on the
 #' CPU with a warning of class `ampkit_cuda_unavailable`, so that a
@@ -98,6 +99,9 @@ torch_float32 <- function() torch_dtype("float32")
 
 torch_dtype <- function(name) as_py_dtype(name)
 
+# The reductions of torch's losses.
+REDUCTIONS <- c("mean", "sum", "none")
+
 #' @rdname torch_layer
 #' @export
 cuda_is_available <- function() {
@@ -109,7 +113,8 @@ cuda_is_available <- function() {
 #' @export
 nn_linear <- function(in_features, out_features, bias = TRUE) {
   py_ready()
-  py_torch$nn$Linear(as_py_int(in_features), as_py_int(out_features), bias = as_py_bool(bias))
+  py_torch$nn$Linear(as_py_int(in_features, min = 1), as_py_int(out_features, min = 1),
+                     bias = as_py_bool(bias))
 }
 
 #' @rdname torch_layer
@@ -138,6 +143,7 @@ nn_sequential <- function(...) {
 #' @rdname torch_layer
 #' @export
 nn_mse_loss <- function(reduction = "mean") {
+  reduction <- as_choice(reduction, REDUCTIONS)
   py_ready()
   py_torch$nn$MSELoss(reduction = reduction)
 }
@@ -146,10 +152,20 @@ nn_mse_loss <- function(reduction = "mean") {
 #' @export
 nn_cross_entropy_loss <- function(weight = NULL, ignore_index = -100, reduction = "mean",
                                   label_smoothing = 0) {
+  reduction <- as_choice(reduction, REDUCTIONS)
+  if (!is.null(weight) && !inherits(weight, "torch.Tensor")) {
+    abort(sprintf("`weight` must be NULL or a tensor of class weights, not %s.", describe(weight)),
+          class = "ampkit_bad_argument")
+  }
+  label_smoothing <- as_py_num(label_smoothing)
+  if (label_smoothing < 0 || label_smoothing > 1) {
+    abort(sprintf("`label_smoothing` must be in [0, 1], not %s.", describe(label_smoothing)),
+          class = "ampkit_bad_argument")
+  }
+  ignore_index <- as_py_int(ignore_index)
   py_ready()
-  py_torch$nn$CrossEntropyLoss(weight = weight, ignore_index = as_py_int(ignore_index),
-                               reduction = reduction,
-                               label_smoothing = as_py_num(label_smoothing))
+  py_torch$nn$CrossEntropyLoss(weight = weight, ignore_index = ignore_index,
+                               reduction = reduction, label_smoothing = label_smoothing)
 }
 
 #' @rdname torch_layer
@@ -216,7 +232,7 @@ adam_like <- function(class, context, params, lr, betas, eps, weight_decay, amsg
 #' @export
 `$.torch.Tensor` <- function(x, name) {
   if (is_py_method(x, name)) {
-    function(...) withCallingHandlers(.h$call_method(x, name, ...), error = py_oom_error)
+    function(...) py_try(.h$call_method(x, name, ...), paste0("$", name, "()"))
   } else {
     NextMethod()
   }
@@ -228,12 +244,17 @@ adam_like <- function(class, context, params, lr, betas, eps, weight_decay, amsg
 `$.torch.optim.optimizer.Optimizer` <- function(x, name) {
   if (identical(name, "zero_grad")) {
     if (is.null(.h$ready)) py_ready()
-    return(function(...) {
-      watch_memory(withCallingHandlers(.h$zero_grad(x, ...), error = py_oom_error))
-    })
+    # Bound in Python once per optimizer and kept in the optimizer's own R object
+    # (an environment): no optimizer argument to convert each step.
+    zero <- get0(".ampkit_zero_grad", envir = x, inherits = FALSE)
+    if (is.null(zero)) {
+      zero <- .h$bound_zero_grad(x)
+      assign(".ampkit_zero_grad", zero, envir = x)
+    }
+    return(function(...) watch_memory(py_try(zero(...), "$zero_grad()")))
   }
   if (is_py_method(x, name)) {
-    function(...) withCallingHandlers(.h$call_method(x, name, ...), error = py_oom_error)
+    function(...) py_try(.h$call_method(x, name, ...), paste0("$", name, "()"))
   } else {
     NextMethod()
   }

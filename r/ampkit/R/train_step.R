@@ -7,9 +7,14 @@
 #' and returns the loss tensor. On CUDA the core captures the step in a CUDA
 #' graph where that is exact; elsewhere it runs eagerly.
 #'
+#' The arguments are checked when the step is made: a bad `dtype`, `enabled`
+#' or `policy` raises here (the core builds the region once), not at the
+#' first step.
+#'
 #' R holds only the returned loss, so the step leaves no large tensors to R's
-#' garbage collector; a CUDA out-of-memory error in a step collects R's
-#' garbage (from other code) before it is raised (see [amp_gc()]).
+#' garbage collector; an out-of-memory error in a step collects garbage and
+#' runs the step once more (see [amp_gc()]); a second one raises a condition
+#' of class `ampkit_out_of_memory`.
 #'
 #' @param model A torch module, called as `model(inputs)`.
 #' @param loss_fn A loss module or function, called as `loss_fn(output, targets)`.
@@ -44,11 +49,21 @@ amp_train_step <- function(model, loss_fn, optimizer, ..., scaler = NULL,
   if (...length()) {
     check_dots_empty_(..., .hint = "Name the options after `optimizer`, e.g. amp_train_step(model, loss_fn, optimizer, device_type = \"cuda\").")
   }
+  check_class(model, "torch.nn.modules.module.Module", "model", "a torch module (nn_linear(), nn_sequential(), ...)")
+  if (!is.function(loss_fn) && !inherits(loss_fn, "python.builtin.object")) {
+    abort(sprintf("`loss_fn` must be a loss module or function, such as nn_mse_loss(), not %s.", describe(loss_fn)),
+          class = "ampkit_bad_argument")
+  }
+  check_class(optimizer, "torch.optim.optimizer.Optimizer", "optimizer", "a torch optimizer (optim_sgd(), optim_adam(), ...)")
+  if (!is.null(scaler) && !inherits(scaler, "ampkit_grad_scaler")) {
+    abort(sprintf("`scaler` must be NULL or an amp_grad_scaler(), not %s.", describe(scaler)),
+          class = "ampkit_bad_argument")
+  }
   # NULL entries are left out: the core fills in device_type (from the parameters) and dtype.
   autocast <- list(device_type = if (!is.null(device_type)) as_device_type(device_type),
                    dtype = as_py_dtype(dtype), enabled = as_py_bool(enabled),
                    cache_enabled = as_py_bool(cache_enabled, null_ok = TRUE),
-                   policy = as_py_policy(policy))
+                   policy = load_py_policy(policy, "amp_train_step()"))
   autocast <- autocast[!vapply(autocast, is.null, logical(1))]
   if (inherits(scaler, "ampkit_grad_scaler")) scaler <- scaler$py
   if (!(identical(capture, "auto") || isTRUE(capture) || isFALSE(capture))) {
@@ -56,16 +71,18 @@ amp_train_step <- function(model, loss_fn, optimizer, ..., scaler = NULL,
           class = "ampkit_bad_argument")
   }
   warmup <- as_py_int(warmup)
-  py_ready()
-  if (!reticulate::py_has_attr(py_ampkit, "make_train_step")) {
-    abort("This version of the ampkit Python package has no make_train_step(); update it (`make setup`).",
-          class = "ampkit_python_missing")
+  if (warmup < 0L) {
+    abort(sprintf("`warmup` must be a whole number >= 0, not %s.", describe(warmup)), class = "ampkit_bad_argument")
   }
+  py_ready()
+  # The region is built (and dropped) now, so that a bad dtype or policy fails here.
+  py_try(do.call(.h$check_autocast, c(list(model), autocast)), "amp_train_step()")
   py <- py_try(py_ampkit$make_train_step(model, loss_fn, optimizer, scaler = scaler,
                                          autocast = autocast, capture = capture,
                                          warmup = warmup), "amp_train_step()")
   call <- py[["__call__"]]
-  step <- function(inputs, targets) py_try(call(inputs, targets), "amp_train_step")
+  retry <- .h$retry_call
+  step <- function(inputs, targets) py_try(retry(call, inputs, targets), "amp_train_step")
   structure(step, class = c("ampkit_train_step", "function"), py = py)
 }
 

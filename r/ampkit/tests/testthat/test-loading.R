@@ -12,7 +12,30 @@ test_that("the package loads without Python and says what is missing on first us
   expect_true("ampkit_python_missing" %in% out)
   expect_true("ampkit_error" %in% out)
   expect_true(any(grepl("make setup", out)))
+  expect_true(any(grepl("ampkit::install_ampkit(", out, fixed = TRUE)))
   expect_true(any(grepl("RETICULATE_PYTHON=/nonexistent/bin/python does not exist", out, fixed = TRUE)))
+})
+
+test_that("without RETICULATE_PYTHON the package uses the environment install_ampkit() makes", {
+  skip_if_no_ampkit()
+  root <- withr::local_tempdir()
+  venv <- file.path(root, "r-ampkit")
+  # A bare environment: loading picks it (and starts no Python); the first use runs it.
+  made <- system2(reticulate::py_exe(), c("-m", "venv", "--copies", "--without-pip", shQuote(venv)), stdout = TRUE, stderr = TRUE)
+  skip_if_not(file.exists(file.path(venv, "bin", "python")), paste("no venv:", paste(made, collapse = " ")))
+  script <- paste(
+    "Sys.unsetenv('RETICULATE_PYTHON')",
+    "library(ampkit)",
+    "stopifnot(!reticulate::py_available())",  # loading started no Python
+    "invisible(ampkit_available())",
+    "cat('python:', reticulate::py_config()$python, '\n')",
+    sep = "; ")
+  env <- c(paste0("R_LIBS=", paste(.libPaths(), collapse = .Platform$path.sep)),
+           paste0("WORKON_HOME=", root))
+  out <- suppressWarnings(system2(file.path(R.home("bin"), "Rscript"), c("-e", shQuote(script)),
+                                  env = env, stdout = TRUE, stderr = TRUE))
+  expect_true(any(grepl(paste("python:", file.path(venv, "bin", "python")), out, fixed = TRUE)),
+              info = paste(out, collapse = "\n"))
 })
 
 test_that("ampkit_config() names the Python and the versions in use", {

@@ -142,7 +142,8 @@ def oom(x):
   oom <- sim$oom
   err <- expect_error(with_autocast(device_type = "cpu", oom(x)),
                       class = "ampkit_py_OutOfMemoryError")
-  expect_match(conditionMessage(err), "ran R's gc\\(\\).*not retried")
+  expect_s3_class(err, "ampkit_out_of_memory")
+  expect_match(conditionMessage(err), "collected garbage.*not retried: R code ran in it")
   expect_equal(reticulate::py_to_r(sim$live)$n, 0)
   expect_false(is_autocast_enabled("cpu"))
 })

@@ -55,8 +55,7 @@ test_that("a region given a shipped policy's name loads it once; a path is read 
   reticulate::py_set_attr(ak, "load_policy", counting)
   withr::defer(reticulate::py_set_attr(ak, "load_policy", original))
   n_calls <- function() reticulate::py_len(calls)
-  h <- ampkit:::.h
-  if (exists("policy:torch_default", envir = h, inherits = FALSE)) rm("policy:torch_default", envir = h)
+  reticulate::import("ampkit.r_bridge")$clear_policy_cache()
 
   net <- nn_linear(4, 2)
   x <- torch_randn(3, 4)

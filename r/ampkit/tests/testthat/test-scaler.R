@@ -154,7 +154,7 @@ test_that("cuda_amp_grad_scaler() is amp_grad_scaler(device = 'cuda')", {
     expect_warning(s <- cuda_amp_grad_scaler(init_scale = 2^8), "CUDA is not available",
                    class = "ampkit_python_warning")
   }
-  expect_equal(s$py$`_device`, "cuda")
+  expect_equal(s$py$device, "cuda")
   expect_equal(s$is_enabled(), cuda_is_available())
 })
 
@@ -168,7 +168,7 @@ test_that("cuda_amp_grad_scaler() takes amp_grad_scaler()'s arguments and defaul
   a <- quiet(cuda_amp_grad_scaler(2^9, 3, growth_interval = 7, hysteresis = 2))
   b <- quiet(amp_grad_scaler("cuda", 2^9, 3, growth_interval = 7, hysteresis = 2))
   expect_identical(a$state_dict(), b$state_dict())
-  expect_equal(a$py$`_growth_factor`, 3)
+  expect_equal(a$py$get_growth_factor(), 3)
   err <- expect_error(cuda_amp_grad_scaler(device = "cpu"), class = "ampkit_bad_argument")
   expect_match(conditionMessage(err), "amp_grad_scaler(device = ...)", fixed = TRUE)
   expect_error(cuda_amp_grad_scaler(growth_intervall = 5), class = "ampkit_bad_argument")

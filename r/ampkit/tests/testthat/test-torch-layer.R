@@ -16,7 +16,7 @@ test_that("modules are R functions and net$parameters is a named list of tensors
   expect_true(torch$equal(net(x), ctrl(x)))
   # other fields and methods are reticulate's
   expect_true(net$training)
-  expect_equal(length(net$`_modules`), 3)
+  expect_equal(length(reticulate::iterate(net$children())), 3)
 })
 
 test_that("nn_sequential() takes modules, spliced lists and names", {

@@ -62,7 +62,19 @@ test_that("amp_train_step() passes the region's arguments when the device comes 
   on <- losses(function(net, opt) amp_train_step(net, nn_mse_loss(), opt, capture = FALSE))
   expect_identical(off, off_cpu)
   expect_false(identical(off, on))  # (bfloat16 by default on the cpu: other losses)
-  step <- amp_train_step(nn_linear(2, 1), nn_mse_loss(), optim_sgd(nn_linear(2, 1)$parameters, lr = 0.1),
-                         dtype = "float16", capture = FALSE)
-  expect_identical(reticulate::py_str(attr(step, "py")$`_autocast`$dtype), "torch.float16")
+  # dtype = "float16": the step's first loss is the float16 region's loss on the same model
+  torch_manual_seed(5)
+  x <- torch_randn(4, 2)
+  y <- torch_randn(4, 1)
+  first_loss <- function(dtype) {
+    torch_manual_seed(6)
+    net <- nn_linear(2, 1)
+    amp_train_step(net, nn_mse_loss(), optim_sgd(net$parameters, lr = 0.1), dtype = dtype,
+                   capture = FALSE)(x, y)$item()
+  }
+  torch_manual_seed(6)
+  net <- nn_linear(2, 1)
+  in_fp16 <- with_autocast(device_type = "cpu", dtype = "float16", nn_mse_loss()(net(x), y))$item()
+  expect_identical(first_loss("float16"), in_fp16)
+  expect_false(identical(first_loss("bfloat16"), in_fp16))
 })

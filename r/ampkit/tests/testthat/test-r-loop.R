@@ -1,0 +1,197 @@
+# The seed's AMP loop written in R (with_autocast() blocks, scaler$scale(loss)$backward(),
+# scaler$step(opt), scaler$update()): same results as the loop in Python, no tensors of
+# earlier steps kept alive, out-of-memory errors retried once, mlverse's argument order.
+
+# `each(step)` runs after every step (for counting).
+r_seed_loop <- function(steps, autocast = TRUE, scale = TRUE, seed = 11, each = NULL) {
+  torch_manual_seed(seed)
+  xs <- lapply(1:4, function(i) torch_randn(8, 16))
+  ys <- lapply(1:4, function(i) torch_randn(8, 4))
+  net <- nn_sequential(nn_linear(16, 32), nn_relu(), nn_linear(32, 4))
+  loss_fn <- nn_mse_loss()
+  opt <- optim_sgd(net$parameters, lr = 0.05)
+  scaler <- amp_grad_scaler("cpu", init_scale = 2^10, growth_interval = 3, enabled = scale)
+  losses <- numeric(steps)
+  for (s in seq_len(steps)) {
+    i <- (s - 1L) %% 4L + 1L
+    with_autocast(device_type = "cpu", enabled = autocast, {
+      output <- net(xs[[i]])
+      loss <- loss_fn(output, ys[[i]])
+    })
+    scaler$scale(loss)$backward()
+    scaler$step(opt)
+    scaler$update()
+    opt$zero_grad()
+    losses[[s]] <- loss$item()
+    if (!is.null(each)) each(s)
+  }
+  list(losses = losses, scale = scaler$get_scale(), net = net)
+}
+
+py_seed_loop <- "
+import torch, ampkit
+def loop(steps, autocast, scale, seed=11):
+    torch.manual_seed(seed)
+    xs = [torch.randn(8, 16) for _ in range(4)]
+    ys = [torch.randn(8, 4) for _ in range(4)]
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    loss_fn = torch.nn.MSELoss()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    scaler = ampkit.GradScaler('cpu', init_scale=2.0**10, growth_interval=3, enabled=scale)
+    losses = []
+    for s in range(steps):
+        i = s % 4
+        with ampkit.autocast('cpu', enabled=autocast):
+            output = net(xs[i])
+            loss = loss_fn(output, ys[i])
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, scaler.get_scale(), [p.detach().clone() for p in net.parameters()]
+"
+
+test_that("the R seed loop gives Python's losses, scale and parameters, bit for bit", {
+  skip_if_no_ampkit()
+  ns <- py_golden(paste0(py_seed_loop, "\nres = {(a, s): loop(10, a, s) for a in (False, True) for s in (False, True)}\n"))
+  gold <- reticulate::py_eval(paste0("(lambda: (exec(", deparse(py_seed_loop), ", g := {}), g['loop'])[1])()"),
+                              convert = FALSE)
+  for (v in list(c(FALSE, FALSE), c(TRUE, FALSE), c(TRUE, TRUE))) {
+    r <- r_seed_loop(10, autocast = v[1], scale = v[2])
+    py <- reticulate::py_call(gold, 10L, v[1], v[2])
+    py_losses <- reticulate::py_to_r(py[0L])
+    expect_identical(r$losses, unlist(py_losses))
+    expect_identical(r$scale, reticulate::py_to_r(py[1L]))
+    params <- unname(r$net$parameters)
+    for (k in seq_along(params)) {
+      expect_true(pt()$equal(params[[k]], py[2L][k - 1L]))
+    }
+  }
+  # autocast changes the numbers, so the comparison is not vacuous
+  expect_false(identical(r_seed_loop(3, FALSE, FALSE)$losses, r_seed_loop(3, TRUE, FALSE)$losses))
+})
+
+test_that("a step of the R loop leaves no tensors of earlier steps alive", {
+  skip_if_no_ampkit()
+  bridge <- reticulate::import("ampkit.r_bridge")
+  count <- bridge$live_tensor_count
+  # The CUDA reading of the garbage watch, simulated on the CPU: 1 MiB per live tensor.
+  bridge$set_memory_reader(reticulate::py_eval("lambda f: (lambda: f() * 2**20)")(bridge$live_tensor_count))
+  withr::defer(bridge$set_memory_reader(NULL))
+  run <- function(steps, threshold_mb) {
+    withr::local_options(ampkit.gc_threshold_mb = threshold_mb)
+    amp_gc()
+    live <- integer(steps)
+    r_seed_loop(steps, each = function(s) live[[s]] <<- count())
+    live
+  }
+  # With the watch collecting on any growth (both thresholds 0: R's young collections
+  # alone do not free outputs that one of R's own collections promoted while they were
+  # live), the number of live tensors stays flat over 20 steps.
+  withr::local_options(ampkit.gc_full_threshold_mb = 0)
+  on <- run(20, 0)
+  expect_lte(max(on[3:20]) - min(on[3:20]), 2)
+  # Control: with the watch off, the outputs of the steps pile up until R collects.
+  off <- run(20, Inf)
+  expect_gt(max(off), max(on) + 10)
+})
+
+oom_py <- "
+import torch
+calls = {'n': 0}
+def flaky(times):
+    def f(*args, **kwargs):
+        calls['n'] += 1
+        if calls['n'] <= times:
+            raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB (simulated)')
+        return 42.0
+    return f
+collected = {'n': 0}
+"
+
+test_that("an out-of-memory error collects garbage and retries the call once", {
+  skip_if_no_ampkit()
+  ns <- reticulate::py_dict(list(), list(), convert = FALSE)
+  reticulate::import_builtins(convert = FALSE)$exec(oom_py, ns)
+  bridge <- reticulate::import("ampkit.r_bridge")
+  # R's collector, as the package sets it, counting its calls
+  r_collections <- 0L
+  bridge$set_r_collector(function() {
+    r_collections <<- r_collections + 1L
+    gc(full = TRUE)
+    invisible(NULL)
+  })
+  withr::defer(ampkit:::py_reset_collector())
+
+  # A tensor method that runs out of memory once succeeds after one collection.
+  t <- torch_randn(3)
+  flaky <- reticulate::py_call(ns[["flaky"]], 1L)
+  reticulate::py_set_attr(pt()$Tensor, "ampkit_test_flaky", reticulate::py_eval("lambda f: (lambda self: f())")(flaky))
+  withr::defer(reticulate::py_del_attr(pt()$Tensor, "ampkit_test_flaky"))
+  expect_equal(t$ampkit_test_flaky(), 42)
+  expect_equal(reticulate::py_to_r(ns[["calls"]])$n, 2)  # failed, then retried
+  expect_equal(r_collections, 1L)
+
+  # Out of memory twice: one retry, then a condition of class ampkit_out_of_memory.
+  reticulate::py_set_item(ns[["calls"]], "n", 0L)
+  reticulate::py_set_attr(pt()$Tensor, "ampkit_test_flaky",
+                          reticulate::py_eval("lambda f: (lambda self: f())")(reticulate::py_call(ns[["flaky"]], 5L)))
+  err <- expect_error(t$ampkit_test_flaky(), class = "ampkit_out_of_memory")
+  expect_s3_class(err, "ampkit_error")
+  expect_s3_class(err, "ampkit_py_OutOfMemoryError")
+  expect_equal(reticulate::py_to_r(ns[["calls"]])$n, 2)  # retried once, not more
+  expect_equal(r_collections, 2L)
+  expect_match(conditionMessage(err), "$ampkit_test_flaky(): out of memory twice", fixed = TRUE)
+  expect_match(conditionMessage(err), "Tried to allocate 2.00 GiB", fixed = TRUE)
+
+  # The scaler's calls and the train step go through the same retry.
+  reticulate::py_set_item(ns[["calls"]], "n", 0L)
+  expect_equal(ampkit:::.h$retry_call(reticulate::py_call(ns[["flaky"]], 1L)), 42)
+  expect_equal(r_collections, 3L)
+
+  # Other errors are not retried.
+  reticulate::py_set_attr(pt()$Tensor, "ampkit_test_flaky", reticulate::py_eval("lambda self: 1/0"))
+  expect_error(t$ampkit_test_flaky(), class = "ampkit_py_ZeroDivisionError")
+  expect_equal(r_collections, 3L)
+})
+
+test_that("local_autocast() and with_autocast() take mlverse torch's argument order", {
+  skip_if_no_ampkit()
+  expect_identical(names(formals(local_autocast))[1:5],
+                   c("device_type", "dtype", "enabled", "cache_enabled", "..."))
+  expect_identical(names(formals(with_autocast))[1:6],
+                   c("code", "...", "device_type", "dtype", "enabled", "cache_enabled"))
+  net <- nn_linear(4, 2)
+  x <- torch_randn(3, 4)
+  f <- function(dtype) {
+    local_autocast("cpu", dtype)
+    c(get_autocast_dtype("cpu"), dtype_name(net(x)))
+  }
+  expect_identical(f(torch_float16()), c("float16", "float16"))
+  expect_identical(f(torch_bfloat16()), c("bfloat16", "bfloat16"))
+  g <- function() {
+    local_autocast("cpu", torch_bfloat16(), FALSE)
+    is_autocast_enabled("cpu")
+  }
+  expect_false(g())
+  # with_autocast: the named form of mlverse, and local_autocast()'s order with the code last
+  expect_identical(with_autocast(device_type = "cpu", dtype = torch_float16(), dtype_name(net(x))), "float16")
+  expect_identical(with_autocast("cpu", torch_float16(), dtype_name(net(x))), "float16")
+  expect_identical(with_autocast("cpu", torch_float16(), FALSE, dtype_name(net(x))), "float32")
+  with_autocast("cpu", torch_float16(), {
+    y <- net(x)
+  })
+  expect_equal(dtype_name(y), "float16")
+  expect_false(is_autocast_enabled("cpu"))
+})
+
+test_that("with_autocast(code = function() ...) runs the function in the region", {
+  skip_if_no_ampkit()
+  net <- nn_linear(4, 2)
+  x <- torch_randn(3, 4)
+  out <- with_autocast(device_type = "cpu", code = function() net(x))
+  expect_s3_class(out, "torch.Tensor")
+  expect_equal(dtype_name(out), "bfloat16")
+  expect_false(is_autocast_enabled("cpu"))
+})

@@ -1,0 +1,188 @@
+"""ampkit.r_bridge, the Python half of the R package: each function against what the
+R package's calls would do without it (the oracle is the plain Python code)."""
+
+import gc
+
+import pytest
+import torch
+
+import ampkit
+from ampkit import r_bridge
+
+
+def _loop_parts(seed=0):
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    scaler = ampkit.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
+    return net, opt, scaler
+
+
+def test_region_by_token_is_ampkits_region_and_restores_the_state():
+    x, w = torch.randn(2, 4), torch.randn(3, 4)
+    with ampkit.autocast("cpu", dtype=torch.float16):
+        expected = torch.nn.functional.linear(x, w)
+    token = r_bridge.enter_autocast("cpu", torch.float16)
+    try:
+        got = torch.nn.functional.linear(x, w)
+        assert torch.is_autocast_enabled("cpu")
+        assert r_bridge.open_regions() >= 1
+    finally:
+        r_bridge.exit_autocast(token)
+    assert got.dtype == expected.dtype == torch.float16
+    assert torch.equal(got, expected)
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_a_token_leaves_its_region_once():
+    token = r_bridge.enter_autocast("cpu")
+    r_bridge.exit_autocast(token)
+    with pytest.raises(RuntimeError, match=f"no open region with token {token}"):
+        r_bridge.exit_autocast(token)
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_bad_region_arguments_raise_and_open_nothing():
+    before = r_bridge.open_regions()
+    with pytest.raises(ValueError, match="float64"):
+        r_bridge.enter_autocast("cpu", torch.float64)
+    with pytest.raises(ampkit.PolicyError, match="nope"):
+        r_bridge.enter_autocast("cpu", policy="nope")
+    assert r_bridge.open_regions() == before
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_seed_step_through_the_bridge_equals_the_plain_step():
+    x, y = torch.randn(5, 8), torch.randn(5, 4)
+    results = []
+    for via_bridge in (False, True):
+        net, opt, scaler = _loop_parts()
+        for _ in range(4):
+            if via_bridge:
+                token = r_bridge.enter_autocast("cpu")
+                out = net(x)
+                loss = torch.nn.functional.mse_loss(out, y)
+                r_bridge.exit_autocast(token)
+                calls = r_bridge.ScalerCalls(scaler)
+                calls.scale_backward(loss)
+                calls.step(opt)
+                assert calls.update() == r_bridge.memory_allocated()  # the CUDA reading
+                r_bridge.bound_zero_grad(opt)()
+            else:
+                with ampkit.autocast("cpu"):
+                    out = net(x)
+                    loss = torch.nn.functional.mse_loss(out, y)
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+        results.append(([p.detach().clone() for p in net.parameters()], scaler.state_dict(), loss.item()))
+    (p0, s0, l0), (p1, s1, l1) = results
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1))
+    assert s0 == s1
+    assert l0 == l1
+
+
+def test_live_tensor_count_sees_new_tensors():
+    before = r_bridge.live_tensor_count()
+    keep = [torch.zeros(1) for _ in range(5)]
+    assert r_bridge.live_tensor_count() == before + len(keep)
+
+
+class _Flaky:
+    def __init__(self, failures):
+        self.failures, self.calls = failures, 0
+
+    def __call__(self, value):
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+        return value
+
+
+def test_retry_call_collects_and_retries_an_out_of_memory_error_once():
+    collections = []
+    r_bridge.set_r_collector(lambda: collections.append(1))
+    try:
+        once = _Flaky(1)
+        assert r_bridge.retry_call(once, 7) == 7
+        assert once.calls == 2 and len(collections) == 1
+        twice = _Flaky(2)
+        with pytest.raises(torch.OutOfMemoryError, match=r"Tried to allocate 2\.00 GiB.*out of memory again"):
+            r_bridge.retry_call(twice, 7)
+        assert twice.calls == 2 and len(collections) == 2
+        with pytest.raises(ZeroDivisionError):
+            r_bridge.retry_call(lambda: 1 / 0)
+        assert len(collections) == 2
+    finally:
+        r_bridge.set_r_collector(None)
+
+
+def test_is_out_of_memory_names():
+    assert r_bridge.is_out_of_memory("OutOfMemoryError")
+    assert r_bridge.is_out_of_memory("torch.OutOfMemoryError")
+    assert not r_bridge.is_out_of_memory("RuntimeError")
+
+
+def test_rules_r_asks_for():
+    assert "torch_default" in r_bridge.policy_names()
+    assert r_bridge.policy("torch_default") is r_bridge.policy("torch_default")
+    assert r_bridge.policy("torch_default") == ampkit.load_policy("torch_default")
+    keys = r_bridge.scaler_int_state_keys()
+    sd = ampkit.GradScaler("cpu").state_dict()
+    assert keys == sorted(k for k, v in sd.items() if type(v) is int)
+    assert "growth_interval" in keys
+
+
+def test_load_scaler_state_takes_r_numbers():
+    a = ampkit.GradScaler("cpu", init_scale=2.0**5, growth_interval=7)
+    sd = a.state_dict()
+    as_from_r = {k: float(v) if type(v) is int else v for k, v in sd.items()}
+    b = ampkit.GradScaler("cpu")
+    r_bridge.load_scaler_state(b, as_from_r)
+    assert b.state_dict() == sd
+    with pytest.raises(Exception, match="growth_interval"):
+        r_bridge.load_scaler_state(ampkit.GradScaler("cpu"), {**as_from_r, "growth_interval": 2.5})
+
+
+def test_check_autocast_raises_what_the_region_would():
+    net = torch.nn.Linear(2, 2)
+    r_bridge.check_autocast(net, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="float64"):
+        r_bridge.check_autocast(net, dtype=torch.float64)
+    with pytest.raises(ValueError, match="'yes'"):
+        r_bridge.check_autocast(net, enabled="yes")
+    with pytest.raises(ampkit.PolicyError, match="nope"):
+        r_bridge.check_autocast(net, policy="nope")
+
+
+def test_call_warn_returns_the_warnings():
+    import warnings
+
+    def f():
+        warnings.warn("careful")
+        return 3
+
+    assert r_bridge.call_warn(f) == [3, ["careful"]]
+
+
+def test_memory_reader_can_be_replaced_and_restored():
+    r_bridge.set_memory_reader(lambda: 2**33)
+    try:
+        assert r_bridge.memory_allocated() == float(2**33)
+        net, opt, _ = _loop_parts()
+        assert r_bridge.zero_grad(opt) == float(2**33)
+    finally:
+        r_bridge.set_memory_reader(None)
+    if not torch.cuda.is_initialized():
+        assert r_bridge.memory_allocated() == 0.0
+
+
+def test_trace_rows_and_plain():
+    with ampkit.trace() as tr:
+        with ampkit.autocast("cpu"):
+            torch.mm(torch.randn(2, 2), torch.randn(2, 2))
+    rows = r_bridge.trace_rows(tr)
+    assert rows and all(isinstance(r, dict) for r in rows)
+    assert all(v is None or isinstance(v, (str, int, float, bool)) for r in rows for v in r.values())
+    assert r_bridge.plain({"a": (1, 2)}) == {"a": [1, 2]}
