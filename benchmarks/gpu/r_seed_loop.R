@@ -25,7 +25,9 @@ if (device == "cpu") torch$set_num_threads(1L)
 cuda <- device == "cuda"
 sync <- function() if (cuda) torch$cuda$synchronize()
 peak_reset <- function() if (cuda) { torch$cuda$synchronize(); torch$cuda$reset_peak_memory_stats() }
-peak_mib <- function() if (cuda) torch$cuda$max_memory_allocated() / 2^20 else NA_real_
+# Read as a Python float: reticulate 1.28 turns a Python int past 2^31 into a wrapped R integer.
+torch_raw <- reticulate::import("torch", convert = FALSE)
+peak_mib <- function() if (cuda) reticulate::py_to_r(torch_raw$cuda$max_memory_allocated()$`__float__`()) / 2^20 else NA_real_
 clean <- function() { amp_gc(); if (cuda) torch$cuda$empty_cache() }
 card <- if (cuda) torch$cuda$get_device_name(0L) else "cpu"
 say <- function(...) { cat(sprintf(...), "\n", sep = ""); flush.console() }
