@@ -45,6 +45,7 @@ import ampkit
 
 __all__ = [
     "ScalerCalls",
+    "amp_loop",
     "bound_zero_grad",
     "call_method",
     "check_autocast",
@@ -392,3 +393,40 @@ def check_autocast(model=None, device_type=None, dtype=None, enabled=True, cache
         p = next(iter(model.parameters()), None) if model is not None else None
         device_type = p.device.type if p is not None else "cpu"
     ampkit.autocast(device_type, dtype, enabled, cache_enabled, policy=_policy_arg(policy))
+
+
+# ---------------------------------------------------------------- the R loop's Python twin
+
+def amp_loop(net, batches, device: str, autocast: bool, scale: bool, steps: int, *, lr: float,
+             scaler_kwargs: dict | None = None, record: bool = False):
+    """The seed's hand-written AMP loop in Python, the twin that R's loop is held against
+    (R tests for equal results, R benchmarks for time): ``steps`` steps over ``batches``
+    ((input, target) pairs, cycled) with MSE, SGD(``lr``) and ``ampkit.GradScaler(device,
+    enabled=scale, **scaler_kwargs)``. Returns (losses, scaler): every step's loss as a
+    float with ``record=True`` (one host sync a step), else only the last one.
+
+    >>> import torch
+    >>> net = torch.nn.Linear(4, 2)
+    >>> batches = [(torch.randn(3, 4), torch.randn(3, 2))]
+    >>> losses, scaler = amp_loop(net, batches, "cpu", True, False, 2, lr=0.1, record=True)
+    >>> len(losses), scaler.is_enabled()
+    (2, False)
+    """
+    loss_fn = torch.nn.MSELoss()
+    opt = torch.optim.SGD(net.parameters(), lr=lr)
+    scaler = ampkit.GradScaler(device, enabled=scale, **(scaler_kwargs or {}))
+    losses, loss = [], None
+    for s in range(int(steps)):
+        x, y = batches[s % len(batches)]
+        with ampkit.autocast(device, enabled=autocast):
+            output = net(x)
+            loss = loss_fn(output, y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        if record:
+            losses.append(loss.item())
+    if not record and loss is not None:
+        losses.append(loss.item())
+    return losses, scaler

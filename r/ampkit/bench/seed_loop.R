@@ -47,7 +47,7 @@ seed_loop <- function(device = "cuda", sizes = NULL, repo = Sys.getenv("AMPKIT_R
 
 # The seed's run() in Python: the same calls, on the data the R code made.
 SEED_TWIN_PY <- "
-import torch, ampkit
+import torch, ampkit.r_bridge
 
 def seed_twin(autocast, scale, data, targets, in_size, out_size, num_layers, epochs, device):
     layers = []
@@ -55,17 +55,7 @@ def seed_twin(autocast, scale, data, targets, in_size, out_size, num_layers, epo
         layers += [torch.nn.Linear(in_size, in_size), torch.nn.ReLU()]
     layers += [torch.nn.Linear(in_size, out_size)]
     net = torch.nn.Sequential(*layers).to(device)
-    loss_fn = torch.nn.MSELoss()
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    scaler = ampkit.GradScaler(device, enabled=scale)
-    for epoch in range(epochs):
-        for i in range(len(data)):
-            with ampkit.autocast(device, enabled=autocast):
-                output = net(data[i])
-                loss = loss_fn(output, targets[i])
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad()
-    return loss.item()
+    losses, _ = ampkit.r_bridge.amp_loop(net, list(zip(data, targets)), device, autocast, scale,
+                                         epochs * len(data), lr=0.1)
+    return losses[-1]
 "

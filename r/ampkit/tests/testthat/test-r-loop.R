@@ -29,26 +29,15 @@ r_seed_loop <- function(steps, autocast = TRUE, scale = TRUE, seed = 11, each = 
 }
 
 py_seed_loop <- "
-import torch, ampkit
+import torch, ampkit.r_bridge
 def loop(steps, autocast, scale, seed=11):
     torch.manual_seed(seed)
     xs = [torch.randn(8, 16) for _ in range(4)]
     ys = [torch.randn(8, 4) for _ in range(4)]
     net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-    loss_fn = torch.nn.MSELoss()
-    opt = torch.optim.SGD(net.parameters(), lr=0.05)
-    scaler = ampkit.GradScaler('cpu', init_scale=2.0**10, growth_interval=3, enabled=scale)
-    losses = []
-    for s in range(steps):
-        i = s % 4
-        with ampkit.autocast('cpu', enabled=autocast):
-            output = net(xs[i])
-            loss = loss_fn(output, ys[i])
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses, scaler = ampkit.r_bridge.amp_loop(
+        net, list(zip(xs, ys)), 'cpu', autocast, scale, steps, lr=0.05,
+        scaler_kwargs=dict(init_scale=2.0**10, growth_interval=3), record=True)
     return losses, scaler.get_scale(), [p.detach().clone() for p in net.parameters()]
 "
 
