@@ -76,9 +76,12 @@ def test_the_r_runner_runs_every_case_and_variant(both):
     assert COMPILED == ["torch_compile_amp", "torch_compile_ro", "ampkit_compile_amp"]
     assert {(r["case"], r["variant"]) for r in r_doc["records"]} == expected
     assert all(r["language"] == "r" for r in r_doc["records"])
+    not_runnable = bench.compile_reason()  # torch.compile under a capped CPU capability
     for r in r_doc["records"]:
         if r["variant"] == "fp32_tf32":
             assert r["status"] == "skipped" and "cuda" in r["reason"]
+        elif r["compile"] != "none" and not_runnable:
+            assert r["status"] == "skipped" and r["reason"] == not_runnable, (r["case"], r["variant"])
         else:
             assert r["status"] == "ok", (r["case"], r["variant"], r["error"])
             assert len(r["samples"]) == r["repeats"]

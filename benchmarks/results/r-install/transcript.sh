@@ -4,9 +4,9 @@
 set -u
 # Usage: bash benchmarks/results/r-install/transcript.sh [REPO] > transcript.txt
 REPO=$(cd "${1:-$(dirname "$0")/../../..}" && pwd)
-# The quick start, as r/ampkit/README.md shows it (its first ```r block).
+# The quick start, as r/ampkit/README.md shows it (the ```r block under "## Quick start").
 QS=$(mktemp /tmp/quickstart.XXXX.R)
-awk '/^```r/{if (!done) {on=1; next}} /^```/{if (on) {on=0; done=1}} on' "$REPO/r/ampkit/README.md" > "$QS"
+awk '/^## Quick start/{q=1} q && /^```r/{on=1; next} on && /^```/{exit} on' "$REPO/r/ampkit/README.md" > "$QS"
 LIB=$(mktemp -d /tmp/ampkit-lib.XXXX); export WORKON_HOME=$(mktemp -d /tmp/ampkit-venvs.XXXX)
 unset RETICULATE_PYTHON AMPKIT_REPO R_LIBS_USER
 echo "\$ R CMD INSTALL -l $LIB r/ampkit"; R CMD INSTALL --no-multiarch -l $LIB $REPO/r/ampkit 2>&1 | tail -1

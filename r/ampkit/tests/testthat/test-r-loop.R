@@ -18,11 +18,11 @@ r_seed_loop <- function(steps, autocast = TRUE, scale = TRUE, seed = 11, each = 
       output <- net(xs[[i]])
       loss <- loss_fn(output, ys[[i]])
     })
+    losses[[s]] <- loss$item()
     scaler$scale(loss)$backward()
     scaler$step(opt)
     scaler$update()
     opt$zero_grad()
-    losses[[s]] <- loss$item()
     if (!is.null(each)) each(s)
   }
   list(losses = losses, scale = scaler$get_scale(), net = net)
