@@ -77,6 +77,11 @@ test_that("every CPU op of every policy spec gives the dtype its category implie
   files <- spec_files()
   expect_gt(length(files), 0)
   h <- py_golden(spec_helpers_py)
+  # Where this CPU cannot run an op natively (oneDNN has no bf16 LSTM primitive on
+  # AVX2-only CPUs), there is nothing to compare: the op is skipped, with the reason,
+  # by the rule the Python tests and the drift check use.
+  cannot_run <- unlist(reticulate::import("ampkit.drift")$ORACLE_CANNOT_RUN)
+  unavailable <- character()
   for (f in files) {
     spec <- yaml::read_yaml(f)
     cpu <- spec$devices$cpu
@@ -85,9 +90,17 @@ test_that("every CPU op of every policy spec gives the dtype its category implie
     expect_equal(get_autocast_dtype_in(policy, region), region)
     for (category in c("lower_precision_fp", "fp32", "fp32_output", "promote")) {
       for (op in unlist(cpu[[category]])) {
-        r <- with_autocast(device_type = "cpu", policy = policy,
-                           check_op(h, op, category, region))
         label <- sprintf("%s (%s, %s)", op, category, basename(f))
+        r <- tryCatch(
+          with_autocast(device_type = "cpu", policy = policy, check_op(h, op, category, region)),
+          error = function(e) {
+            if (!any(vapply(cannot_run, grepl, logical(1), conditionMessage(e), fixed = TRUE))) stop(e)
+            NULL
+          })
+        if (is.null(r)) {
+          unavailable <- c(unavailable, label)
+          next
+        }
         expect_gt(length(r$got), 0, label = label)
         expect_identical(r$got, r$want, label = label)
         if (!is.null(r$first)) expect_identical(r$got[[1]], r$first, label = label)
@@ -99,6 +112,9 @@ test_that("every CPU op of every policy spec gives the dtype its category implie
                    class = "ampkit_error", label = op)
       expect_false(is_autocast_enabled("cpu"))
     }
+  }
+  if (length(unavailable)) {
+    skip(paste("native autocast cannot run on this CPU (no oracle) for:", paste(unavailable, collapse = "; ")))
   }
 })
 
