@@ -52,7 +52,9 @@ from typing import Any
 
 import torch
 
+from ampkit._autocast import autocast as autocast_region
 from ampkit._policy import load_policy
+from ampkit._scaler import GradScaler
 
 __all__ = ["TrainStep", "make_train_step"]
 
@@ -122,8 +124,6 @@ class TrainStep:
 
     def __init__(self, model, loss_fn, optimizer, *, scaler=None, autocast=None,
                  capture="auto", warmup=3):
-        import ampkit  # late: ampkit/__init__ imports this module
-
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not callable(loss_fn):
@@ -148,9 +148,8 @@ class TrainStep:
         device_type = self._autocast["device_type"]
         if scaler is None:
             half = self._autocast["dtype"] == torch.float16
-            scaler = ampkit.GradScaler(device_type, enabled=half and
-                                       self._autocast.get("enabled", True))
-        elif not isinstance(scaler, ampkit.GradScaler):
+            scaler = GradScaler(device_type, enabled=half and self._autocast.get("enabled", True))
+        elif not isinstance(scaler, GradScaler):
             raise TypeError(
                 f"scaler must be an ampkit.GradScaler (or None for a default one), got "
                 f"{type(scaler).__module__}.{type(scaler).__name__}; the step asks it whether "
@@ -247,12 +246,10 @@ class TrainStep:
 
     # -- the step itself ------------------------------------------------------------------
     def _body(self, flat_in, flat_tg, capturing=False) -> torch.Tensor:
-        import ampkit
-
         kw = dict(self._autocast)
         if capturing:  # a cast cached at capture would be a stale copy on replay
             kw["cache_enabled"] = False
-        with ampkit.autocast(**kw):
+        with autocast_region(**kw):
             loss = self.loss_fn(self.model(*flat_in), *flat_tg)
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"loss_fn must return a tensor, got {type(loss).__name__}")
@@ -520,12 +517,10 @@ def _autocast_kwargs(autocast, model):
         raise ValueError(
             f"autocast device_type={kw['device_type']!r} is not valid; use 'cuda' or 'cpu'")
     # Validated now, not at the first call: the region is built from these arguments.
-    import ampkit
-
     try:
         if kw.get("dtype") is None:
             kw["dtype"] = _policy_dtype(kw)
-        region = ampkit.autocast(**kw)
+        region = autocast_region(**kw)
     except (TypeError, ValueError) as e:  # PolicyError is a ValueError
         raise type(e)(f"make_train_step(autocast={autocast!r}): {e}") from e
     if "policy" in kw:
