@@ -88,18 +88,21 @@ def check_capture(engine, built, steps=12):
     rank's parameters (its shard under FSDP2), bitwise, and for DDP the replicas agreeing
     across ranks. Returns a dict of findings."""
     runs = {}
-    for capture in (False, "auto"):
+    for capture in (False, "again", "auto"):  # "again": a second eager run, for determinism
         torch.manual_seed(0)
         model = wrap(engine, built.new_model())
         opt = built.new_optimizer(model, fused=True)
         step = ampkit.make_train_step(model, built.loss_fn, opt, scaler=ampkit.GradScaler("cuda"),
-                                      autocast=dict(device_type="cuda", dtype=torch.float16), capture=capture,
+                                      autocast=dict(device_type="cuda", dtype=torch.float16),
+                                      capture=False if capture == "again" else capture,
                                       warmup=DDP_WARMUP if engine == "ddp" else 3)
         losses = [step(*built.batches[i % built.num_batches]).item() for i in range(steps)]
         params = [(p.to_local() if hasattr(p, "to_local") else p).detach().clone() for p in model.parameters()]
         runs[capture] = (losses, params, step.captures)
     (le, pe, _), (lc, pc, captures) = runs[False], runs["auto"]
-    out = {"captured": captures > 0, "losses_equal": le == lc,
+    la, pa, _ = runs["again"]
+    out = {"eager_repeatable": la == le and all(torch.equal(a, b) for a, b in zip(pe, pa)),
+           "captured": captures > 0, "losses_equal": le == lc,
            "params_equal": all(torch.equal(a, b) for a, b in zip(pe, pc)),
            "max_param_diff": max(float((a.float() - b.float()).abs().max()) for a, b in zip(pe, pc)),
            "last_loss_eager": le[-1], "last_loss_captured": lc[-1]}
