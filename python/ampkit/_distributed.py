@@ -78,7 +78,7 @@ class InfFlagSync:
                 )
         self.group = process_group
         self._reduce_for: dict[int, bool] = {}  # id(optimizer) -> local shards seen
-        self._checked = False
+        self.checked = False
 
     def needed(self, optimizer: torch.optim.Optimizer) -> bool:
         """True when this optimizer's flags must be reduced across ranks."""
@@ -115,15 +115,15 @@ class InfFlagSync:
         One host-side all-gather (the only one this class ever makes). Every rank receives
         every rank's settings, so all raise together instead of hanging or parting.
         """
-        if self._checked:
+        if self.checked:
             return
         dist = _dist()
         if dist is None or not dist.is_initialized() or dist.get_world_size(self.group) < 2:
-            self._checked = True
+            self.checked = True
             return
         everyone: list = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(everyone, (device, tuple(settings)), group=self.group)
-        self._checked = True
+        self.checked = True
         mine = everyone[dist.get_rank(self.group)]
         differing = [r for r, s in enumerate(everyone) if s != mine]
         if differing:

@@ -702,7 +702,8 @@ class GradScaler:
         before them reads the gradients without writing them. Other optimizers: gradients
         unscaled in place, then one host read of the inf flag.
         """
-        self._sync.check_settings(self._settings(), self._device)
+        if not self._sync.checked:  # once, at the first step (no per-step cost after it)
+            self._sync.check_settings(self._settings(), self._device)
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
