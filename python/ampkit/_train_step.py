@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import copy
 import sys
+import weakref
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -165,6 +166,7 @@ class TrainStep:
         self._graph = None
         self._last_replayed = False
         self._stream = None
+        self._rollback_pool = {}  # CPU copies kept between eager steps (_OptimizerCopy)
         self._reset_static()
 
         reasons = _static_refusals(capture, device_type, model, optimizer, scaler)
@@ -262,7 +264,7 @@ class TrainStep:
         # and state in place, and may fail half-way (a second param group, a hook), as may
         # update() after it; keep a copy to put back. Taken after backward, when the
         # activations are freed.
-        before = None if capturing else _OptimizerCopy(self.optimizer)
+        before = None if capturing else _OptimizerCopy(self.optimizer, self._rollback_pool)
         try:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -428,7 +430,7 @@ class TrainStep:
 
 # The warning is issued once per step object (a failed call does not take it back); the
 # side stream is a cache.
-_NOT_ROLLED_BACK = ("_warned", "_stream")
+_NOT_ROLLED_BACK = ("_warned", "_stream", "_rollback_pool")
 
 
 class _OptimizerCopy:
@@ -436,15 +438,41 @@ class _OptimizerCopy:
 
     In place: tensors keep their identity (a captured graph and the optimizer's own
     references read them by address); state created after the copy is dropped.
+
+    ``pool`` (a dict the caller keeps between steps) holds the copies of CPU tensors for
+    reuse: a fresh allocation of a large CPU tensor page-faults on every step (glibc hands
+    large blocks back to the system), which made the copy cost about 3x what copying into
+    a kept buffer costs; CUDA tensors are cloned each time (the caching allocator reuses
+    the block, and a kept copy would add the parameters and state to the peak memory of
+    the forward pass, where the transient copy taken after backward does not).
     """
 
-    def __init__(self, optimizer):
+    def __init__(self, optimizer, pool=None):
         self.optimizer = optimizer
+        old = {} if pool is None else pool
+        kept_now, dst, src = {}, [], []
+
+        def copy_of(t):
+            if t.device.type != "cpu":
+                return t.detach().clone()
+            kept = old.get(id(t))  # (weak reference to the tensor, its buffer)
+            if kept is None or kept[0]() is not t or kept[1].shape != t.shape or kept[1].dtype != t.dtype:
+                kept = (weakref.ref(t), torch.empty_like(t, memory_format=torch.preserve_format))
+            kept_now[id(t)] = kept
+            dst.append(kept[1])
+            src.append(t.detach())
+            return kept[1]
+
         with torch.no_grad():
-            self.params = [(p, p.detach().clone())
-                           for g in optimizer.param_groups for p in g["params"]]
-            self.state = {p: {k: (v, _copy(v)) for k, v in s.items()}
+            self.params = [(p, copy_of(p)) for g in optimizer.param_groups for p in g["params"]]
+            self.state = {p: {k: (v, copy_of(v) if isinstance(v, torch.Tensor) else copy.deepcopy(v))
+                              for k, v in s.items()}
                           for p, s in optimizer.state.items()}
+            if dst:
+                torch._foreach_copy_(dst, src)
+        if pool is not None:  # buffers of tensors the optimizer no longer holds are dropped
+            pool.clear()
+            pool.update(kept_now)
         self.groups = [dict(g) for g in optimizer.param_groups]
 
     def restore(self):
@@ -467,12 +495,6 @@ class _OptimizerCopy:
         for g, saved in zip(opt.param_groups, self.groups):
             g.clear()
             g.update(saved)
-
-
-def _copy(v):
-    if isinstance(v, torch.Tensor):
-        return v.detach().clone()
-    return copy.deepcopy(v)
 
 
 # -- helpers ------------------------------------------------------------------------------

@@ -5,6 +5,8 @@ step object must give the same losses, parameters, optimizer state, scale trajec
 skipped steps, with infs and NaNs injected at known steps through the targets.
 """
 
+import copy
+import gc
 import math
 import warnings
 
@@ -466,3 +468,37 @@ def test_the_default_dtype_is_the_policys_for_the_device():
     step(x, y)
     for p, q in zip(ours.parameters(), theirs.parameters()):
         assert torch.equal(p, q)
+
+
+def test_the_eager_rollback_copy_keeps_no_tensor_the_optimizer_dropped():
+    """The CPU copies are kept between eager calls (a fresh large allocation page-faults
+    each step); a state tensor the optimizer replaces (load_state_dict) is not kept alive
+    by them, and a fault after the swap still puts the new state back bitwise."""
+    import weakref
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    step = ampkit.make_train_step(model, torch.nn.functional.mse_loss, opt, capture=False,
+                                  scaler=ampkit.GradScaler("cpu", enabled=False),
+                                  autocast=dict(device_type="cpu", dtype=torch.bfloat16))
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    step(x, y)
+    step(x, y)
+    old = weakref.ref(next(iter(opt.state.values()))["exp_avg"])
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # new state tensors, same values
+    step(x, y)
+    gc.collect()
+    assert old() is None
+    before = [t.clone() for s in opt.state.values() for t in s.values()] + [p.detach().clone() for p in model.parameters()]
+    real_step = opt.step
+
+    def half_then_boom(*a, **k):
+        real_step(*a, **k)
+        raise _Boom()
+
+    opt.step = half_then_boom
+    with pytest.raises(_Boom):
+        step(x, y)
+    after = [t for s in opt.state.values() for t in s.values()] + list(model.parameters())
+    assert_bitwise(after, before)
