@@ -5,19 +5,22 @@
 #   3. the R package on the GPU: its testthat suite, and the R seed walkthrough verbatim
 #   4. the scaler proof (no sync, captured skip, steps/s) and the train-step benchmark
 #   5. the full benchmark profile from Python and R (benchmarks/gpu/run_full.sh)
+#   6. eager: torch_amp, ampkit_amp and a one-op override interleaved in one process
+#      (benchmarks/gpu/eager_vs_torch.py, full profile, EAGER_ARGS, default --repeats 11)
+#   7. doctor: the numerics doctor's overhead, no-sync check and repair (doctor_gpu.py)
 # Logs are written to a work folder and packed into one all.tar.gz in the folder given
 # (default $OUT), with the benchmark report beside it: the device returns at most 8 files.
 #
 # Needs .device-carry/ with r-runtime.tar.xz and run-r.sh (../shared/tools/r-on-device).
 # The lead's call:  bash benchmarks/gpu/device_all.sh "$OUT"   (carry: .device-carry)
-# Steps can be chosen: STEPS="pytest drift r seed proof stepbench bench" (default: all);
+# Steps can be chosen: STEPS="pytest drift r seed proof stepbench bench eager doctor" (default: all);
 # STEPBENCH_ARGS go to train_step_bench.py (default --repeats 5), BENCH_ARGS to
 # run_full.sh (e.g. "--cases transformer").
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 dest=${1:-${OUT:?give an output folder}}
 out=$(mktemp -d)
-steps=${STEPS:-pytest drift r seed proof stepbench bench}
+steps=${STEPS:-pytest drift r seed proof stepbench bench eager doctor}
 mkdir -p "$dest"
 export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 root=$PWD
@@ -73,4 +76,15 @@ if has stepbench; then
 fi
 if has bench; then
   bash benchmarks/gpu/run_full.sh "$out/bench" ${BENCH_ARGS:-} 2>&1 | tail -60
+fi
+if has eager; then
+  python3 benchmarks/gpu/eager_vs_torch.py --profile full ${EAGER_ARGS:---repeats 11} \
+    --json "$out/eager_vs_torch.json" > "$out/eager_vs_torch.log" 2>&1
+  echo "eager vs torch: rc=$?"; tail -8 "$out/eager_vs_torch.log"
+fi
+if has doctor; then
+  if [ -f benchmarks/gpu/doctor_gpu.py ]; then
+    python3 benchmarks/gpu/doctor_gpu.py "$out/doctor" > "$out/doctor_gpu.log" 2>&1
+    echo "doctor: rc=$?"; tail -30 "$out/doctor_gpu.log"
+  else echo "doctor: benchmarks/gpu/doctor_gpu.py is not in this tree"; fi
 fi
