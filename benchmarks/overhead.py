@@ -13,8 +13,10 @@ the median over repeats of ampkit/native timed back to back, with its quartiles:
 - mha:      nn.MultiheadAttention forward, a Python composite whose body is traced through
 
 Each case also runs ``ampkit (1 override)``: a region whose policy moves one op the
-case never calls (cdist -> lower_precision_fp), so ampkit's handler is pushed and sees every call:
-the cost of having any override active.
+case never calls (cdist -> lower_precision_fp). cdist is one ATen op, so the change runs as
+a kernel at torch's Autocast key and nothing else pays for it. ``1 handler override`` moves
+an op that cannot run as a kernel (``norm``, a Python function of torch, -> lower_precision_fp):
+ampkit's handler mode is pushed and sees every call, the cost of such a change.
 
 The region is entered once per chain (per step for ``step``), as in real code.
 Timings are printed, never asserted.
@@ -108,6 +110,11 @@ def run(repeats=15, device="cpu", size=8):
     def amp_override():
         return ampkit.autocast(device, dtype=dtype, policy=one_override)
 
+    one_handler = ampkit.load_policy("torch_default").with_ops(device, lower_precision_fp=["norm"])
+
+    def amp_handler():
+        return ampkit.autocast(device, dtype=dtype, policy=one_handler)
+
     def chain(ctx_factory, body, *a):
         def f():
             with ctx_factory():
@@ -120,6 +127,7 @@ def run(repeats=15, device="cpu", size=8):
             "native": chain(native, _unlisted_chain, x),
             "ampkit": chain(amp, _unlisted_chain, x),
             "override": chain(amp_override, _unlisted_chain, x),
+            "handler": chain(amp_handler, _unlisted_chain, x),
             "none": chain(lambda: torch.autocast(device, enabled=False), _unlisted_chain, x),
             "inner": 100,
         },
@@ -127,30 +135,34 @@ def run(repeats=15, device="cpu", size=8):
             "native": chain(native, _listed_chain, x, w, t),
             "ampkit": chain(amp, _listed_chain, x, w, t),
             "override": chain(amp_override, _listed_chain, x, w, t),
+            "handler": chain(amp_handler, _listed_chain, x, w, t),
             "inner": 100,
         },
         "mlp step (64x256)": {
             "native": lambda: step(native()),
             "ampkit": lambda: step(amp()),
             "override": lambda: step(amp_override()),
+            "handler": lambda: step(amp_handler()),
             "inner": 5,
         },
         "mha forward (8x16x64)": {  # a Python composite whose body ampkit traces through
             "native": chain(native, mha, q, q, q),
             "ampkit": chain(amp, mha, q, q, q),
             "override": chain(amp_override, mha, q, q, q),
+            "handler": chain(amp_handler, mha, q, q, q),
             "inner": 10,
         },
         "mlp step (128x1024)": {
             "native": lambda: seed_step(native()),
             "ampkit": lambda: seed_step(amp()),
             "override": lambda: seed_step(amp_override()),
+            "handler": lambda: seed_step(amp_handler()),
             "inner": 1,
         },
     }
     results = {}
     for name, case in cases.items():
-        variants = [v for v in ("native", "ampkit", "override", "none") if v in case]
+        variants = [v for v in ("native", "ampkit", "override", "handler", "none") if v in case]
         for v in variants:  # warm up (first calls classify and compile)
             _time(case[v], max(3, case["inner"] // 10))
         samples = {v: [] for v in variants}
@@ -164,10 +176,12 @@ def run(repeats=15, device="cpu", size=8):
         # slow drifts in machine load, so the median paired ratio is the headline figure
         ratios = sorted(a / n for a, n in zip(samples["ampkit"], samples["native"]))
         override = sorted(a / n for a, n in zip(samples["override"], samples["native"]))
+        handler = sorted(a / n for a, n in zip(samples["handler"], samples["native"]))
         results[name] = {
             "median_s": med, "min_max_s": spread, "ratio": statistics.median(ratios),
             "ratio_of_medians": med["ampkit"] / med["native"], "paired_ratios": ratios,
             "override_ratio": statistics.median(override), "override_paired_ratios": override,
+            "handler_ratio": statistics.median(handler), "handler_paired_ratios": handler,
         }
     return results
 
@@ -192,12 +206,14 @@ def main(argv=None):
     clock = "wall-clock" if _clock is time.perf_counter else "thread CPU time"
     print(f"torch {torch.__version__}, {a.threads} thread(s), {a.repeats} interleaved repeats, {clock}, medians")
     print(f"{'case':<26} {'native':>12} {'ampkit':>12} {'ratio':>7} {'[q1, q3]':>16}"
-          f" {'1 override':>12} {'ratio':>7} {'[q1, q3]':>16}  (median of paired ratios)")
+          f" {'1 override':>12} {'ratio':>7} {'[q1, q3]':>16}"
+          f" {'1 handler ov.':>13} {'ratio':>7} {'[q1, q3]':>16}  (median of paired ratios)")
     for name, r in res.items():
         m = r["median_s"]
-        q, o = r["paired_ratios"], r["override_paired_ratios"]
+        q, o, h = r["paired_ratios"], r["override_paired_ratios"], r["handler_paired_ratios"]
         print(f"{name:<26} {m['native'] * 1e6:>10.1f}us {m['ampkit'] * 1e6:>10.1f}us {r['ratio']:>7.3f} {_quartiles(q):>16}"
-              f" {m['override'] * 1e6:>10.1f}us {r['override_ratio']:>7.3f} {_quartiles(o):>16}")
+              f" {m['override'] * 1e6:>10.1f}us {r['override_ratio']:>7.3f} {_quartiles(o):>16}"
+              f" {m['handler'] * 1e6:>11.1f}us {r['handler_ratio']:>7.3f} {_quartiles(h):>16}")
         if "none" in m:
             print(f"{'  (no autocast)':<26} {m['none'] * 1e6:>10.1f}us")
     if a.json:

@@ -8,8 +8,11 @@ seeded copies of the case's model with the case's optimizer and data:
 - ``torch_amp``:       torch.autocast + torch.amp.GradScaler (the rival)
 - ``ampkit_amp``:      ampkit.autocast (default policy) + ampkit.GradScaler
 - ``ampkit_override``: the same with a one-op policy override active (``cdist`` moved to
-                       lower_precision_fp, an op no case calls): ampkit's handler is pushed
-                       and sees every call, which is what any changed policy costs
+                       lower_precision_fp, an op no case calls): one ATen op, so the change
+                       runs as a kernel at torch's Autocast key (ampkit/_kernels.py)
+- ``ampkit_handler``:  an override that cannot run as a kernel (``norm``, a Python function
+                       of torch, moved to lower_precision_fp): ampkit's handler mode is
+                       pushed and sees every call
 - with ``--split``: ``ampkit_region_torch_scaler``, ampkit.autocast with torch's scaler, which
   tells the region's cost from the scaler's
 - with ``--compiled``: ``torch_compile_amp`` and ``ampkit_compile_amp``, the first two
@@ -35,7 +38,8 @@ import ampkit
 import ampkit.bench as bench
 
 OVERRIDE = ampkit.load_policy("torch_default").with_ops(lower_precision_fp=["cdist"])
-LOOPS = ("torch_amp", "ampkit_amp", "ampkit_override")
+HANDLER = ampkit.load_policy("torch_default").with_ops(lower_precision_fp=["norm"])
+LOOPS = ("torch_amp", "ampkit_amp", "ampkit_override", "ampkit_handler")
 COMPILED = ("torch_compile_amp", "ampkit_compile_amp")
 SPLIT = ("ampkit_region_torch_scaler",)
 
@@ -50,7 +54,7 @@ def make_loop(name, built):
     if name.startswith("torch"):
         region = lambda: torch.autocast(device, dtype=dtype)  # noqa: E731
     else:
-        policy = OVERRIDE if name == "ampkit_override" else None
+        policy = {"ampkit_override": OVERRIDE, "ampkit_handler": HANDLER}.get(name)
         region = lambda: ampkit.autocast(device, dtype=dtype, policy=policy)  # noqa: E731
     scaler = torch.amp.GradScaler(device) if name.startswith("torch") or name in SPLIT else ampkit.GradScaler(device)
     return bench.loop_step(model, built.loss_fn, opt, region, scaler)
@@ -101,13 +105,14 @@ def main(argv=None):
     cases = a.cases.split(",") if a.cases else list(bench.load_cases())
     card = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"{card}, torch {torch.__version__}, profile {a.profile}, {a.repeats} interleaved repeats, medians")
-    print(f"{'case':<16} {'torch_amp':>10} {'ampkit_amp':>11} {'ratio':>6} {'1 override':>11} {'ratio':>6}  (ms/step; ratio = time vs torch_amp)")
+    print(f"{'case':<16} {'torch_amp':>10} {'ampkit_amp':>11} {'ratio':>6} {'1 override':>11} {'ratio':>6} {'1 handler ov.':>13} {'ratio':>6}  (ms/step; ratio = time vs torch_amp)")
     results = []
     for case in cases:
         r = run_case(case, a.profile, device, a.repeats, names)
         m, q = r["ms_per_step"], r["time_vs_torch_amp"]
         line = (f"{case:<16} {m['torch_amp']:>10.3f} {m['ampkit_amp']:>11.3f} {q['ampkit_amp']:>6.3f}"
-                f" {m['ampkit_override']:>11.3f} {q['ampkit_override']:>6.3f}")
+                f" {m['ampkit_override']:>11.3f} {q['ampkit_override']:>6.3f}"
+                f" {m['ampkit_handler']:>13.3f} {q['ampkit_handler']:>6.3f}")
         if a.split:
             line += f"   ampkit region + torch scaler {m['ampkit_region_torch_scaler']:.3f} ratio {q['ampkit_region_torch_scaler']:.3f}"
         if a.compiled:

@@ -9,9 +9,14 @@ How a region runs (this is the whole algorithm)::
                       from torch's own table on the installed torch (_native.py; the
                       drift check proves the shipped torch_default equal to native)
     delta empty    -> nothing else: torch's C++ autocast executes every cast
-    delta nonempty -> push this thread's _Mode (a TorchFunctionMode) whose table
-                      holds only the delta ops; every other call passes through
-                      it to native autocast
+    delta ops that are one ATen op (linear, mm, conv2d, cdist ...; _kernels.py)
+                   -> run as kernels registered at torch's Autocast dispatch key for
+                      the op while a region needs them: no other call pays anything
+                      (not while torch.compile is in use in the process: see there)
+    the rest of the delta (user ops, decompose, narrowed casts, fp32_output, Python
+                      composites) -> push this thread's _Mode (a TorchFunctionMode)
+                      whose table holds only those ops; every other call passes
+                      through it to native autocast
     a delta op     -> if native autocast is off for the device (a nested
                       torch.autocast(enabled=False), custom_fwd(cast_inputs=...)),
                       run it as is; else apply the policy's category with native
@@ -64,7 +69,7 @@ import types
 import torch
 from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_function
 
-from ampkit import _decompositions, _narrow_casts, _native, _ops
+from ampkit import _decompositions, _kernels, _narrow_casts, _native, _ops
 from ampkit._policy import CATEGORIES, DEVICES, Policy, PolicyError, live_policy, load_policy
 
 Tensor = torch.Tensor
@@ -79,6 +84,10 @@ _GUARDS = ("has_torch_function", "has_torch_function_unary", "has_torch_function
 # Table kinds: the policy's delta over native (the default), the whole policy with
 # native on underneath (trace), the whole policy with native off (reference).
 DELTA, TRACE, REFERENCE = "delta", "trace", "reference"
+# The delta with the ops that can run as kernels at torch's Autocast key taken out of the
+# mode's table (_kernels.py): what an eager region uses while torch.compile is not in play.
+KERNELS = "delta+kernels"
+_NO_KERNELS: dict = {}
 
 
 def _never(*args, **kwargs):
@@ -162,6 +171,8 @@ class _Engine:
         self.active_clones = set()
         self.mode = _Mode(self)
         self.mode_pushed = False
+        self.held = [()]  # per frame: the kernels (_kernels.acquire keys) its region holds
+        self.kernel_acts = _NO_KERNELS  # {(overload, device_type): action} of the innermost frame
 
     @property
     def depth(self):
@@ -169,15 +180,25 @@ class _Engine:
 
     def push(self, device_type, enabled, dtype, policy, cache_enabled):
         frame = self.frames[-1].child((device_type, enabled, dtype, policy, cache_enabled, _ops.VERSION[0]))
-        kind = REFERENCE if self.reference else DELTA
+        if self.reference:
+            kind = REFERENCE
+        else:
+            kind = KERNELS if _kernels.ENABLED[0] and not _kernels.dynamo_used() else DELTA
         table = self._use(frame, kind)  # (compiling a table may raise: nothing is changed then)
+        try:
+            held = _kernels.acquire(table.kernels, self.make_kernel) if table.kernels else ()
+        except BaseException:
+            self._use(self.frames[-1], self.kinds[-1])
+            raise
+        changes = table.changes or table.kernels
         tokens = self.tokens[-1]
-        if table.changes or device_type in tokens:
+        if changes or device_type in tokens:
             tokens = dict(tokens)
-            tokens[device_type] = _checkpoint_token() if table.changes else None
+            tokens[device_type] = _checkpoint_token() if changes else None
         self.frames.append(frame)
         self.kinds.append(kind)
         self.tokens.append(tokens)
+        self.held.append(held)
         owns = not self.mode_pushed and (self.mode.real_size or self.trace is not None)
         if owns:
             self.mode.__enter__()
@@ -188,15 +209,29 @@ class _Engine:
         self.frames.pop()
         self.kinds.pop()
         self.tokens.pop()
+        held = self.held.pop()
         if self.owners.pop():
             self.mode_pushed = False
             self.mode.__exit__(None, None, None)
         if len(self.frames) == 1:
             self.cache.clear()
         self._use(self.frames[-1], self.kinds[-1])
+        _kernels.release(held)
+        if len(self.frames) == 1:
+            _kernels.forget_compiled_if_traced()
+
+    def make_kernel(self, op, device_type):
+        """The kernel registered at torch's Autocast key for ``op`` (see _kernels.py)."""
+        return _kernel(op, device_type)
 
     def _use(self, frame, kind):
-        if kind == DELTA and self.trace is not None:
+        self.kernel_acts = _NO_KERNELS
+        if kind == KERNELS:
+            table = frame.tables.get(KERNELS)
+            if table is None:
+                table = frame.tables[KERNELS] = _compile(self, frame.devs, DELTA, kernels=True)
+            self.kernel_acts = table.kernels
+        if kind != REFERENCE and self.trace is not None:
             kind = TRACE
         table = frame.tables.get(kind)
         if table is None:
@@ -594,20 +629,28 @@ def _entries(policy, device_type, kind):
     return out + [(n, None, True) for n in sorted(delta) if not rules.category(n) and not rules.decomposes(n)]
 
 
-def _compile(engine, devs, kind) -> dict:
-    """{func: action} for the ops of ``kind`` of every enabled device of a frame."""
+def _compile(engine, devs, kind, kernels=False) -> dict:
+    """{func: action} for the ops of ``kind`` of every enabled device of a frame.
+
+    ``kernels`` (a DELTA table only): the changes that can run as kernels at torch's
+    Autocast key go to ``table.kernels`` {(overload, device_type): action} instead."""
     per_func = {}
     names = set()
     changes = 0
+    by_kernel = {}
     for device_type, (enabled, dtype, policy, cache_enabled) in devs.items():
         if not enabled:
             continue
         rules = policy.rules(device_type)
         for name, cat, changing in _entries(policy, device_type, kind):
-            changes += changing
             msg = rules.ban_message(name) if cat == "banned" else None
             # an entry that keeps native's result (a narrow cast) needs no checkpoint guard: as in a trace
             act = _action(engine, name, cat, device_type, cache_enabled, msg, kind if changing else TRACE)
+            ops = _kernel_ops(name, cat, device_type) if kernels and changing else ()
+            if ops:
+                by_kernel.update(((op, device_type), act) for op in ops)
+                continue
+            changes += changing
             for func in _ops.resolve(name):
                 if _is_inplace(func):
                     continue
@@ -621,7 +664,72 @@ def _compile(engine, devs, kind) -> dict:
     table.reach = {}  # its memo
     table.changes = changes  # entries that change native's result (0: no mode needed)
     table.frozen = dict(table)  # what traced code reads: never grows (dynamo guards on its size)
+    table.kernels = by_kernel
     return table
+
+
+def _kernel_ops(name, category, device_type) -> tuple:
+    """The ATen overloads that run op ``name``'s changed handling as kernels, or ()."""
+    if category not in _kernels.CATEGORIES or device_type not in _kernels.KEYS:
+        return ()
+    if category == "fp32" and name in _narrow_casts.NARROWED:
+        return ()
+    return _kernels.overloads(name)
+
+
+def _kernel(op, device_type):
+    """The kernel at torch's Autocast key of ``device_type`` for ``op``: the innermost ampkit
+    frame's action for it, else native autocast's handling of it."""
+    key = (op, device_type)
+    native = _native_handling(op, device_type)
+    note = _kernels.note_if_traced
+
+    def kernel(*args, **kwargs):
+        act = _engine().kernel_acts.get(key)
+        if act is None:
+            return native(args, kwargs)
+        note(args)
+        return act(op, args, kwargs)
+
+    return kernel
+
+
+def _native_handling(op, device_type):
+    """(args, kwargs) -> result: what torch's own autocast does for ``op``: its table's rule
+    where torch registers a kernel for the op (the shipped torch_default, proven equal by the
+    drift check), else a fall-through to the kernels below autocast."""
+    if _kernels.native_has_kernel(op, device_type):
+        rules = _DEFAULT.rules(device_type)
+        name = _native_name(op, rules)
+        if name is not None:
+            cat = rules.category(name)
+            msg = rules.ban_message(name) if cat == "banned" else None
+            rule = _rule(_engine(), name, cat, device_type, False, msg)
+            get_dtype = torch.get_autocast_dtype
+            return lambda args, kwargs: rule(op, args, kwargs, get_dtype(device_type))
+    after = torch._C._dispatch_keyset_full_after(getattr(torch._C.DispatchKey, _kernels.KEYS[device_type]))
+    keys_of = torch._C._dispatch_keys
+
+    def fall_through(args, kwargs):
+        ks = None
+        for a in (*args, *kwargs.values()):
+            for t in (a if type(a) in _SEQ else (a,)):
+                if isinstance(t, Tensor):
+                    ks = keys_of(t) if ks is None else ks | keys_of(t)
+        return op.redispatch(after if ks is None else after & ks, *args, **kwargs)
+
+    return fall_through
+
+
+def _native_name(op, rules):
+    """The torch_default op name whose ATen op is ``op`` (``linalg.vector_norm`` for
+    aten::linalg_vector_norm), if the table lists it."""
+    packet = op.name().split("::", 1)[1].split(".", 1)[0]
+    for cat in CATEGORIES:
+        for name in rules.ops(cat):
+            if name.replace(".", "_") == packet:
+                return name
+    return None
 
 
 

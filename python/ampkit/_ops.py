@@ -121,3 +121,8 @@ def op_name(func) -> str:
     if qual.startswith(("TensorBase.", "Tensor.")) or type(func).__name__ in ("method_descriptor", "wrapper_descriptor"):
         return "Tensor." + name
     return name
+
+
+def dunders(name: str) -> tuple:
+    """The Tensor operator methods that reach op ``name`` (``__matmul__`` for matmul)."""
+    return _DUNDERS.get(name, ())

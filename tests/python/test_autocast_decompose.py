@@ -230,10 +230,12 @@ def test_cuda_cross_entropy_keeps_no_float32_copy_of_the_log_probs():
 
     Native autocast holds the float16 log-probs and a float32 copy of them for
     nll_loss; ampkit holds the float16 log-probs alone, plus small tensors. ampkit's
-    handler runs in a region whose policy changes something (here: cdist leaves its
-    category); with the default policy the region is torch's autocast alone.
+    handler runs in a region whose policy changes something that needs it (here: norm, a
+    Python function of torch, moved to lower_precision_fp; a change that runs as a kernel at
+    the Autocast key pushes no handler); with the default policy the region is torch's
+    autocast alone.
     """
-    changed = ampkit.load_policy("torch_default").without_ops("cdist")
+    changed = ampkit.load_policy("torch_default").with_ops("cuda", lower_precision_fp=["norm"])
     x = torch.randn(1024, 8192, device="cuda", dtype=torch.float16)
     tgt = torch.randint(0, 8192, (1024,), device="cuda")
     peaks = []

@@ -6,7 +6,9 @@ that do not. A spy on ``ampkit._narrow_casts.nll_loss`` shows which path ran,
 so a test of the narrow path cannot pass by falling back to the full cast.
 
 Narrowing happens where ampkit's handler runs: a region whose policy changes
-something (here ``cdist`` leaves its category, an op these tests never call),
+something that needs the handler (here ``norm``, a Python function of torch, moves to
+lower_precision_fp, an op these tests never call; a change that runs as a kernel at the
+Autocast key pushes no handler),
 the trace and the reference engine. A region whose policy equals torch's is
 torch's autocast alone; the last test shows that it leaves nll_loss to torch.
 """
@@ -41,9 +43,11 @@ def narrowed(monkeypatch):
     return seen
 
 
-# a policy whose delta over native is one op these tests never call: its region runs
+# a policy whose delta over native is one op these tests never call and that cannot run as
+# a kernel at torch's Autocast key (norm: a Python function of torch): its region runs
 # ampkit's handler, which narrows nll_loss
-CHANGED = ampkit.load_policy("torch_default").without_ops("cdist")
+CHANGED = ampkit.load_policy("torch_default").with_ops("cpu", lower_precision_fp=["norm"]).with_ops(
+    "cuda", lower_precision_fp=["norm"])
 
 
 def _region(engine, device, dtype):

@@ -37,6 +37,10 @@ ALLOWED = {
     ("tests/python/test_autocast_decompose.py", "_cross_entropy_functional"): WHITE_BOX,
     ("tests/python/test_autocast_decompose.py", "_cross_entropy_aten"): WHITE_BOX,
     ("tests/python/test_autocast_narrow.py", "ampkit._narrow_casts"): WHITE_BOX,
+    ("tests/python/test_autocast_kernels.py", "ampkit._kernels"):
+        "the kernel route's switch and its registrations (held()), which have no public face",
+    ("tests/python/test_autocast_kernels.py", "ampkit._autocast"):
+        "whether a region pushed the handler mode (thread_engine()), which has no public face",
     ("tests/python/test_autocast_semantics.py", "ampkit._autocast"):
         "the engine's cast cache and region depth (thread_engine()), which have no public face",
     ("tests/python/test_autocast_table.py", "ampkit._autocast"):

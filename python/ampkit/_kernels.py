@@ -1,0 +1,195 @@
+"""A region's policy changes run as kernels at torch's Autocast dispatch key.
+
+An op in a region's delta (``_native.delta``: handled otherwise than torch's own table)
+that is one ATen op, reached by every Python spelling of the op, runs as a Python kernel
+registered (``torch.library``) at ``AutocastCPU`` / ``AutocastCUDA`` for that ATen op while
+a region that changes it is active. The region then pushes no ``TorchFunctionMode`` for
+it, so every other call of the region costs what it costs under ``torch.autocast``; only
+calls of the changed op pay for Python. A kernel holds nothing itself: it asks this
+thread's innermost ampkit frame for the op's action, and without one (a plain
+``torch.autocast`` region, another thread, a nested region that does not change the op)
+does what native autocast does for that op (the shipped ``torch_default`` table, which the
+drift check proves equal to native; ops native does not list fall through to the kernels
+below autocast). Kernels are registered when the first region needing them is entered and
+dropped when the last one exits (about 12 us and 1 us on the development VM).
+
+``torch.compile``: dynamo guards compiled code on torch's autocast state and the
+torch-function mode stack, not on dispatcher registrations; a graph compiled while such a
+kernel is registered keeps its casts after the kernel is gone
+(``benchmarks/probes/autocast_kernel_override.py``). Hence:
+
+- while torch.compile holds code it compiled in this process (until ``torch._dynamo.reset()``),
+  regions push the handler mode for their whole delta (dynamo guards on it), as they did
+  before kernels existed;
+- a compile that starts inside a region running kernels (a kernel sees fake tensors) is
+  noted, and when the outermost region exits ``torch._dynamo.reset()`` drops everything
+  compiled meanwhile, so no graph traced under the kernels outlives them.
+
+``AMPKIT_AUTOCAST_KERNELS=0`` in the environment (or ``ENABLED[0] = False``) turns the
+route off: every change then runs through the handler mode.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import types
+import warnings
+
+import torch
+
+from ampkit import _ops
+
+ENABLED = [os.environ.get("AMPKIT_AUTOCAST_KERNELS", "1") != "0"]
+KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
+
+# Python functions of torch (not C builtins) whose only ATen call for the op is the op of
+# the same name, with the arguments it was given (checked per op by
+# tests/python/test_autocast_kernels.py against the handler's result).
+STRAIGHT = frozenset({
+    "torch.functional.cdist",
+    "torch.nn.functional.layer_norm",
+    "torch.nn.functional.group_norm",
+    "torch.nn.functional.mse_loss",
+    "torch.nn.functional.l1_loss",
+    "torch.nn.functional.binary_cross_entropy",
+    "torch._tensor.Tensor.__rmatmul__",
+})
+# Categories a kernel can run: fp32_output adds a dtype= (its ATen overloads differ),
+# decompose needs the Python engine, and ops with a narrowed fp32 cast read the Python
+# call's arguments.
+CATEGORIES = frozenset({"lower_precision_fp", "fp32", "promote", "banned", None})
+
+_lock = threading.RLock()
+_held: dict = {}  # (overload, device_type) -> [torch.library.Library, regions holding it]
+_native_has: dict = {}  # (overload, device_type) -> native autocast has a kernel for it
+_overloads: dict = {}  # op name -> tuple of OpOverloads ((): not a kernel op)
+_traced = [False]  # a kernel ran on fake tensors (a compile) since the last reset
+
+
+def overloads(name: str) -> tuple:
+    """The ATen overloads (without out= and in-place ones) a kernel for op ``name``
+    would be registered for; () when the op cannot run as a kernel."""
+    hit = _overloads.get(name)
+    if hit is None:
+        hit = _overloads[name] = _find_overloads(name)
+    return hit
+
+
+def _find_overloads(name: str) -> tuple:
+    if name in _ops.USER_OPS or name.startswith("_"):
+        return ()
+    aten = name.replace(".", "_")
+    try:
+        packet = getattr(torch.ops.aten, aten)
+    except (AttributeError, RuntimeError):
+        return ()
+    funcs = _ops.resolve(name)
+    if not funcs:
+        return ()
+    for f in funcs:
+        if isinstance(f, types.FunctionType):
+            if f"{f.__module__}.{f.__qualname__}" not in STRAIGHT:
+                return ()
+        elif getattr(f, "__name__", None) not in (aten, *_ops.dunders(name)):
+            return ()
+    out = []
+    for ov in packet.overloads():
+        op = getattr(packet, ov)
+        schema = op._schema
+        if ov == "out" or ov.endswith("_out") or ov.startswith("out") or schema.is_mutable:
+            continue
+        if not any("Tensor" in str(a.type) for a in schema.arguments):  # sum.int and the like
+            continue
+        out.append(op)
+    return tuple(out)
+
+
+def native_has_kernel(op, device_type: str) -> bool:
+    """Whether torch's own autocast registers a kernel for ``op`` (asked before ampkit's)."""
+    key = (op, device_type)
+    hit = _native_has.get(key)
+    if hit is None:
+        with _lock:
+            hit = _native_has.get(key)
+            if hit is None:
+                held = _held.get(key)
+                if held is not None:  # (cannot happen: asked when the kernel is built)
+                    raise RuntimeError(f"native autocast's kernel for {op} asked after ampkit registered one")
+                hit = _native_has[key] = torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), KEYS[device_type])
+    return hit
+
+
+def acquire(keys, make_kernel) -> tuple:
+    """Register (or count one more holder of) the kernel of each (overload, device_type)."""
+    done = []
+    with _lock:
+        try:
+            for key in keys:
+                held = _held.get(key)
+                if held is None:
+                    op, device_type = key
+                    kernel = make_kernel(op, device_type)
+                    lib = torch.library.Library("aten", "IMPL")
+                    with warnings.catch_warnings():  # "overriding a previously registered kernel"
+                        warnings.simplefilter("ignore")
+                        lib.impl(op.name().split("::", 1)[1], kernel, KEYS[device_type])
+                    held = _held[key] = [lib, 0]
+                held[1] += 1
+                done.append(key)
+        except BaseException:
+            _release_locked(done)
+            raise
+    return tuple(done)
+
+
+def release(keys) -> None:
+    if keys:
+        with _lock:
+            _release_locked(keys)
+
+
+def _release_locked(keys) -> None:
+    for key in keys:
+        held = _held[key]
+        held[1] -= 1
+        if held[1] == 0:
+            del _held[key]
+            held[0]._destroy()  # torch's own autocast kernel for the op is back
+
+
+def held() -> dict:
+    """{(overload, device_type): regions holding its kernel} (for tests)."""
+    with _lock:
+        return {k: v[1] for k, v in _held.items()}
+
+
+def dynamo_used() -> bool:
+    """Whether torch.compile holds code it compiled in this process (none after a reset)."""
+    convert_frame = sys.modules.get("torch._dynamo.convert_frame")
+    if convert_frame is None:
+        return False
+    codes = getattr(convert_frame, "output_codes", None)
+    return True if codes is None else bool(getattr(codes, "seen", True))  # unknown torch: say yes
+
+
+def note_if_traced(args) -> None:
+    """Called by a kernel: remember a compile that traced through it (fake tensors)."""
+    if not _traced[0]:
+        for a in args:
+            if isinstance(a, torch.Tensor) and _is_fake(a):
+                _traced[0] = True
+                return
+
+
+def _is_fake(t) -> bool:
+    return type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter and (
+        torch._subclasses.fake_tensor.is_fake(t))
+
+
+def forget_compiled_if_traced() -> None:
+    """At the outermost region's exit: drop what torch.compile traced under kernels."""
+    if _traced[0]:
+        _traced[0] = False
+        torch._dynamo.reset()
