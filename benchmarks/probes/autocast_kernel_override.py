@@ -1,17 +1,17 @@
-"""Why a one-op policy change is not executed by a kernel at torch's Autocast dispatch key.
+"""The kernel route of a policy change, and the torch.compile hazard it is guarded against.
 
-Issue 10 proposes running the ops where a policy differs from torch's as kernels
-registered at the ``AutocastCPU``/``AutocastCUDA`` key (``torch.library``), so that a
-changed region pushes no ``TorchFunctionMode`` and unchanged ops cost nothing. This script
-measures that route on the CPU and shows the hazard that stops it:
+A region runs its policy changes that are one ATen op as kernels registered at torch's
+``AutocastCPU``/``AutocastCUDA`` key (``torch.library``; ampkit/_kernels.py), so that it
+pushes no ``TorchFunctionMode`` and unchanged ops cost nothing. This script measures, on
+the CPU, with a stand-in kernel (linear moved to fp32):
 
-1. registering and dropping such a kernel (per outermost region): microseconds;
-2. a call of the overridden op through the Python kernel against native autocast;
-3. a model compiled while the kernel is registered keeps the kernel's casts after the
-   kernel is gone: dynamo guards on torch's autocast state and the torch-function mode
-   stack, not on dispatcher registrations, so a compiled graph traced inside an ampkit
-   region with a changed policy would be reused, silently, under plain torch.autocast
-   (and one traced under torch.autocast reused inside the changed region).
+1. registering and dropping such a kernel (ampkit does it per outermost region);
+2. a call of the changed op through the Python kernel against native autocast;
+3. the hazard: a model compiled while the kernel is registered keeps the kernel's casts
+   after the kernel is gone. dynamo guards on torch's autocast state and the
+   torch-function mode stack, not on dispatcher registrations. Hence ampkit uses the
+   handler mode while torch.compile holds compiled code, and resets dynamo when the
+   outermost region exits after a compile that traced through a kernel.
 
     python benchmarks/probes/autocast_kernel_override.py
 
