@@ -64,6 +64,7 @@ CATEGORIES = frozenset({"lower_precision_fp", "fp32", "promote", "banned", None}
 _lock = threading.RLock()
 _held: dict = {}  # (overload, device_type) -> [torch.library.Library, regions holding it]
 _native_has: dict = {}  # (overload, device_type) -> native autocast has a kernel for it
+_kernels: dict = {}  # (overload, device_type) -> its kernel (built once: it holds no region)
 _overloads: dict = {}  # op name -> tuple of OpOverloads ((): not a kernel op)
 _traced = [False]  # a kernel ran on fake tensors (a compile) since the last reset
 
@@ -129,19 +130,34 @@ def acquire(keys, make_kernel) -> tuple:
             for key in keys:
                 held = _held.get(key)
                 if held is None:
-                    op, device_type = key
-                    kernel = make_kernel(op, device_type)
-                    lib = torch.library.Library("aten", "IMPL")
-                    with warnings.catch_warnings():  # "overriding a previously registered kernel"
-                        warnings.simplefilter("ignore")
-                        lib.impl(op.name().split("::", 1)[1], kernel, KEYS[device_type])
-                    held = _held[key] = [lib, 0]
+                    held = _held[key] = [_register(*key, make_kernel), 0]
                 held[1] += 1
                 done.append(key)
         except BaseException:
             _release_locked(done)
             raise
     return tuple(done)
+
+
+_warned = [False]
+
+
+def _register(op, device_type, make_kernel):
+    """One registration, the C++ library object itself: torch.library.Library's Python
+    bookkeeping tripled the cost of a region (about 7 us against 20+ on the dev VM)."""
+    kernel = _kernels.get((op, device_type))
+    if kernel is None:
+        kernel = _kernels[(op, device_type)] = make_kernel(op, device_type)
+    lib = torch._C._dispatch_library("IMPL", "aten", "", __file__, 0)
+    name = op.name().split("::", 1)[1]
+    if _warned[0]:
+        lib.impl(name, KEYS[device_type], kernel, False)
+    else:  # torch warns once per process that a kernel replaces native autocast's
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            lib.impl(name, KEYS[device_type], kernel, False)
+        _warned[0] = True
+    return lib
 
 
 def release(keys) -> None:
@@ -156,7 +172,7 @@ def _release_locked(keys) -> None:
         held[1] -= 1
         if held[1] == 0:
             del _held[key]
-            held[0]._destroy()  # torch's own autocast kernel for the op is back
+            held[0].reset()  # torch's own autocast kernel for the op is back
 
 
 def held() -> dict:
