@@ -105,8 +105,15 @@ def test_kernels_are_held_while_a_region_needs_them_and_dropped_after():
     with ampkit.autocast("cpu", policy=policy):
         with ampkit.autocast("cpu", policy=policy):
             assert list(kernels.held().values()) == [2]
-        assert list(kernels.held().values()) == [1]
+        # kept until the outermost region exits (a nested region entered again and
+        # again registers nothing)
+        assert list(kernels.held().values()) == [2]
         assert lin(x).dtype == torch.float32
+    assert kernels.held() == {}
+    with ampkit.autocast("cpu"):  # a default outer region: the inner one's kernel stays...
+        with ampkit.autocast("cpu", policy=policy):
+            assert lin(x).dtype == torch.float32
+        assert kernels.held() and lin(x).dtype == torch.bfloat16  # ...doing native's handling
     assert kernels.held() == {}
     with torch.autocast("cpu"):
         assert lin(x).dtype == torch.bfloat16  # torch's own kernel is back
