@@ -104,6 +104,10 @@ def _find_overloads(name: str) -> tuple:
             continue
         if not any("Tensor" in str(a.type) for a in schema.arguments):  # sum.int and the like
             continue
+        try:  # TorchScript-only overloads (index_put.hacked_twin) are not in the dispatcher
+            torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), KEYS["cpu"])
+        except RuntimeError:
+            continue
         out.append(op)
     return tuple(out)
 
