@@ -80,7 +80,7 @@ def overloads(name: str) -> tuple:
 
 
 def _find_overloads(name: str) -> tuple:
-    if name in _ops.USER_OPS or name.startswith("_"):
+    if name in _ops.USER_OPS:
         return ()
     aten = name.replace(".", "_")
     try:
