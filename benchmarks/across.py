@@ -18,6 +18,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -80,7 +81,6 @@ def launch(cmd, env, log: Path, timeout_s: float):
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
         deadline = time.monotonic() + timeout_s
-        import threading
 
         def stop():
             while proc.poll() is None and time.monotonic() < deadline:
