@@ -259,7 +259,8 @@ def engine_label(r: dict) -> str:
     opts = r.get("engine_options") or {}
     if not opts:
         return r["engine"]
-    shown = [k if v is True else "%s=%s" % (k, v) for k, v in sorted(opts.items())]
+    shown = [k if v is True else "%s=%g" % (k, v) if isinstance(v, float) else "%s=%s" % (k, v)
+             for k, v in sorted(opts.items())]
     return "%s (%s)" % (r["engine"], ", ".join(shown))
 
 
