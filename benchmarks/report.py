@@ -380,15 +380,15 @@ def chart(doc: dict, path) -> bool:
     """Speedup against fp32 per case (one panel each), variant and language, each bar labelled
     with its own ms/step and each panel with fp32's, so that languages compare in absolute
     time too (each is normalised to its own fp32); False without matplotlib."""
+    recs = single(doc["records"])
+    if not recs:  # across processes only: the tables say it all
+        return False
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         print("report: matplotlib is not installed; no chart written", file=sys.stderr)
-        return False
-    recs = single(doc["records"])
-    if not recs:  # across processes only: the tables say it all
         return False
     cases = list(dict.fromkeys(r["case"] for r in recs))
     variants = list(dict.fromkeys(r["variant"] for r in recs if r["variant"] != "fp32"))
