@@ -124,8 +124,13 @@ def run_world(a, device, cases, variants, engines, world, env, out: Path, bench,
     while start < len(items):
         print("== %d process(es): items %d-%d of %d" % (world, start + 1, len(items), len(items)),
               file=sys.stderr, flush=True)
+        # The runner's watchdog bounds each item; this bounds the launch as a whole (a
+        # start-up that never reaches the watchdog), and by the budget when there is one.
+        limit = a.run_timeout * (len(items) - start + 2) + LAUNCH_SLACK_S
+        if deadline is not None:
+            limit = min(limit, deadline - time.time() + a.run_timeout + LAUNCH_SLACK_S)
         rc, tail = launch(worker_cmd(a, device, cases, variants, world, start, events, threads, deadline), env, log,
-                          a.run_timeout * (len(items) - start) + LAUNCH_SLACK_S)
+                          limit)
         got = bench.read_events(events)
         done = set(got["records"]) | set(got["checks"]) | set(failed)
         left = [i for i in range(start, len(items)) if i not in done]

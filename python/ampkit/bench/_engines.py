@@ -14,8 +14,9 @@ slowest rank's. Rank 0 appends what happens to a JSON-lines file as it goes (the
 context, a ``start`` line before each item, then its record or check), so that when a
 rank stalls the launcher knows which item it was, records it as failed and starts again
 after it (``--from-item``). A stalled item cannot hang the suite: a watchdog
-(``faulthandler.dump_traceback_later``) ends the process after ``run_timeout`` seconds
-with every thread's stack on stderr, torchrun then stops the other ranks.
+(``faulthandler.dump_traceback_later``, re-armed for the start-up, each item and the
+teardown) ends the process after ``run_timeout`` seconds with every thread's stack on
+stderr, and torchrun then stops the other ranks.
 
 Every rank trains on the same seeded batches (the timing does not depend on the values);
 throughput is world size x batch size / step time, and the scaling efficiency of an
@@ -45,6 +46,7 @@ DDP_OPTIONS = {"gradient_as_bucket_view": bool, "static_graph": bool, "bucket_ca
 DDP_CAPTURE_WARMUP = 11
 TRAIN_STEP_WARMUP = 3  # make_train_step's default
 CHECK_STEPS = 12
+START_S = 120  # the least the watchdog gives the rendezvous and the teardown
 # The layers FSDP2 shards one by one (then the root): the encoder layers of the cases.
 SHARDED_LAYERS = ("EncoderLayer",)
 
@@ -173,10 +175,10 @@ class Placement:
         return DDP_CAPTURE_WARMUP if (self.engine.name, self.device) == ("ddp", "cuda") else TRAIN_STEP_WARMUP
 
     def warmup_steps(self, variant, profile_warmup: int) -> int:
-        """Untimed steps: the profile's, and for a train step enough for its capture to have
-        happened (its warm-up, the capture, one replay) before the clock starts."""
+        """Untimed steps: the profile's, and on CUDA for a train step enough for its capture
+        to have happened (its warm-up, the capture, one replay) before the clock starts."""
         warm = variant.warmup_steps(profile_warmup)
-        if variant.runner == "train_step":
+        if variant.runner == "train_step" and self.device == "cuda":
             warm = max(warm, self.train_step_warmup() + 2)
         return warm
 
@@ -336,6 +338,9 @@ def run_items(items, start: int, *, profile: str, device: str, seed: int, repeat
     if "WORLD_SIZE" not in os.environ:
         raise RuntimeError("the --engines runner runs under torchrun (python -m torch.distributed.run "
                            "--nproc-per-node N -m ampkit.bench ...); benchmarks/run.py --gpus N launches it")
+    # The watchdog covers everything after the imports: the rendezvous and the teardown
+    # (within max(run_timeout, START_S)) and each item, its case's build included.
+    faulthandler.dump_traceback_later(max(run_timeout, START_S), exit=True, file=sys.stderr)
     init_process_group(device, run_timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     events = Events(out, rank)
@@ -354,12 +359,12 @@ def run_items(items, start: int, *, profile: str, device: str, seed: int, repeat
                 if rank == 0:
                     print("[ranks x%d] %d item(s) %s" % (world, len(items) - i, reason), file=sys.stderr, flush=True)
                 break
-            if built is None or built.name != item.case:
-                built = None  # free the previous case's batches first
-                built = bench.build_case(item.case, profile, seed=seed, device=device, repeats=repeats)
             events.write(start=i, item=item.describe())
             faulthandler.dump_traceback_later(run_timeout, exit=True, file=sys.stderr)
             t0 = time.perf_counter()
+            if built is None or built.name != item.case:
+                built = None  # free the previous case's batches first
+                built = bench.build_case(item.case, profile, seed=seed, device=device, repeats=repeats)
             placement = Placement(item.engine, device)
             if item.kind == "check":
                 try:
@@ -379,13 +384,14 @@ def run_items(items, start: int, *, profile: str, device: str, seed: int, repeat
                 if rank == 0:
                     progress("ranks x%d" % world, i + 1, len(items), dict(rec, case="%s / %s" % (
                         rec["case"], item.engine.label())))
-            faulthandler.cancel_dump_traceback_later()
             if device == "cuda":
                 torch.cuda.empty_cache()
     finally:
         events.close()
+        faulthandler.dump_traceback_later(max(run_timeout, START_S), exit=True, file=sys.stderr)
         if dist.is_initialized():
             dist.destroy_process_group()
+        faulthandler.cancel_dump_traceback_later()
 
 
 def read_events(path) -> dict:
