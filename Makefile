@@ -16,12 +16,15 @@ R_ENV := RETICULATE_PYTHON=$(CURDIR)/$(VPY) R_LIBS=$(RLIB) OMP_NUM_THREADS=1 \
 
 # Benchmark options: make bench PROFILE=full CASES=seed_mlp VARIANTS=fp32,torch_amp LANGS=python REPEATS=5
 # BUDGET: seconds the runs may take (default for the cpu profile: benchmarks/run.py's; 0: none).
+# GPUS=N: across N processes under torchrun (Python only; ENGINES=ddp,fsdp2), see docs/bench.md.
 PROFILE ?= cpu
 CASES ?=
 VARIANTS ?=
 LANGS ?= python,r
 REPEATS ?=
 BUDGET ?=
+GPUS ?=
+ENGINES ?=
 BENCH_OUT ?= benchmarks/results
 
 .PHONY: setup setup-python setup-r test test-python test-r check-r bench clean
@@ -68,7 +71,8 @@ check-r: setup
 	    test $$rc -eq 0 && grep -Eq '^Status: (OK|[0-9]+ NOTEs?)$$' check.log; }
 
 bench: setup
-	$(VPY) benchmarks/run.py --profile $(PROFILE) --langs $(LANGS) --out $(BENCH_OUT) \
+	$(VPY) benchmarks/run.py --profile $(PROFILE) --out $(BENCH_OUT) \
+	  $(if $(GPUS),--gpus $(GPUS) $(if $(ENGINES),--engines $(ENGINES)),--langs $(LANGS)) \
 	  $(if $(CASES),--cases $(CASES)) $(if $(VARIANTS),--variants $(VARIANTS)) $(if $(REPEATS),--repeats $(REPEATS)) \
 	  $(if $(BUDGET),--budget $(BUDGET))
 

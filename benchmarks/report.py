@@ -4,7 +4,8 @@
     python benchmarks/report.py part1/results.json part2/results.json --out-dir DIR   # merge runs
 
 Writes DIR/report.md (the context, one table row per case x variant x language,
-ampkit's variants against the torch.compile rivals, and where we stand on the issue's goals) and DIR/report.png (speedup against fp32 per case,
+ampkit's variants against the torch.compile rivals, the runs across GPUs with their
+throughput and scaling efficiency, and where we stand on the issue's goals) and DIR/report.png (speedup against fp32 per case,
 variant and language, with the range of the samples), and prints the table. Ratios are
 given as median [low, high], where low and high come from the extremes of the samples; a
 ratio whose whole range lies past 1 +/- 5% is flagged 'faster' or 'slower'.
@@ -74,10 +75,15 @@ def row(rec: dict) -> list:
     ]
 
 
+def single(records: list) -> list:
+    """The single-process records (those across processes have their own section)."""
+    return [r for r in records if r.get("world_size") is None]
+
+
 def table(doc: dict) -> str:
-    """The markdown table: one row per record, in the order case, variant, language."""
+    """The markdown table: one row per single-process record, in the order case, variant, language."""
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    for rec in doc["records"]:
+    for rec in single(doc["records"]):
         lines.append("| " + " | ".join(row(rec)) + " |")
     return "\n".join(lines)
 
@@ -92,7 +98,7 @@ def compiled(doc: dict) -> str:
     compiled run: its status, compile seconds (outside the timed steps) and note. Empty
     when the document has neither (e.g. results written before the compiled variants)."""
     from ampkit.bench import RIVALS
-    recs = doc["records"]
+    recs = single(doc["records"])
     runs = [r for r in recs if r.get("compile", "none") != "none"]
     ours = [r for r in recs if r["variant"] in OURS]
     if not runs:
@@ -143,7 +149,7 @@ def context_lines(doc: dict) -> str:
 
 
 def _find(doc, case, variant, lang):
-    for r in doc["records"]:
+    for r in single(doc["records"]):
         if (r["case"], r["variant"], r["language"]) == (case, variant, lang) and r["status"] == "ok":
             return r
     return None
@@ -185,13 +191,16 @@ def goals(doc: dict) -> str:
     def say(ok, text):
         out.append("- %s %s" % ("n/a" if ok is None else ("met" if ok else "NOT met"), text))
 
+    out += across_goals(doc)
+    if not single(doc["records"]):
+        return "\n".join(out + _failed(doc))
     for case in ("seed_mlp", "transformer"):
         r = _find(doc, case, "ampkit_amp", "python")
         s = r and r["speedup_vs_fp32"]
         ok = None if not s else s["value"] >= 2.0 - _EPS
         say(ok, "ampkit_amp >= 2x fp32 on %s (python): %s" % (
             case, fmt_ratio(s, "x", _digits(s["value"], 2.0, ok, at_least=True)) if s else "-"))
-    for case in sorted({r["case"] for r in doc["records"]}):
+    for case in sorted({r["case"] for r in single(doc["records"])}):
         for lang in doc["context"]["languages"]:
             r = _find(doc, case, "ampkit_amp", lang)
             t = r and r["time_vs_torch_amp"]
@@ -205,7 +214,7 @@ def goals(doc: dict) -> str:
             ok = None if not t else t["value"] <= 1.15 + _EPS
             say(ok, "R within 15%% of Python on %s / %s: time ratio %s" % (
                 case, variant, fmt_ratio(t, "", _digits(t["value"], 1.15, ok)) if t else "-"))
-    worst = [(r["loss_rel_diff_vs_fp32"], r) for r in doc["records"]
+    worst = [(r["loss_rel_diff_vs_fp32"], r) for r in single(doc["records"])
              if r["status"] == "ok" and r["dtype"] and r["loss_rel_diff_vs_fp32"] is not None]
     if worst:
         d, r = max(worst, key=lambda t: t[0])
@@ -213,23 +222,140 @@ def goals(doc: dict) -> str:
         pct = fmt_pct(d, _digits(100 * d, 1.0, ok))
         say(ok, "final loss of every AMP variant within 1%% of fp32: worst %s (%s / %s / %s)"
             % (pct, r["case"], r["variant"], r["language"]))
-    for case in sorted({r["case"] for r in doc["records"]}):
+    for case in sorted({r["case"] for r in single(doc["records"])}):
         a, t = _find(doc, case, "ampkit_amp", "python"), _find(doc, case, "torch_amp", "python")
         if a and t and a["peak_memory_bytes"] is not None and t["peak_memory_bytes"] is not None:
             diff = a["peak_memory_bytes"] - t["peak_memory_bytes"]
             say(diff <= MEMORY_TOLERANCE_BYTES,
                 "peak memory of ampkit_amp no higher than torch_amp's on %s (python; within 1 MiB): %s vs %s (%s)"
                 % (case, fmt_bytes(a["peak_memory_bytes"]), fmt_bytes(t["peak_memory_bytes"]), _fmt_diff(diff)))
+    return "\n".join(out + _failed(doc))
+
+
+def _where(r: dict) -> str:
+    """'' for a single process, else ' (DDP options, N processes)'-like, for lists of runs."""
+    if r.get("world_size") is None:
+        return ""
+    return "/%s/x%d" % (engine_label(r), r["world_size"])
+
+
+def _failed(doc: dict) -> list:
     failed = [r for r in doc["records"] if r["status"] == "failed"]
-    if failed:
-        out.append("- %d run(s) failed: %s" % (len(failed), ", ".join(
-            "%s/%s/%s" % (r["case"], r["variant"], r["language"]) for r in failed)))
-    return "\n".join(out)
+    if not failed:
+        return []
+    return ["- %d run(s) failed: %s" % (len(failed), ", ".join(
+        "%s/%s/%s%s" % (r["case"], r["variant"], r["language"], _where(r)) for r in failed))]
+
+
+# --- across processes (benchmarks/run.py --gpus N) -----------------------------------------
+
+# The issue's targets across GPUs: ampkit_step's throughput against torch_amp's on the
+# transformer, and its scaling efficiency against torch_amp's (same engine and options).
+ACROSS_TARGET_CASE = "transformer"
+ACROSS_MIN_THROUGHPUT = 1.2
+
+
+def engine_label(r: dict) -> str:
+    opts = r.get("engine_options") or {}
+    if not opts:
+        return r["engine"]
+    shown = [k if v is True else "%s=%g" % (k, v) if isinstance(v, float) else "%s=%s" % (k, v)
+             for k, v in sorted(opts.items())]
+    return "%s (%s)" % (r["engine"], ", ".join(shown))
+
+
+def _throughput_ratio(t):
+    """A time ratio (this / torch_amp) turned into a throughput ratio (this / torch_amp's)."""
+    if not t:
+        return None
+    return {"value": 1 / t["value"], "low": 1 / t["high"], "high": 1 / t["low"], "change": t["change"]}
+
+
+def _eff(r) -> str:
+    e = r.get("scaling_efficiency")
+    return "-" if not e else "%.3f [%.3f, %.3f]" % (e["value"], e["low"], e["high"])
+
+
+def across(doc: dict) -> str:
+    """The multi-process section: per case, engine (with options), variant and process
+    count, the step time, the throughput of all processes, the throughput against
+    torch_amp's (same engine, options and count) and the scaling efficiency; then the
+    captured-against-eager checks. Empty when the document has no such records."""
+    recs = [r for r in doc["records"] if r.get("world_size") is not None]
+    if not recs:
+        return ""
+    cols = ["case", "engine", "variant", "processes", "ms/step median [min, max]", "samples/s",
+            "throughput vs torch_amp", "scaling efficiency"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    key = lambda r: (r["case"], engine_label(r), r["variant"], r["world_size"])  # noqa: E731
+    order = {k: i for i, k in enumerate(dict.fromkeys((r["case"], engine_label(r), r["variant"]) for r in recs))}
+    for r in sorted(recs, key=lambda r: (order[key(r)[:3]], r["world_size"])):
+        ok = r["status"] == "ok"
+        lines.append("| " + " | ".join([
+            r["case"], engine_label(r), variant_label(r), str(r["world_size"]), status_cell(r),
+            "%.1f" % r["samples_per_s"] if ok and r.get("samples_per_s") else "-",
+            fmt_ratio(_throughput_ratio(r["time_vs_torch_amp"]), "x") if ok else "-",
+            _eff(r) if ok else "-"]) + " |")
+    parts = ["Each process trains its own batch (the case's batch size) on its own GPU (on the "
+             "CPU, gloo processes share the cores); a step's time is the slowest process's. "
+             "samples/s = processes x batch size / ms per step. Throughput vs torch_amp: same "
+             "case, engine, options and processes (> 1 is faster). Scaling efficiency: N-process "
+             "throughput / (N x 1-process throughput) of the same case, variant, engine and "
+             "options, i.e. the 1-process step time over the N-process one (1 is perfect).",
+             "\n".join(lines)]
+    checks = doc["context"].get("distributed_checks") or []
+    if checks:
+        cols = ["case", "engine", "processes", "captured", "eager runs repeatable", "losses equal",
+                "parameters equal", "max parameter diff", "replicas agree", "every rank equal"]
+        rows = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        yes = lambda v: "-" if v is None else ("yes" if v else "no")  # noqa: E731
+        for c in checks:
+            head = [c["case"], engine_label(c), str(c["world_size"])]
+            if c.get("error") or c.get("skipped"):
+                why = c.get("error") or c["skipped"]
+                why = why if len(why) <= 160 else why[:157] + "..."
+                rows.append("| " + " | ".join(head + [("FAILED: " if c.get("error") else "skipped: ")
+                                                      + why.replace("|", "/")] + ["-"] * (len(cols) - 4)) + " |")
+                continue
+            rows.append("| " + " | ".join(head + [
+                yes(c["captured"]) + ("" if c["captured"] else " (%s)" % (c.get("eager_reason") or "")),
+                yes(c["eager_repeatable"]), yes(c["losses_equal"]), yes(c["params_equal"]),
+                "%.3g" % c["max_param_diff"], yes(c.get("replicas_agree")), yes(c["all_ranks_equal"])]) + " |")
+        parts += ["### make_train_step captured against eager (12 steps, bitwise, per rank)",
+                  "A second eager run tells kernels that are not deterministic (the captured run "
+                  "then cannot be bitwise equal either) from a capture that differs.", "\n".join(rows)]
+    return "\n\n".join(parts)
+
+
+def across_goals(doc: dict) -> list:
+    """The targets across GPUs, per engine configuration with more than one process on
+    the transformer: ampkit_step >= 1.2x torch_amp's throughput, and a scaling efficiency
+    at least torch_amp's. Inclusive bounds, as for the other goals."""
+    out = []
+    recs = [r for r in doc["records"] if r.get("world_size", 1) > 1 and r["status"] == "ok"
+            and r["case"] == ACROSS_TARGET_CASE]
+    for (label, world) in dict.fromkeys((engine_label(r), r["world_size"]) for r in recs):
+        def get(variant):
+            return next((r for r in recs if (engine_label(r), r["world_size"], r["variant"]) == (label, world, variant)), None)
+        step, torch_amp = get("ampkit_step"), get("torch_amp")
+        where = "%s, %s, %d processes" % (ACROSS_TARGET_CASE, label, world)
+        t = _throughput_ratio(step and step["time_vs_torch_amp"])
+        ok = None if not t else t["value"] >= ACROSS_MIN_THROUGHPUT - _EPS
+        out.append("- %s ampkit_step >= %.1fx torch_amp's throughput (%s): %s" % (
+            "n/a" if ok is None else ("met" if ok else "NOT met"), ACROSS_MIN_THROUGHPUT, where,
+            fmt_ratio(t, "x", _digits(t["value"], ACROSS_MIN_THROUGHPUT, ok, at_least=True)) if t else "-"))
+        e, f = step and step.get("scaling_efficiency"), torch_amp and torch_amp.get("scaling_efficiency")
+        ok = None if not (e and f) else e["value"] >= f["value"] - _EPS
+        out.append("- %s ampkit_step's scaling efficiency >= torch_amp's (%s): %s vs %s" % (
+            "n/a" if ok is None else ("met" if ok else "NOT met"), where,
+            "%.3f" % e["value"] if e else "-", "%.3f" % f["value"] if f else "-"))
+    return out
 
 
 def markdown(doc: dict) -> str:
     against_compile = compiled(doc)
-    return "\n\n".join([
+    spread = across(doc)
+    head = [
         "# ampkit benchmark report (%s profile)" % doc["context"]["profile"],
         context_lines(doc),
         "ms/step: median over the timed repeats (one epoch each, after warm-up) with the "
@@ -237,8 +363,10 @@ def markdown(doc: dict) -> str:
         "'faster'/'slower' when the whole range lies past 1 +/- 5%. Speedup vs fp32 > 1 is "
         "faster; time vs torch_amp and R / Python time < 1 are faster. Final loss: mean "
         "training loss over the last repeat.",
-        table(doc),
-    ] + (["## ampkit against torch.compile", against_compile] if against_compile else []) + [
+    ]
+    return "\n\n".join(head + ([table(doc)] if single(doc["records"]) else []) + (
+        ["## ampkit against torch.compile", against_compile] if against_compile else []) + (
+        ["## Across GPUs", spread] if spread else []) + [
         "## Goals (they are set for the GPU)",
         goals(doc),
     ]) + "\n"
@@ -252,6 +380,9 @@ def chart(doc: dict, path) -> bool:
     """Speedup against fp32 per case (one panel each), variant and language, each bar labelled
     with its own ms/step and each panel with fp32's, so that languages compare in absolute
     time too (each is normalised to its own fp32); False without matplotlib."""
+    recs = single(doc["records"])
+    if not recs:  # across processes only: the tables say it all
+        return False
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -259,7 +390,6 @@ def chart(doc: dict, path) -> bool:
     except ImportError:
         print("report: matplotlib is not installed; no chart written", file=sys.stderr)
         return False
-    recs = doc["records"]
     cases = list(dict.fromkeys(r["case"] for r in recs))
     variants = list(dict.fromkeys(r["variant"] for r in recs if r["variant"] != "fp32"))
     langs = doc["context"]["languages"] or ["python"]
@@ -325,7 +455,7 @@ def main(argv=None) -> int:
     if len(docs) > 1:
         write_document(out_dir / "results.json", doc["context"], doc["records"])
     md = write(doc, out_dir)
-    print(table(doc))
+    print(table(doc) if single(doc["records"]) else across(doc))
     print("\n" + goals(doc))
     print("\nreport: %s" % md)
     return 0

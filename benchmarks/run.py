@@ -3,6 +3,14 @@
     python benchmarks/run.py --profile cpu --langs python,r --out benchmarks/results \
         [--cases seed_mlp,transformer] [--variants fp32,torch_amp,ampkit_amp] [--repeats 5] \
         [--device auto|cpu|cuda] [--threads N] [--rscript "Rscript"]
+    python benchmarks/run.py --gpus N [--engines ddp,fsdp2] [--ddp-options SPEC ...] [--check] ...
+
+With --gpus N it runs across processes instead (Python only): torchrun launches the
+Python runner with 1 process and then with N (one per GPU; on the CPU, gloo processes),
+for each case x engine x variant (by default transformer and text_classifier, DDP and
+FSDP2, torch_amp, ampkit_amp and ampkit_step), so that each N-process record has its
+scaling efficiency. A run that stalls is stopped by the runner's watchdog (--run-timeout
+seconds), recorded as failed with where it stalled, and the launch starts again after it.
 
 `make bench` calls this. Each language runs in its own process (the Python runner is
 `python -m ampkit.bench`, the R runner `Rscript benchmarks/run.R`), never two at once,
@@ -36,7 +44,7 @@ DEFAULT_BUDGET_S = 400
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", default="cpu")
-    p.add_argument("--langs", default="python,r", help="comma-separated: python, r")
+    p.add_argument("--langs", default=None, help="comma-separated: python, r (default: both; with --gpus: python)")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="output folder")
     p.add_argument("--cases", default="")
     p.add_argument("--variants", default="")
@@ -48,9 +56,23 @@ def parse_args(argv=None):
     p.add_argument("--budget", type=float, default=None,
                    help="seconds the runs may take: each case is calibrated and, where the estimate is "
                         "over, its run lengths (then batch size) cut; every variant still runs "
-                        "(default: %d for the cpu profile on the CPU, else none; 0: none)" % DEFAULT_BUDGET_S)
+                        "(default: %d for the cpu profile on the CPU, else none; 0: none); with --gpus: the runs "
+                        "not started in time are recorded as skipped, each world size getting an equal "
+                        "share of the time left" % DEFAULT_BUDGET_S)
     p.add_argument("--rscript", default=os.environ.get("AMPKIT_RSCRIPT", "Rscript"),
                    help="command that runs an R script (default: Rscript; on the GPU machine the r-on-device wrapper)")
+    g = p.add_argument_group("across GPUs (--gpus)")
+    g.add_argument("--gpus", type=int, default=None,
+                   help="run across N processes, one per GPU (on the CPU: gloo processes), and 1 for the "
+                        "scaling efficiency")
+    g.add_argument("--engines", default="ddp,fsdp2", help="comma-separated: ddp, fsdp2")
+    g.add_argument("--ddp-options", action="append", default=None, metavar="SPEC",
+                   help="a DDP configuration, 'default' or key=value,... among gradient_as_bucket_view, "
+                        "static_graph, bucket_cap_mb; repeat to run several (default: DDP's defaults)")
+    g.add_argument("--check", action="store_true",
+                   help="with N > 1: also compare make_train_step captured and eager, per case and engine")
+    g.add_argument("--run-timeout", type=float, default=300.0,
+                   help="seconds one run (or check) may take before it is stopped and recorded as failed")
     return p.parse_args(argv)
 
 
@@ -166,10 +188,13 @@ def plan_budget(a, cases, variants, langs, device, threads):
 def main(argv=None) -> int:
     t_start = time.perf_counter()
     a = parse_args(argv)
+    if a.gpus is not None:
+        import across
+        return across.main(a, REPO, runner_env, t_start)
     from ampkit import bench
     import report
     try:
-        langs = bench.select(a.langs, LANGS, "language")
+        langs = bench.select(a.langs or ",".join(LANGS), LANGS, "language")
         cases, variants = bench.plan(a.profile, a.cases, a.variants)
         device = bench.resolve_device(a.device)
         if a.repeats is not None and a.repeats < 1:

@@ -5,8 +5,14 @@ good. Whether the ranks already agree depends on how the gradients are laid out:
 
 - DDP: gradients are all-reduced before the scaler reads them, so every rank sees the
   same inf/NaN: nothing to do.
-- FSDP2 (``fully_shard``) and other DTensor gradients: torch's inf check on a DTensor
-  reduces its flag over the mesh itself: nothing to do.
+- FSDP2 (``fully_shard``) and other DTensor gradients: torch's unscaling check on a
+  DTensor reduces its flag over the mesh itself. The read-only check of the fused path
+  cannot go through DTensor: its inf-norm raises on an empty local shard (a parameter
+  whose first dimension is smaller than the world size, such as a ``Linear(d, 1)`` head,
+  leaves some ranks an empty shard), and a rank that raises while the others enter the
+  next collective hangs them all. So that check reads each rank's local shard
+  (:func:`local_shards`, empty ones dropped) and all-reduces its flag over the mesh
+  (:func:`reduce_over`): one collective of one float a device, on every rank alike.
 - FSDP1 (``FullyShardedDataParallel``): each rank holds a plain local shard of the
   gradients, so an overflow in rank 1's shard is invisible to rank 0. The flag is
   all-reduced (``MAX``) over the process group: one collective of one float a device,
@@ -25,7 +31,7 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["InfFlagSync"]
+__all__ = ["InfFlagSync", "local_shards", "reduce_over"]
 
 
 def _dist():
@@ -41,6 +47,34 @@ def _is_flat_parameter(p: torch.Tensor) -> bool:
 
 def _group_name(group: Any) -> str:
     return "the default group" if group is None else f"process group {group!r}"
+
+
+def local_shards(tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[Any]]:
+    """(each tensor's local part, the process groups of the DTensors' meshes).
+
+    Plain tensors pass through; a DTensor gives its local shard and its mesh's groups
+    (one per mesh dimension, deduplicated). Empty shards are kept: the caller decides.
+    """
+    local, groups = [], []
+    for t in tensors:
+        mesh = getattr(t, "device_mesh", None)
+        if mesh is None or not hasattr(t, "to_local"):
+            local.append(t)
+            continue
+        local.append(t.to_local())
+        for group in mesh.get_all_groups():
+            if not any(group is g for g in groups):
+                groups.append(group)
+    return local, groups
+
+
+def reduce_over(flags: Sequence[torch.Tensor], groups: Sequence[Any]) -> None:
+    """All-reduce (MAX) each flag in place over each group: no host sync, capturable."""
+    dist = _dist()
+    for group in groups:
+        works = [dist.all_reduce(f, op=dist.ReduceOp.MAX, group=group, async_op=True) for f in flags]
+        for work in works:
+            work.wait()  # on CUDA: the stream waits, the host does not
 
 
 class InfFlagSync:
@@ -101,13 +135,7 @@ class InfFlagSync:
 
     def combine(self, found_per_device: dict[torch.device, torch.Tensor]) -> None:
         """All-reduce (MAX) every per-device flag in place: 1.0 on every rank if any had 1.0."""
-        dist = _dist()
-        works = [
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-            for flag in found_per_device.values()
-        ]
-        for work in works:
-            work.wait()  # on CUDA: the stream waits, the host does not
+        reduce_over(list(found_per_device.values()), [self.group])
 
     def check_settings(self, settings: Sequence[Any], device: str) -> None:
         """Once, at the first step of a distributed run: the same settings on every rank.

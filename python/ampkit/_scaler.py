@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ._distributed import InfFlagSync
+from ._distributed import InfFlagSync, local_shards, reduce_over
 
 __all__ = ["GradScaler", "OptState", "ScalerStats", "cuda_amp_grad_scaler", "HISTORY_SIZE"]
 
@@ -211,6 +211,7 @@ def _finite_probes(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     max |g| (the inf-norm, NaN-propagating) of every non-empty gradient: one multi-tensor
     kernel on CUDA. The CPU's ``_foreach_norm`` is a scalar loop (about 20x slower than
     torch's check), so there it is (min, max) per gradient, vectorized and NaN-propagating.
+    ``grads`` are plain tensors (DTensors' local shards: see ``found_inf``).
     """
     grads = [g for g in grads if g.numel()]  # an empty gradient holds nothing to check
     if not grads:
@@ -306,7 +307,8 @@ class GradScaler:
         process_group: the ranks whose inf flags are combined (one all-reduce of one
             float a device, no host sync). ``None`` (default) detects it: FSDP1's sharded
             gradients are reduced over the default group; DDP's (already all-reduced) and
-            FSDP2's (DTensor, reduced by torch's check) need nothing. See docs/distributed.md.
+            FSDP2's (DTensor: reduced over the mesh by the check) need nothing. See
+            docs/distributed.md.
 
     Example (runs on CPU; a fused optimizer on CUDA makes it sync-free)::
 
@@ -638,17 +640,25 @@ class GradScaler:
             )
         found_per_device: dict[torch.device, torch.Tensor] = {}
         inv_scale = self._scale.double().reciprocal().float() if unscale else None
+        mesh_groups: list = []
         with torch.no_grad():
             for (device, _), grads in grouped.items():
                 found = found_per_device.get(device)
                 if found is None:
                     found = found_per_device[device] = torch.zeros((), device=device)
                 if inv_scale is None:
+                    # DTensor gradients (FSDP2) are read on their local shards, where an
+                    # empty shard is dropped (its inf-norm would raise on this rank alone),
+                    # and the flag is reduced over their meshes below, on every rank.
+                    grads, groups = local_shards(grads)
+                    mesh_groups += [g for g in groups if not any(g is h for h in mesh_groups)]
                     grads, inv = _finite_probes(grads), self._one(device)
-                else:
+                else:  # torch's check on DTensors reduces the flag over the mesh itself
                     inv = inv_scale if inv_scale.device == device else inv_scale.to(device)
                 if grads:
                     torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+        if mesh_groups:
+            reduce_over(list(found_per_device.values()), mesh_groups)
         return found_per_device
 
     def _one(self, device: torch.device) -> torch.Tensor:

@@ -21,14 +21,15 @@ import torch.distributed as dist
 
 import ampkit
 
+ENGINES = ("ddp", "fsdp1", "fsdp2", "fsdp2_fused")
 STEPS = 5
 OVERFLOW_AT = 2
 INIT_SCALE = 1024.0
 
 
-def _model():
+def _model(outputs: int = 4):
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, outputs))
 
 
 def _wrap(engine: str, model: torch.nn.Module) -> torch.nn.Module:
@@ -61,8 +62,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def train(engine: str, kind: str, rank: int) -> list[dict]:
-    model = _wrap(engine, copy.deepcopy(_model()))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    """``fsdp2_fused``: FSDP2 with a one-output head, whose (1, 16) weight and (1,) bias
+    leave rank 1 empty local shards, and fused AdamW (the scaler's read-only check)."""
+    fused = engine == "fsdp2_fused"
+    engine = "fsdp2" if fused else engine
+    model = _wrap(engine, copy.deepcopy(_model(1 if fused else 4)))
+    opt = (torch.optim.AdamW(model.parameters(), lr=0.1, fused=True) if fused
+           else torch.optim.SGD(model.parameters(), lr=0.1))
     scaler = _scaler(engine, kind)
     region = ampkit.autocast if kind == "ampkit" else torch.autocast
     data = torch.Generator().manual_seed(100 + rank)
@@ -119,7 +125,7 @@ def run(rank: int, world: int, port: int, out_dir: str) -> None:
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         result = {}
-        for engine in ("ddp", "fsdp1", "fsdp2"):
+        for engine in ENGINES:
             result[engine] = {kind: train(engine, kind, rank) for kind in ("ampkit", "torch")}
         result["misuse"] = misuse(rank)
     except Exception:  # noqa: BLE001 - the test reports the rank's traceback

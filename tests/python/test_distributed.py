@@ -21,7 +21,7 @@ if not dist.is_available() or not dist.is_gloo_available():
 
 import distributed_workers as workers  # noqa: E402
 
-ENGINES = ("ddp", "fsdp1", "fsdp2")
+ENGINES = workers.ENGINES
 TIMEOUT_S = 240
 
 

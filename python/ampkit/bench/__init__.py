@@ -50,6 +50,16 @@ from ampkit.bench._budget import estimate_s
 from ampkit.bench._budget import fit as fit_budget
 from ampkit.bench._budget import notches
 from ampkit.bench._budget import write_sized_cases
+from ampkit.bench._engines import DDP_OPTIONS
+from ampkit.bench._engines import ENGINES
+from ampkit.bench._engines import Engine
+from ampkit.bench._engines import Placement
+from ampkit.bench._engines import check_capture
+from ampkit.bench._engines import parse_engines
+from ampkit.bench._engines import plan_runs
+from ampkit.bench._engines import read_events
+from ampkit.bench._engines import run_items
+from ampkit.bench._results import placement_key
 from ampkit.bench._runner import GROWTH_INTERVAL
 from ampkit.bench._runner import INIT_SCALE
 from ampkit.bench._runner import compile_counts
@@ -70,9 +80,13 @@ __all__ = [
     "Case",
     "COMPILE_S",
     "CpuCapability",
+    "DDP_OPTIONS",
+    "ENGINES",
+    "Engine",
     "GROWTH_INTERVAL",
     "INIT_SCALE",
     "PROFILES",
+    "Placement",
     "RIVALS",
     "ResolvedRun",
     "RunLength",
@@ -83,6 +97,7 @@ __all__ = [
     "calibrate",
     "capability_from",
     "check",
+    "check_capture",
     "compile_counts",
     "compile_model",
     "compile_note",
@@ -100,13 +115,18 @@ __all__ = [
     "make_record",
     "merge",
     "notches",
+    "parse_engines",
+    "placement_key",
+    "plan_runs",
     "peak_memory",
     "plan",
     "precision_flags",
     "progress",
     "read_document",
+    "read_events",
     "reset_peak_memory",
     "resolve_device",
+    "run_items",
     "run_variant",
     "resolve_run",
     "select",

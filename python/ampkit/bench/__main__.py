@@ -1,6 +1,10 @@
 """The Python runner: python -m ampkit.bench --profile cpu --out raw-python.json [options].
 
 benchmarks/run.py (make bench) calls this and benchmarks/run.R, then merges and reports.
+With --engines it runs across processes, under torchrun (benchmarks/run.py --gpus N
+launches it): python -m torch.distributed.run --nproc-per-node N -m ampkit.bench
+--engines ddp,fsdp2 [--ddp-options SPEC ...] [--check] [--from-item K] --out events.jsonl
+(see ampkit/bench/_engines.py); --out is then a JSON-lines log that rank 0 appends to.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import torch
 
 from ampkit.bench import _spec
 from ampkit.bench._build import build_case, resolve_device
+from ampkit.bench._engines import DDP_OPTIONS, ENGINES, parse_engines, plan_runs, run_items
 from ampkit.bench._results import context, write_document
 from ampkit.bench._runner import progress, run_variant
 
@@ -26,6 +31,17 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="results JSON file to write")
+    p.add_argument("--engines", default=None,
+                   help="across processes, under torchrun: comma-separated engines (%s)" % ", ".join(ENGINES))
+    p.add_argument("--ddp-options", action="append", default=None, metavar="SPEC",
+                   help="a DDP configuration to run ('default' or key=value,... among %s); repeat "
+                        "for several" % ", ".join(DDP_OPTIONS))
+    p.add_argument("--check", action="store_true", help="with --engines: also check captured against eager steps")
+    p.add_argument("--from-item", type=int, default=0, help="with --engines: the first item of the plan to run")
+    p.add_argument("--run-timeout", type=float, default=300.0,
+                   help="with --engines: seconds one item may take before the process ends with its stack")
+    p.add_argument("--deadline", type=float, default=None,
+                   help="with --engines: a Unix time after which the items left are recorded as skipped")
     return p.parse_args(argv)
 
 
@@ -36,11 +52,17 @@ def main(argv=None) -> int:
         device = resolve_device(a.device)
         if a.repeats is not None and a.repeats < 1:
             raise ValueError("--repeats must be >= 1, got %d" % a.repeats)
+        engines = parse_engines(a.engines, a.ddp_options) if a.engines is not None else None
     except ValueError as e:
         print("error: %s" % e, file=sys.stderr)
         return 2
     if a.threads:
         torch.set_num_threads(a.threads)
+    if engines is not None:
+        items = plan_runs([c.name for c in cases], engines, [v.name for v in variants], a.check)
+        run_items(items, a.from_item, profile=a.profile, device=device, seed=a.seed, repeats=a.repeats,
+                  out=a.out, run_timeout=a.run_timeout, deadline=a.deadline)
+        return 0
     variants = [v for v in variants if "python" in v.languages]
     total, records = len(cases) * len(variants), []
     for case in cases:

@@ -20,7 +20,8 @@ from ampkit.bench._spec import Case, Variant
 @dataclasses.dataclass(frozen=True)
 class ResolvedRun:
     """One case x variant x language as it runs: the variant's dtype for the device, the
-    profile's sizes and run lengths (``repeats`` after any override), the variant's warm-up."""
+    profile's sizes and run lengths (``repeats`` after any override), the variant's warm-up;
+    across processes also the world size and the engine with its options (else None)."""
 
     case: str
     variant: Variant
@@ -32,12 +33,17 @@ class ResolvedRun:
     num_batches: int
     repeats: int
     warmup_steps: int
+    world_size: int | None = None
+    engine: str | None = None
+    engine_options: Mapping[str, Any] | None = None
 
 
 def resolve_run(case, variant: Variant, language: str, profile: str | None = None, device: str | None = None,
-                repeats: int | None = None) -> ResolvedRun:
+                repeats: int | None = None, placement=None) -> ResolvedRun:
     """Resolve a run of ``case`` (a BuiltCase, whose profile, device, sizes and repeats it
-    takes, or a Case with ``profile`` and ``device``) under ``variant`` from ``language``."""
+    takes, or a Case with ``profile`` and ``device``) under ``variant`` from ``language``;
+    ``placement`` (a run across processes, ``ampkit.bench.Placement``) adds its world
+    size, engine and options, and the warm-up a train step needs there."""
     if isinstance(case, Case):
         if profile is None or device is None:
             raise ValueError("resolve_run: a Case needs profile= and device= (a BuiltCase carries them)")
@@ -46,7 +52,11 @@ def resolve_run(case, variant: Variant, language: str, profile: str | None = Non
     else:  # a BuiltCase
         profile, device = case.profile, case.device
         name, sizes, n, reps, warm = case.name, case.sizes, case.num_batches, case.repeats, case.warmup_steps
+    spread = {} if placement is None else dict(
+        world_size=placement.world_size, engine=placement.engine.name,
+        engine_options=placement.engine.options_dict())
     return ResolvedRun(case=name, variant=variant, language=language, profile=profile, device=device,
                        dtype=variant.resolved_dtype(device), sizes=dict(sizes), num_batches=int(n),
                        repeats=int(repeats if repeats is not None else reps),
-                       warmup_steps=variant.warmup_steps(warm))
+                       warmup_steps=variant.warmup_steps(warm) if placement is None else
+                       placement.warmup_steps(variant, warm), **spread)

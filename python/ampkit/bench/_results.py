@@ -238,6 +238,11 @@ def make_record(run, *, status: str = "ok", samples_ms=None, final_loss=None, pe
         "time_vs_python": None,
         "loss_rel_diff_vs_fp32": None,
     }
+    if run.world_size is not None:  # across processes: where, and the throughput of all ranks
+        batch = run.sizes.get("batch_size")
+        rec.update(world_size=int(run.world_size), engine=run.engine, engine_options=dict(run.engine_options or {}),
+                   samples_per_s=(run.world_size * batch * 1000.0 / rec["median"]) if batch and rec["median"] else None,
+                   scaling_efficiency=None)
     return rec
 
 
@@ -256,20 +261,35 @@ def _ratio(num: dict, den: dict, speedup: bool = False):
     return {"value": value, "low": low, "high": high, "change": change}
 
 
+def placement_key(rec: dict) -> tuple:
+    """Where a record ran: () for a single process, else (engine, its options, world size).
+    Records compare only with records of the same placement."""
+    if rec.get("world_size") is None:
+        return ()
+    return (rec["engine"], json.dumps(rec.get("engine_options") or {}, sort_keys=True), rec["world_size"])
+
+
 def derive(records: list) -> list:
     """Fill the comparison fields of every record from the others of the same case (and language).
 
     speedup_vs_fp32 = fp32 time / this time (>1: faster), time_vs_<rival> = this time /
     the rival's for each of RIVALS (<1: faster), time_vs_python = this R time / the Python
     time of the same case and variant; loss_rel_diff_vs_fp32 = |loss - fp32 loss| / |fp32 loss|.
+    Each only against records of the same placement (``placement_key``). Across processes
+    also scaling_efficiency = the 1-process time / this time (same case, variant, engine and
+    options): N-process throughput / (N x 1-process throughput), 1 when it scales perfectly.
     """
-    idx = {(r["case"], r["variant"], r["language"]): r for r in records}
+    idx = {(r["case"], r["variant"], r["language"], placement_key(r)): r for r in records}
     for r in records:
-        fp32 = idx.get((r["case"], "fp32", r["language"]))
+        where = placement_key(r)
+        fp32 = idx.get((r["case"], "fp32", r["language"], where))
         r["speedup_vs_fp32"] = _ratio(fp32, r, speedup=True)
         for rival, field in RIVALS.items():
-            r[field] = _ratio(r, idx.get((r["case"], rival, r["language"])))
-        r["time_vs_python"] = _ratio(r, idx.get((r["case"], r["variant"], "python")))
+            r[field] = _ratio(r, idx.get((r["case"], rival, r["language"], where)))
+        r["time_vs_python"] = _ratio(r, idx.get((r["case"], r["variant"], "python", where)))
+        if where and r["world_size"] > 1:
+            one = idx.get((r["case"], r["variant"], r["language"], where[:2] + (1,)))
+            r["scaling_efficiency"] = _ratio(one, r, speedup=True)
         if fp32 and r["status"] == "ok" and fp32["status"] == "ok" and fp32["final_loss"]:
             r["loss_rel_diff_vs_fp32"] = abs(r["final_loss"] - fp32["final_loss"]) / abs(fp32["final_loss"])
         else:

@@ -129,7 +129,7 @@ def compile_note(variant: Variant, warmup_steps: int, before: dict, warm: dict, 
     return note + "; none in the timed steps"
 
 
-def make_step(variant: Variant, built: BuiltCase, model, opt, scaler):
+def make_step(variant: Variant, built: BuiltCase, model, opt, scaler, train_step_warmup: int = 3):
     """The training step of a variant: a function (inputs, targets) -> loss tensor."""
     device, loss_fn = built.device, built.loss_fn
     dtype = variant.resolved_dtype(device)
@@ -137,7 +137,8 @@ def make_step(variant: Variant, built: BuiltCase, model, opt, scaler):
     if variant.runner == "train_step":  # ampkit's graph-captured step
         import ampkit
         return ampkit.make_train_step(model, loss_fn, opt, scaler=scaler,
-                                      autocast=dict(device_type=device, dtype=dtype))
+                                      autocast=dict(device_type=device, dtype=dtype),
+                                      warmup=train_step_warmup)
     model = compile_model(variant, model)
     if variant.autocast == "torch":
         region = lambda: torch.autocast(device_type=device, dtype=dtype)  # noqa: E731
@@ -186,9 +187,12 @@ def skipped_from_scale(final_scale, total_steps: int):
     return max(0, int(round(math.log2(INIT_SCALE / final_scale))))
 
 
-def run_variant(built: BuiltCase, variant: Variant, language: str = "python") -> dict:
+def run_variant(built: BuiltCase, variant: Variant, language: str = "python", placement=None) -> dict:
     """Train `built` under `variant`; a record with status ok, skipped (with the reason) or
-    failed (with the error), never a zero."""
+    failed (with the error), never a zero. ``placement`` (``ampkit.bench.Placement``): run
+    across processes, on every rank at once: the model wrapped in its engine, a barrier
+    before each clock read, each sample the slowest rank's, and a run that failed on one
+    rank failed on all."""
     if not isinstance(variant, Variant):
         raise TypeError(
             "run_variant(built, variant): variant must be an ampkit.bench.Variant, got %r; "
@@ -196,21 +200,26 @@ def run_variant(built: BuiltCase, variant: Variant, language: str = "python") ->
             % (variant, variant if isinstance(variant, str) else "fp32",
                ", ".join(sorted(load_variants()))))
     device = built.device
-    common = dict(run=resolve_run(built, variant, language))
+    run = resolve_run(built, variant, language, placement=placement)
+    common = dict(run=run)
     reason = variant.skip_reason(device)
     if reason:
         return make_record(status="skipped", reason=reason, **common)
+    sync = (lambda: synchronize(device)) if placement is None else placement.sync
     t_start = time.perf_counter()
     model = opt = scaler = step = None
     try:
         reset_peak_memory(device)
         with precision_flags(variant, device):
             model = built.new_model()
+            if placement is not None:
+                model = placement.wrap(model)
             opt = built.new_optimizer(model, fused=variant.fused_optimizer)
             scaler = make_scaler(variant, device)
-            step = make_step(variant, built, model, opt, scaler)
+            step = make_step(variant, built, model, opt, scaler,
+                             **({} if placement is None else dict(train_step_warmup=placement.train_step_warmup())))
             batches, n = built.batches, built.num_batches
-            warmup, compile_s, counts0 = variant.warmup_steps(built.warmup_steps), None, compile_counts()
+            warmup, compile_s, counts0 = run.warmup_steps, None, compile_counts()
             for i in range(warmup):
                 t0 = time.perf_counter()
                 step(*batches[i % n])
@@ -221,28 +230,36 @@ def run_variant(built: BuiltCase, variant: Variant, language: str = "python") ->
             samples, losses = [], []
             for _ in range(built.repeats):
                 losses = []
-                synchronize(device)
+                sync()
                 t0 = time.perf_counter()
                 for x, y in batches:
                     losses.append(step(x, y))
-                synchronize(device)
+                sync()
                 samples.append((time.perf_counter() - t0) * 1000.0 / n)
             final_loss = built.mean_loss(losses)
+            peak = peak_memory(device)
+            if placement is not None:  # the slowest rank sets the pace, the largest the peak
+                samples = placement.slowest(samples)
+                peak = None if peak is None else int(placement.slowest([peak])[0])
             final_scale = float(scaler.get_scale()) if scaler is not None else None
             captured = getattr(step, "captured", None) if variant.runner == "train_step" else None
             note = getattr(step, "reason", None) if variant.runner == "train_step" else \
                 compile_note(variant, warmup, counts0, counts_warm, compile_counts())
-        return make_record(status="ok", samples_ms=samples, final_loss=final_loss,
-                           graph_captured=captured, reason=note, compile_s=compile_s,
-                           peak_memory_bytes=peak_memory(device), final_scale=final_scale,
-                           skipped_steps=skipped_from_scale(final_scale, built.total_steps()),
-                           wall_s=time.perf_counter() - t_start, **common)
+        error = None
     except Exception as e:  # a failure is a result: record it, with the error, and go on
-        return make_record(status="failed", error="%s: %s" % (type(e).__name__, e),
-                           wall_s=time.perf_counter() - t_start, **common)
+        error = "%s: %s" % (type(e).__name__, e)
     finally:
         del model, opt, scaler, step
         reset_peak_memory(device)
+    if placement is not None:
+        error = placement.first_error(error)
+    if error is not None:
+        return make_record(status="failed", error=error, wall_s=time.perf_counter() - t_start, **common)
+    return make_record(status="ok", samples_ms=samples, final_loss=final_loss,
+                       graph_captured=captured, reason=note, compile_s=compile_s,
+                       peak_memory_bytes=peak, final_scale=final_scale,
+                       skipped_steps=skipped_from_scale(final_scale, run.warmup_steps + built.repeats * n),
+                       wall_s=time.perf_counter() - t_start, **common)
 
 
 _PROGRESS: dict = {}  # language -> seconds the finished runs of this runner took (their wall_s)
