@@ -430,6 +430,7 @@ class TrainStep:
 
 # The warning is issued once per step object (a failed call does not take it back); the
 # side stream is a cache.
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 _NOT_ROLLED_BACK = ("_warned", "_stream", "_rollback_pool")
 
 
@@ -453,7 +454,8 @@ class _OptimizerCopy:
         kept_now, dst, src = {}, [], []
 
         def copy_of(t):
-            if t.device.type != "cpu":
+            # (tensor subclasses, such as FSDP2's DTensor parameters, have no foreach copy)
+            if t.device.type != "cpu" or type(t) not in _PLAIN:
                 return t.detach().clone()
             kept = old.get(id(t))  # (weak reference to the tensor, its buffer)
             if kept is None or kept[0]() is not t or kept[1].shape != t.shape or kept[1].dtype != t.dtype:
