@@ -51,6 +51,11 @@ def validate(a, bench):
         if a.gpus > have:
             raise ValueError("--gpus %d on the CPU starts %d gloo processes, but this machine has %d CPU(s)"
                              % (a.gpus, a.gpus, have))
+        import torch
+        old = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 5)
+        if old and any(e.name == "fsdp2" for e in engines):
+            raise ValueError("--engines fsdp2 on the CPU needs torch >= 2.5 (torch %s's fully_shard creates "
+                             "CUDA streams); run --engines ddp here, or on a GPU" % torch.__version__)
     return device, cases, variants, engines, sorted({1, a.gpus})
 
 

@@ -39,7 +39,10 @@ def _wrap(engine: str, model: torch.nn.Module) -> torch.nn.Module:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         return FullyShardedDataParallel(model, device_id=torch.device("cpu"))
-    from torch.distributed.fsdp import fully_shard
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch < 2.6: FSDP2 lived here
+        from torch.distributed._composable.fsdp import fully_shard
 
     for layer in model:
         if isinstance(layer, torch.nn.Linear):

@@ -195,7 +195,10 @@ class Placement:
                     model, device_ids=[torch.cuda.current_device()], **kw)
             torch.cuda.current_stream().wait_stream(side)
             return wrapped
-        from torch.distributed.fsdp import fully_shard
+        try:
+            from torch.distributed.fsdp import fully_shard
+        except ImportError:  # torch < 2.6: FSDP2 lived here
+            from torch.distributed._composable.fsdp import fully_shard
 
         for m in model.modules():
             if m is not model and type(m).__name__ in SHARDED_LAYERS:
