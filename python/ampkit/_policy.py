@@ -370,7 +370,7 @@ class Policy:
         >>> ampkit.load_policy("torch_default").with_module("1", pin="float32").apply(m)
         Traceback (most recent call last):
         ...
-        ampkit._errors.PolicyError: module scope '1' matches no module of the Sequential; close matches: 0
+        ampkit._errors.PolicyError: module scope '1' matches no module of the Sequential; the model's modules include: 0
         """
         return _module_policy.ModuleScopes(self, model)
 
