@@ -275,8 +275,8 @@ class doctor:
             y = outs[0]
             acc[2] += ((src != 0) & (y == 0)).sum()
             acc[4] += y.numel()
-        for y in low:
-            acc[3] += (~torch.isfinite(y)).sum()
+        for y in low:  # inf, not NaN: a NaN comes from an inf upstream (or 0/0), not from range
+            acc[3] += torch.isinf(y).sum()
             acc[5] += y.numel()
 
     # -- reading ----------------------------------------------------------------------
@@ -321,10 +321,12 @@ class doctor:
 
     def suggest(self, *, underflow: float = 0.01, policy=None):
         """The smallest change to the policy that stops what the doctor saw: each module where
-        a forward value overflowed (or the first non-finite value appeared), or where more than
-        ``underflow`` of the cast values underflowed, is pinned to float32
-        (``policy.with_module(name, pin="float32")``). A finding outside every module moves its
-        op to ``fp32`` instead. Returns an ``ampkit.Policy`` (``.to_yaml()`` writes it)."""
+        a forward value overflowed (the first non-finite value, or a sampled step's inf), or
+        where more than ``underflow`` of the cast values underflowed, is pinned to float32
+        (``policy.with_module(name, pin="float32")``). A forward finding outside every module
+        moves its op to ``fp32`` instead. Backward overflows are left to the loss scaler
+        (``ampkit.GradScaler`` backs off on them): no rule is suggested for them. Returns an
+        ``ampkit.Policy`` (``.to_yaml()`` writes it)."""
         from ampkit import _ops
         from ampkit._policy import load_policy
 
@@ -332,7 +334,7 @@ class doctor:
         bad = []
         f = self.first_nonfinite()
         global_ops = []
-        if f is not None:
+        if f is not None and f.phase == "forward":
             if f.module in ("", _OUTSIDE):
                 try:
                     _ops.check_name(f.op, "suggest")
