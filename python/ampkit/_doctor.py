@@ -118,9 +118,17 @@ class doctor:
         self._acc: dict = {}  # module -> float32 tensor [absmax, grad_absmax, under, over, n_cast, n_low]
         self._rows: list = []  # (step, module, tensor) of sampled steps
         self._stack: list = []  # (module name, stop nodes) of the running forwards
+        self._abs: dict = {}  # id(tensor) -> (weakref, absmax) of this step's values
+        self._heads: dict = {}  # (site key, device) -> tensor [1, site]
+        self._zeros: dict = {}
         self._thread = threading.get_ident()
         self._handles = []
         self._mode = _Mode(self)
+        # the record and the step counter exist before any step, so that a CUDA graph
+        # captured later writes into them rather than allocating (and zeroing) its own
+        for dev in {p.device for p in model.parameters()} or {torch.device("cpu")}:
+            self._records[dev] = torch.zeros(5, device=dev)
+            self._steps[dev] = torch.full((), -1.0, device=dev)
         try:
             for m, n in self.names.items():
                 self._handles.append(m.register_forward_pre_hook(self._pre(n, m is model)))
@@ -197,11 +205,8 @@ class doctor:
         self._sampling = self._step % self.every == 0 and not _capturing()
         for st in self._steps.values():
             st.add_(1)
-        if not self._steps:  # the model's device, so that the counter exists before any record
-            p = next(root.parameters(), None)
-            dev = p.device if p is not None else torch.device("cpu")
-            self._steps[dev] = torch.zeros((), device=dev)
         self._acc = {}
+        self._abs = {}
 
     # -- the per-op record (called by the mode) --------------------------------------
     def _site(self, key) -> int:
@@ -214,8 +219,8 @@ class doctor:
     def _step_on(self, dev):
         st = self._steps.get(dev)
         if st is None:
-            base = next(iter(self._steps.values()), None)
-            st = self._steps[dev] = (base.to(dev) if base is not None else torch.zeros((), device=dev))
+            base = next(iter(self._steps.values()))
+            st = self._steps[dev] = base.to(dev)
         return st
 
     def _watch(self, func, args, out):
@@ -231,26 +236,49 @@ class doctor:
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
         if not outs:
             return
+        known = self._abs
+        if func.is_view:  # a view makes no new value: it has its base's absmax (a bound)
+            src = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            e = known.get(id(src)) if src is not None else None
+            if e is not None and e[0]() is src:
+                for o in outs:
+                    known[id(o)] = (weakref.ref(o), e[1])
+            return
         t0 = outs[0]
         dev = t0.device
         with torch.no_grad():
             oabs = _absmax(outs)
-            ins = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
-            iabs = _absmax(ins) if ins else torch.zeros((), device=dev)
-            if iabs.device != dev:
-                iabs = iabs.to(dev, non_blocking=True)
+            # the inputs' absmax: an earlier op's output has it already; a leaf (a parameter,
+            # the data) is reduced once per step
+            parts = []
+            for t in tree_leaves(args):
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
+                    e = known.get(id(t))
+                    if e is None or e[0]() is not t:
+                        e = known[id(t)] = (weakref.ref(t), _absmax([t]))
+                    parts.append(e[1] if e[1].device == dev else e[1].to(dev, non_blocking=True))
+            iabs = (parts[0] if len(parts) == 1 else torch.stack(parts).amax()) if parts else self._zero(dev)
+            for o in outs:  # (in-place ops: the new value of the mutated input)
+                known[id(o)] = (weakref.ref(o), oabs)
             rec = self._records.get(dev)
             if rec is None:
                 rec = self._records[dev] = torch.zeros(5, device=dev)
             name = func.overloadpacket.__name__
-            site = self._site((name, module, phase, str(t0.dtype).replace("torch.", "")))
-            bad = ~torch.isfinite(oabs)
-            new = bad & (rec[0] == 0)
-            vals = torch.stack([torch.ones((), device=dev), torch.full((), float(site), device=dev),
-                                self._step_on(dev), iabs, oabs])
-            rec.copy_(torch.where(new, vals, rec))
+            key = (name, module, phase, str(t0.dtype).replace("torch.", ""))
+            head = self._heads.get((key, dev))
+            if head is None:  # [found=1, site], made once per site and device
+                head = self._heads[(key, dev)] = torch.tensor([1.0, float(self._site(key))], device=dev)
+            keep = torch.isfinite(oabs) | (rec[0] != 0)
+            vals = torch.cat([head, self._step_on(dev).view(1), iabs.view(1), oabs.view(1)])
+            rec.copy_(torch.where(keep, rec, vals))
             if self._sampling:
                 self._sample(func, name, module, phase, args, outs, oabs)
+
+    def _zero(self, dev):
+        z = self._zeros.get(dev)
+        if z is None:
+            z = self._zeros[dev] = torch.zeros((), device=dev)
+        return z
 
     # views and in-place ops make no new values: not counted in the fractions
     @staticmethod
@@ -374,8 +402,16 @@ class doctor:
         return f"<ampkit.doctor on {type(self.model).__name__}, every={self.every}, {state}>"
 
 
+_INF = float("inf")
+
+
+def _amax1(t):
+    mn, mx = torch.aminmax(t.detach())  # one reduction, no |x| temporary; NaN propagates
+    return torch.maximum(mx.float(), mn.float().neg())
+
+
 def _absmax(ts):
-    vals = [t.detach().abs().amax().float() for t in ts]
+    vals = [_amax1(t) for t in ts]
     if len(vals) == 1:
         return vals[0]
     dev = vals[0].device

@@ -156,7 +156,7 @@ def _trainer(built, model, dtype, mode, device):
     or ``ampkit.make_train_step``, which captures a CUDA graph on cuda and runs eagerly on cpu)."""
     import ampkit
 
-    opt = built.new_optimizer(model)
+    opt = built.new_optimizer(model, fused=device == "cuda")  # fused: capturable on cuda
     scaler = ampkit.GradScaler(device, init_scale=1.0)  # no overflow of its own: only the fault
     region = dict(device_type=device, dtype=dtype)
     if mode == "train_step":
