@@ -266,8 +266,11 @@ class doctor:
             name = func.overloadpacket.__name__
             key = (name, module, phase, str(t0.dtype).replace("torch.", ""))
             head = self._heads.get((key, dev))
-            if head is None:  # [found=1, site], made once per site and device
-                head = self._heads[(key, dev)] = torch.tensor([1.0, float(self._site(key))], device=dev)
+            if head is None:  # [found=1, site], made once per site and device; fill kernels,
+                # not a host-to-device copy, so that it may be made during a graph capture
+                head = torch.full((2,), float(self._site(key)), device=dev)
+                head[0] = 1.0
+                self._heads[(key, dev)] = head
             keep = torch.isfinite(oabs) | (rec[0] != 0)
             vals = torch.cat([head, self._step_on(dev).view(1), iabs.view(1), oabs.view(1)])
             rec.copy_(torch.where(keep, rec, vals))
