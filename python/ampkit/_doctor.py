@@ -87,7 +87,8 @@ class doctor:
     Args:
       model: the ``torch.nn.Module`` to watch (its forward, and the backward of the graph
         its forward builds).
-      every: sample per-module statistics every ``every`` steps (a positive int); the
+      every: sample per-module statistics every ``every`` steps (a positive int, default
+        100: a sampled step costs a few reductions per op more); the
         first non-finite op is watched on every step.
       policy: the cast policy the run uses (an ``ampkit.Policy``, a shipped name or a
         path); :meth:`suggest` changes it. Default ``"torch_default"``.
@@ -96,7 +97,7 @@ class doctor:
     first). Nothing is installed when an argument is bad.
     """
 
-    def __init__(self, model, every: int = 1, *, policy=None):
+    def __init__(self, model, every: int = 100, *, policy=None):
         from ampkit._policy import load_policy
 
         if not isinstance(model, torch.nn.Module):

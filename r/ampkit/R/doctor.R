@@ -39,7 +39,7 @@
 #'   doc$first_nonfinite()
 #'   doc$close()
 #' }
-amp_doctor <- function(model, every = 1, ..., policy = NULL) {
+amp_doctor <- function(model, every = 100, ..., policy = NULL) {
   if (...length()) {
     check_dots_empty_(..., .hint = "Name the options after `model`, e.g. amp_doctor(model, every = 10).")
   }
