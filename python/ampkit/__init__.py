@@ -35,6 +35,7 @@ from ampkit._train_step import make_train_step
 from ampkit._doctor import Finding
 from ampkit._doctor import doctor
 from ampkit._module_policy import ModuleScope
+from ampkit._module_policy import ModuleScopes
 
 __version__ = "0.1.0"
 
@@ -46,6 +47,7 @@ __all__ = [
     "Finding",
     "GradScaler",
     "ModuleScope",
+    "ModuleScopes",
     "OptState",
     "Policy",
     "PolicyError",

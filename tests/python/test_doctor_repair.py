@@ -54,3 +54,15 @@ def test_the_suggested_policy_is_valid_yaml(tmp_path):
     p = ampkit.load_policy(f)
     with p.apply(model), ampkit.autocast("cpu", dtype=torch.float16):
         assert torch.isfinite(model(x)).all()
+
+
+def test_the_docs_example_runs_and_says_what_it_prints(capsys):
+    text = (Path(__file__).resolve().parents[2] / "docs" / "doctor.md").read_text()
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    ns = {}
+    exec(compile(code, "docs/doctor.md", "exec"), ns)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "nan 40"
+    assert out[1] == "addmm boom forward float16 0"
+    assert ns["skipped"] == 0 and abs(ns["fixed"] / ns["ref"] - 1) <= 0.01
+    assert [(m.pattern, m.pin) for m in ns["fix"].modules] == [("boom", "float32")]

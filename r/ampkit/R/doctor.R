@@ -33,7 +33,7 @@
 #' if (ampkit_available()) {
 #'   net <- nn_sequential(nn_linear(4, 4), nn_linear(4, 1))
 #'   doc <- amp_doctor(net)
-#'   with_autocast(device_type = "cpu", dtype = torch_float16, {
+#'   with_autocast(device_type = "cpu", dtype = torch_float16(), {
 #'     y <- net(torch_randn(2, 4))
 #'   })
 #'   doc$first_nonfinite()
