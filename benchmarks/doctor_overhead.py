@@ -25,7 +25,7 @@ import ampkit
 from ampkit.bench import build_case
 
 
-def _trainer(built, model, device, variant, dtype):
+def trainer(built, model, device, variant, dtype):
     opt = built.new_optimizer(model, fused=device == "cuda")
     scaler = ampkit.GradScaler(device, enabled=dtype == torch.float16)
     region = dict(device_type=device, dtype=dtype)
@@ -52,7 +52,7 @@ def _sync(device):
 def time_variant(built, device, variant, every, steps, dtype, warmup=5):
     """Seconds per step of one repeat (every=None: the doctor is off)."""
     model = built.new_model()
-    run, step = _trainer(built, model, device, variant, dtype)
+    run, step = trainer(built, model, device, variant, dtype)
     doc = ampkit.doctor(model, every=every) if every else None
     try:
         batches = built.batches

@@ -95,7 +95,7 @@ def overhead(quick):
 def _no_sync_run(variant, armed, steps=4):
     built = build_case("seed_mlp", "tiny", device="cuda")
     model = built.new_model()
-    run, step = doctor_overhead._trainer(built, model, "cuda", variant, torch.float16)
+    run, step = doctor_overhead.trainer(built, model, "cuda", variant, torch.float16)
     doc = ampkit.doctor(model) if armed else None
     try:
         for i in range(4):  # warm-up (and, for the train step, its capture) outside the check

@@ -47,7 +47,7 @@ import threading
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_leaves
 
 _LOW = (torch.float16, torch.bfloat16)
@@ -56,6 +56,11 @@ _TAG = "ampkit_doctor_module"
 _ARMED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> doctor
 _CAST_OPS = ("_to_copy",)
 _current_node = torch._C._current_autograd_node
+_aten = torch.ops.aten
+# ops whose output is uninitialized memory: what they return is not a value any op made
+_UNINITIALIZED = frozenset(getattr(_aten, n) for n in (
+    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted")
+    if hasattr(_aten, n))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +163,11 @@ class doctor:
             return
         if threading.get_ident() != self._thread:
             raise RuntimeError("ampkit.doctor.close(): close the doctor in the thread that armed it")
+        stack = _get_current_dispatch_mode_stack()
+        if not stack or stack[-1] is not self._mode:
+            raise RuntimeError(
+                "ampkit.doctor.close(): a dispatch mode entered after the doctor is still active; "
+                "exit it first (close in the reverse order of entering); nothing changed")
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -234,9 +244,16 @@ class doctor:
             module = self._stack[-1][0]
         else:
             return
+        if func.overloadpacket in _UNINITIALIZED:  # garbage, which may hold an inf, until written
+            return
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
         if not outs:
             return
+        if phase == "forward" and len(outs) > 1:
+            # a forward op's first output is its value; the others are saved statistics for
+            # its backward (layer_norm's mean and rstd, attention's padded logsumexp), whose
+            # padding may hold infs that no value carries
+            outs = outs[:1]
         known = self._abs
         if func.is_view:  # a view makes no new value: it has its base's absmax (a bound)
             src = args[0] if args and isinstance(args[0], torch.Tensor) else None

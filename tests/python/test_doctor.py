@@ -243,3 +243,30 @@ def test_heatmap_writes_a_png(tmp_path):
                 model(torch.randn(2, 8) * 1e-6)
     path = doc.heatmap(tmp_path / "h.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_close_out_of_order_raises_and_changes_nothing():
+    model = _mlp()
+    doc = ampkit.doctor(model)
+    counter = _CountHostReads()
+    counter.__enter__()
+    with pytest.raises(RuntimeError, match="still active"):
+        doc.close()
+    assert doc.armed and all(m._forward_pre_hooks for m in model.modules())
+    counter.__exit__(None, None, None)
+    doc.close()
+    assert not doc.armed and len(_get_current_dispatch_mode_stack()) == 0
+
+
+def test_uninitialized_memory_is_not_a_finding():
+    class Garbage(torch.nn.Module):
+        def forward(self, x):
+            e = torch.empty_like(x)
+            e.fill_(float("inf"))  # what uninitialized memory may hold; then written over
+            return e.zero_() + x
+
+    with ampkit.doctor(Garbage()) as doc:
+        doc.model(torch.ones(3))
+    f = doc.first_nonfinite()
+    # fill_ wrote the inf: that op is named, never empty_like
+    assert f is not None and f.op == "fill_" and f.module == ""
