@@ -78,7 +78,7 @@ def overhead(quick):
         cases = [("seed_mlp", "tiny")]
     out = []
     for case, profile in cases:
-        recs = doctor_overhead.measure(case, profile, DEVICE, steps=10 if quick else 20,
+        recs = doctor_overhead.measure(case, profile, DEVICE, steps=10 if quick or case == "transformer" else 20,
                                        repeats=2 if quick else 3, everies=(1, 100), dtype=torch.float16 if DEVICE == "cuda" else torch.bfloat16)
         for r in recs:
             r.pop("samples", None)

@@ -270,3 +270,19 @@ def test_uninitialized_memory_is_not_a_finding():
     f = doc.first_nonfinite()
     # fill_ wrote the inf: that op is named, never empty_like
     assert f is not None and f.op == "fill_" and f.module == ""
+
+
+def test_suggest_pins_a_module_whose_casts_underflow():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    x = torch.full((4, 8), 1e-9)  # every input value underflows in float16 (min subnormal 6e-8)
+    with ampkit.doctor(model, every=1) as doc, ampkit.autocast("cpu", dtype=torch.float16):
+        model(x)
+    rows = {r["module"]: r for r in doc.stats()}
+    w, b = model[0].weight, model[0].bias
+    want = 32 / (32 + w.numel() + b.numel())  # x underflows; the parameters do not
+    assert ((w != 0) & (w.half() == 0)).sum() == 0 and ((b != 0) & (b.half() == 0)).sum() == 0
+    assert rows["0"]["underflow"] == pytest.approx(want)
+    assert doc.first_nonfinite() is None
+    assert [(m.pattern, m.pin) for m in doc.suggest().modules] == [("0", "float32")]
+    assert doc.suggest(underflow=0.5).modules == ()
