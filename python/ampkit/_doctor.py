@@ -12,11 +12,17 @@ What each watched op costs (the whole algorithm)::
     backward op  : module = the module whose forward created the running autograd node
                    (each module's post-hook tags the nodes its forward created)
     op outside the model's forward and outside backward (optimizer, scaler): not watched
-    for each floating output:  out_absmax = max |out|   (a device scalar)
-        bad  = not isfinite(out_absmax)                 (NaN and inf propagate through max)
-        new  = bad and not record.found
-        record = where(new, [1, site, step, in_absmax, out_absmax], record)   # on the device
-    site = an int naming (op, module, phase, dtype), interned in a Python dict
+    uninitialized outputs (empty_like ...) and views: not watched (a view keeps its base's slot)
+    per watched op: slot k = next slot of the step
+        buf[k]   = max |output|   (one reduction kernel; NaN and inf propagate)
+        sites[k] = site, an int naming (op, module, phase, dtype), interned in Python
+        ins[k]   = the slots of its inputs (a leaf input, parameter or data, gets a slot of
+                   its own, reduced once per step, site -1)
+        (sites and ins are written only where the op sequence changes: the first step)
+    per step, at the next step's start (and on read): fold the slots into the record
+        bad    = not isfinite(buf) and sites >= 0;   j = first bad slot
+        record = where(any(bad) and not record.found,
+                       [1, sites[j], step, max(buf[ins[j]]), buf[j]], record)
 
 No value is read back to the host per step: ``first_nonfinite()`` reads the record on
 demand (one sync). Under ``make_train_step``'s CUDA graph the Python above runs once, at
@@ -125,8 +131,7 @@ class doctor:
         self._rows: list = []  # (step, module, tensor) of sampled steps
         self._stack: list = []  # (module name, stop nodes) of the running forwards
         self._abs: dict = {}  # id(tensor) -> (weakref, absmax) of this step's values
-        self._heads: dict = {}  # (site key, device) -> tensor [1, site]
-        self._zeros: dict = {}
+        self._slot_state: dict = {}  # device -> _Slots
         self._thread = threading.get_ident()
         self._handles = []
         self._mode = _Mode(self)
@@ -212,6 +217,9 @@ class doctor:
             todo.extend(nf for nf, _ in node.next_functions if nf is not None)
 
     def _new_step(self, root):
+        for sl in self._slot_state.values():  # the previous step's slots into the record
+            sl.fold(self._records[sl.dev] if sl.dev in self._records else self._record(sl.dev))
+            sl.restart()
         self._step += 1
         self._sampling = self._step % self.every == 0 and not _capturing()
         for st in self._steps.values():
@@ -234,7 +242,16 @@ class doctor:
             st = self._steps[dev] = base.to(dev)
         return st
 
+    # -- the slots: one absmax per watched op and leaf this step, on the device ----------
+    def _slots(self, dev):
+        sl = self._slot_state.get(dev)
+        if sl is None:
+            sl = self._slot_state[dev] = _Slots(dev, self._step_on(dev))
+        return sl
+
     def _watch(self, func, args, out):
+        if func.overloadpacket in _UNINITIALIZED:  # garbage, which may hold an inf, until written
+            return
         node = _current_node()
         if node is not None:
             phase = "backward"
@@ -243,8 +260,6 @@ class doctor:
             phase = "forward"
             module = self._stack[-1][0]
         else:
-            return
-        if func.overloadpacket in _UNINITIALIZED:  # garbage, which may hold an inf, until written
             return
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
         if not outs:
@@ -255,51 +270,39 @@ class doctor:
             # padding may hold infs that no value carries
             outs = outs[:1]
         known = self._abs
-        if func.is_view:  # a view makes no new value: it has its base's absmax (a bound)
+        if func.is_view:  # a view makes no new value: it has its base's slot (a bound)
             src = args[0] if args and isinstance(args[0], torch.Tensor) else None
             e = known.get(id(src)) if src is not None else None
             if e is not None and e[0]() is src:
                 for o in outs:
                     known[id(o)] = (weakref.ref(o), e[1])
             return
-        t0 = outs[0]
-        dev = t0.device
+        dev = outs[0].device
+        sl = self._slots(dev)
         with torch.no_grad():
-            oabs = _absmax(outs)
-            # the inputs' absmax: an earlier op's output has it already; a leaf (a parameter,
-            # the data) is reduced once per step
-            parts = []
+            # the inputs: an earlier op's output has a slot; a leaf (a parameter, the data) is
+            # reduced into a slot of its own once per step
+            ins = []
             for t in tree_leaves(args):
-                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() and t.device == dev:
                     e = known.get(id(t))
                     if e is None or e[0]() is not t:
-                        e = known[id(t)] = (weakref.ref(t), _absmax([t]))
-                    parts.append(e[1] if e[1].device == dev else e[1].to(dev, non_blocking=True))
-            iabs = (parts[0] if len(parts) == 1 else torch.stack(parts).amax()) if parts else self._zero(dev)
-            for o in outs:  # (in-place ops: the new value of the mutated input)
-                known[id(o)] = (weakref.ref(o), oabs)
-            rec = self._records.get(dev)
-            if rec is None:
-                rec = self._records[dev] = torch.zeros(5, device=dev)
+                        k = sl.take(-1, ())
+                        if k is None:
+                            return
+                        sl.absmax_into([t], k)
+                        e = known[id(t)] = (weakref.ref(t), k)
+                    ins.append(e[1])
             name = func.overloadpacket.__name__
-            key = (name, module, phase, str(t0.dtype).replace("torch.", ""))
-            head = self._heads.get((key, dev))
-            if head is None:  # [found=1, site], made once per site and device; fill kernels,
-                # not a host-to-device copy, so that it may be made during a graph capture
-                head = torch.full((2,), float(self._site(key)), device=dev)
-                head[0] = 1.0
-                self._heads[(key, dev)] = head
-            keep = torch.isfinite(oabs) | (rec[0] != 0)
-            vals = torch.cat([head, self._step_on(dev).view(1), iabs.view(1), oabs.view(1)])
-            rec.copy_(torch.where(keep, rec, vals))
+            key = (name, module, phase, str(outs[0].dtype).replace("torch.", ""))
+            k = sl.take(self._site(key), tuple(dict.fromkeys(ins)))
+            if k is None:
+                return
+            sl.absmax_into(outs, k)
+            for o in outs:  # (in-place ops: the new value of the mutated input)
+                known[id(o)] = (weakref.ref(o), k)
             if self._sampling:
-                self._sample(func, name, module, phase, args, outs, oabs)
-
-    def _zero(self, dev):
-        z = self._zeros.get(dev)
-        if z is None:
-            z = self._zeros[dev] = torch.zeros((), device=dev)
-        return z
+                self._sample(func, name, module, phase, args, outs, sl.buf[k])
 
     # views and in-place ops make no new values: not counted in the fractions
     @staticmethod
@@ -329,8 +332,16 @@ class doctor:
             acc[5] += y.numel()
 
     # -- reading ----------------------------------------------------------------------
+    def _record(self, dev):
+        rec = self._records.get(dev)
+        if rec is None:
+            rec = self._records[dev] = torch.zeros(5, device=dev)
+        return rec
+
     def first_nonfinite(self):
         """The first non-finite value since arming, as a :class:`Finding`, or None (one read)."""
+        for sl in self._slot_state.values():  # this step's slots so far (folding is idempotent)
+            sl.fold(self._record(sl.dev))
         found = [rec.tolist() for rec in self._records.values()]
         hits = [r for r in found if r[0] == 1.0]
         if not hits:
@@ -364,6 +375,8 @@ class doctor:
 
     def reset(self):
         """Forget the record and the statistics (the step count goes on)."""
+        for sl in self._slot_state.values():
+            sl.restart()
         for rec in self._records.values():
             rec.zero_()
         self._rows = []
@@ -437,6 +450,97 @@ def _absmax(ts):
         return vals[0]
     dev = vals[0].device
     return torch.stack([v if v.device == dev else v.to(dev) for v in vals]).amax()
+
+
+class _Slots:
+    """One device's slots: ``buf[k]`` is the absmax of the k-th watched value of the step
+    (slot 0 is a constant 0, the padding), ``sites[k]`` the op site that made it (-1: a leaf
+    input), ``ins[k]`` the slots of its inputs. Per watched op one reduction kernel writes
+    its slot; ``sites`` and ``ins`` are written only where the step's sequence of ops
+    changes (the first step), by fill kernels, so that this also runs in a graph capture.
+    ``fold`` turns the slots into the record once per step: a dozen kernels, no host read::
+
+        bad  = not isfinite(buf[1:n]) and sites[1:n] >= 0
+        j    = 1 + first index where bad            (argmax of the 0/1 vector)
+        record = where(any(bad) and not record.found,
+                       [1, sites[j], step, max(buf[ins[j]]), buf[j]], record)
+    """
+
+    MAX_INPUTS = 8
+
+    def __init__(self, dev, step):
+        self.dev = dev
+        self.step = step
+        self.cap = 0
+        self.n = 1
+        self.host_sites: list = [-1]
+        self.host_ins: list = [()]
+        self._grow(4096)
+        self._one = torch.ones((), device=dev)
+        self._cuda = dev.type == "cuda"
+
+    def _grow(self, cap):
+        buf = torch.zeros(cap, device=self.dev)
+        sites = torch.full((cap,), -1, dtype=torch.int64, device=self.dev)
+        ins = torch.zeros((cap, self.MAX_INPUTS), dtype=torch.int64, device=self.dev)
+        if self.cap:
+            buf[: self.cap].copy_(self.buf)
+            sites[: self.cap].copy_(self.sites)
+            ins[: self.cap].copy_(self.ins)
+        self.buf, self.sites, self.ins, self.cap = buf, sites, ins, cap
+        self.host_sites += [-1] * (cap - len(self.host_sites))
+        self.host_ins += [()] * (cap - len(self.host_ins))
+
+    def restart(self):
+        self.n = 1
+
+    def take(self, site, ins):
+        """The next slot for a value made by ``site`` from the slots ``ins``; None when a graph
+        capture has filled every slot (the value is not watched then)."""
+        k = self.n
+        if k >= self.cap:
+            if _capturing():
+                return None
+            self._grow(2 * self.cap)
+        self.n = k + 1
+        if self.host_sites[k] != site:
+            self.sites[k].fill_(site)
+            self.host_sites[k] = site
+        ins = ins[: self.MAX_INPUTS]
+        if self.host_ins[k] != ins:
+            row = list(ins) + [0] * (self.MAX_INPUTS - len(ins))
+            for j, v in enumerate(row):
+                self.ins[k, j].fill_(v)
+            self.host_ins[k] = ins
+        return k
+
+    def absmax_into(self, ts, k):
+        out = self.buf[k]
+        for i, t in enumerate(ts):
+            t = t.detach()
+            if self._cuda and t.dtype != torch.float64:  # one kernel, no |x| temporary; NaN propagates
+                v = torch.linalg.vector_norm(t, _INF, dtype=torch.float32)
+            else:  # on the CPU vector_norm(inf) is slow: aminmax is one fast pass
+                v = _amax1(t)
+            if i == 0:
+                out.copy_(v)
+            else:
+                torch.maximum(out, v, out=out)
+
+    def fold(self, rec):
+        n = self.n
+        if n <= 1:
+            return
+        vals, sites = self.buf[1:n], self.sites[1:n]
+        bad = ~torch.isfinite(vals) & (sites >= 0)
+        # (index_select with a 1-element index tensor: indexing by a 0-dim tensor reads it
+        # back to the host)
+        j = (bad.to(torch.uint8).argmax() + 1).view(1)
+        iabs = self.buf.index_select(0, self.ins.index_select(0, j).view(-1)).amax().view(1)
+        row = torch.cat([self._one.view(1), self.sites.index_select(0, j).float(), self.step.view(1),
+                         iabs, self.buf.index_select(0, j)])
+        new = bad.any() & (rec[0] == 0)
+        rec.copy_(torch.where(new, row, rec))
 
 
 def _capturing() -> bool:
