@@ -32,6 +32,10 @@ from ampkit._scaler import ScalerStats
 from ampkit._scaler import cuda_amp_grad_scaler
 from ampkit._train_step import TrainStep
 from ampkit._train_step import make_train_step
+from ampkit._doctor import Finding
+from ampkit._doctor import doctor
+from ampkit._module_policy import ModuleScope
+from ampkit._module_policy import ModuleScopes
 
 __version__ = "0.1.0"
 
@@ -40,7 +44,10 @@ __all__ = [
     "CastRecord",
     "CastTrace",
     "DeviceRules",
+    "Finding",
     "GradScaler",
+    "ModuleScope",
+    "ModuleScopes",
     "OptState",
     "Policy",
     "PolicyError",
@@ -51,6 +58,7 @@ __all__ = [
     "cuda_amp_grad_scaler",
     "custom_bwd",
     "custom_fwd",
+    "doctor",
     "get_autocast_dtype",
     "is_autocast_available",
     "is_autocast_cache_enabled",

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from ampkit import _decompositions, _ops
+from ampkit import _decompositions, _module_policy, _ops
 from ampkit._errors import PolicyError
 from ampkit._specs import SpecsNotFoundError, policy_dir
 
@@ -50,7 +50,7 @@ DEVICES = ("cpu", "cuda")
 SCHEMA_VERSION = 1
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
-_TOP_KEYS = ("schema_version", "name", "description", "devices")
+_TOP_KEYS = ("schema_version", "name", "description", "devices", "modules")  # modules: optional
 _DEVICE_KEYS = ("lower_precision_dtype",) + CATEGORIES  # required
 _OPTIONAL_DEVICE_KEYS = ("decompose",)  # optional, [] when absent
 DEFAULT_BAN_MESSAGE = "{op} is banned in ampkit autocast regions by the active policy."
@@ -137,6 +137,7 @@ class Policy:
     devices: tuple  # ((device_type, DeviceRules), ...) sorted by device type
     description: str = ""
     source: str = dataclasses.field(default="", compare=False)
+    modules: tuple = ()  # (ModuleScope, ...) sorted by pattern: rules per module (_module_policy)
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -150,12 +151,16 @@ class Policy:
                 f"Policy: devices must be a tuple of (device_type, DeviceRules) pairs, got "
                 f"{self.devices!r:.80}; build a policy with ampkit.load_policy() and change it "
                 "with its with_* methods")
+        if not isinstance(self.modules, tuple) or not all(
+                isinstance(m, _module_policy.ModuleScope) for m in self.modules):
+            raise PolicyError(f"Policy: modules must be a tuple of ModuleScope, got {self.modules!r:.80}; "
+                              "add scopes with policy.with_module()")
         _LIVE[id(self)] = self
 
     def __hash__(self):  # cached: regions key their compiled tables by policy
         h = self.__dict__.get("_hash")
         if h is None:
-            h = hash((self.name, self.devices, self.description))
+            h = hash((self.name, self.devices, self.description, self.modules))
             object.__setattr__(self, "_hash", h)
         return h
 
@@ -199,12 +204,15 @@ class Policy:
 
     def to_dict(self) -> dict:
         """A plain dict in the YAML schema (``yaml.safe_dump`` writes it back)."""
-        return {
+        d = {
             "schema_version": SCHEMA_VERSION,
             "name": self.name,
             "description": self.description,
             "devices": {d: r.to_dict() for d, r in self.devices},
         }
+        if self.modules:
+            d["modules"] = {m.pattern: m.to_dict() for m in self.modules}
+        return d
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None, width=100)
@@ -218,6 +226,8 @@ class Policy:
                 shown = ", ".join(names[:8]) + (f", ... ({len(names)} ops)" if len(names) > 8 else "")
                 lines.append(f"    {cat:<18} {shown or '-'}")
             lines.append(f"    {'decompose':<18} {', '.join(r.decompose) or '-'}")
+        for m in self.modules:
+            lines.append(f"  module {m.pattern}: {m.to_dict()}")
         return "\n".join(lines)
 
     # -- changing -------------------------------------------------------------
@@ -312,6 +322,57 @@ class Policy:
         out = tuple((d, dataclasses.replace(r, lower_precision_dtype=dt) if d == device else r) for d, r in self.devices)
         self.rules(device)
         return dataclasses.replace(self, devices=out, source="")
+
+    # -- module scopes (ampkit._module_policy) -----------------------------------
+    def with_module(self, pattern: str, *, pin: str | None = None, **categories) -> "Policy":
+        """A copy with a module scope: inside the modules whose qualified names match the
+        glob ``pattern``, ``pin="float32"`` runs with autocast off, or each keyword (a
+        category) moves its ops there. The innermost scoped module wins; a scope already
+        present with other rules is a conflict (remove it with :meth:`without_module`).
+        Takes effect through :meth:`apply`.
+
+        >>> import ampkit
+        >>> p = ampkit.load_policy("torch_default").with_module("blocks.*.attn", fp32=["softmax"])
+        >>> [(m.pattern, m.ops) for m in p.modules]
+        [('blocks.*.attn', (('softmax', 'fp32'),))]
+        """
+        scope = _module_policy.make_scope(pattern, pin, categories, "with_module")
+        for m in self.modules:
+            if m.pattern == scope.pattern:
+                if m == scope:
+                    return self
+                raise PolicyError(
+                    f"with_module: scope {pattern!r} is already in the policy with other rules "
+                    f"({m.to_dict()}, now {scope.to_dict()}); two scopes on one glob conflict: "
+                    f"call without_module({pattern!r}) first to replace it")
+        mods = tuple(sorted(self.modules + (scope,), key=lambda m: m.pattern))
+        return dataclasses.replace(self, modules=mods, source="")
+
+    def without_module(self, pattern: str) -> "Policy":
+        """A copy without the scope ``pattern`` (PolicyError listing the scopes if absent)."""
+        if not any(m.pattern == pattern for m in self.modules):
+            raise PolicyError(f"without_module: no scope {pattern!r} in policy {self.name!r}; its "
+                              f"scopes: {', '.join(m.pattern for m in self.modules) or 'none'}")
+        return dataclasses.replace(self, modules=tuple(m for m in self.modules if m.pattern != pattern), source="")
+
+    def without_modules(self) -> "Policy":
+        """A copy with no module scopes (the tables every scope starts from)."""
+        return self if not self.modules else dataclasses.replace(self, modules=(), source="")
+
+    def apply(self, model):
+        """Install the module scopes on ``model``: returns a handle (a context manager;
+        ``remove()`` takes the hooks off). Every scope must match a module of the model, and a
+        module matched by two scopes must get the same rules from both; otherwise PolicyError,
+        and nothing is installed. A policy without scopes installs nothing.
+
+        >>> import torch, ampkit
+        >>> m = torch.nn.Sequential(torch.nn.Linear(2, 2))
+        >>> ampkit.load_policy("torch_default").with_module("1", pin="float32").apply(m)
+        Traceback (most recent call last):
+        ...
+        ampkit._errors.PolicyError: module scope '1' matches no module of the Sequential; the model's modules include: 0
+        """
+        return _module_policy.ModuleScopes(self, model)
 
     def with_name(self, name: str, description: str | None = None) -> "Policy":
         if not isinstance(name, str) or not name:
@@ -453,7 +514,13 @@ def parse_policy(text: str, source: str = "<string>") -> Policy:
         if dev not in DEVICES:
             raise PolicyError(f"{where('devices', dev)}: unknown device type {dev!r}; valid: {', '.join(DEVICES)}")
         out.append((dev, _parse_device(dev, body, where)))
-    return Policy(name=name, devices=tuple(sorted(out, key=lambda x: x[0])), description=desc.strip(), source=source)
+    for pattern, first, second in _module_policy.duplicate_scope_keys(text):
+        raise PolicyError(f"{source}, line {second}, key 'modules.{pattern}': scope {pattern!r} is "
+                          f"written twice (lines {first} and {second}); two scopes on one glob "
+                          "conflict: merge their rules into one")
+    modules = _module_policy.parse_scopes(data.get("modules"), where)
+    return Policy(name=name, devices=tuple(sorted(out, key=lambda x: x[0])), description=desc.strip(),
+                  source=source, modules=modules)
 
 
 def _parse_device(dev, body, where) -> DeviceRules:

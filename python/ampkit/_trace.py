@@ -29,7 +29,7 @@ import threading
 
 import torch
 
-from ampkit import _ops
+from ampkit import _module_policy, _ops
 
 _SEQ = (list, tuple)
 #: What ``CastRecord.rule`` can be: a policy category, or how the call was handled.
@@ -58,6 +58,7 @@ class CastRecord:
     device: str
     input_dtypes: tuple
     output_dtype: str
+    scope: str = ""  # the module scope (policy.with_module glob) that decided it; "" none did
 
     def to_dict(self) -> dict:
         """Plain values (strings and a list), e.g. for a data.frame in R."""
@@ -67,6 +68,7 @@ class CastRecord:
             "device": self.device,
             "input_dtypes": list(self.input_dtypes),
             "output_dtype": self.output_dtype,
+            "scope": self.scope,
         }
 
 
@@ -104,7 +106,10 @@ class CastTrace:
                                  f"{', '.join(RULES)}")
         rows = [r for r in self.as_rows() if rules is None or r["rule"] in rules]
         head = {"op": "op", "rule": "rule", "device": "device", "input_dtypes": "inputs", "output_dtype": "output"}
+        head["scope"] = "scope"
         cols = ("op", "rule", "device", "input_dtypes", "output_dtype")
+        if any(r["scope"] for r in rows):  # the column only where policy.apply(model) scoped casts
+            cols += ("scope",)
         width = {c: max([len(head[c])] + [len(str(r[c])) for r in rows]) for c in cols}
         lines = ["  ".join(head[c].ljust(width[c]) for c in cols).rstrip()]
         lines += ["  ".join(str(r[c]).ljust(width[c]) for c in cols).rstrip() for r in rows]
@@ -136,6 +141,7 @@ class CastTrace:
                 device=device,
                 input_dtypes=tuple(_dtype_name(t.dtype) for t in ins),
                 output_dtype=_dtype_name(outs[0].dtype),
+                scope=_module_policy.deciding_scope(op),
             )
         )
         return out

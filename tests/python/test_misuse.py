@@ -324,6 +324,20 @@ CASES = [
     C("bench-batch-size-str", "bench.load_case", lambda w: bench.load_case(w.extra["path"]), bench.BenchSpecError, r"seed_mlp.*batch_size.*got '8'", lambda w: _bench_case(w, batch_size="8")),
     C("bench-num-layers-0", "bench.load_case", lambda w: bench.load_case(w.extra["path"]), bench.BenchSpecError, r"seed_mlp.*num_layers.*got 0", lambda w: _bench_case(w, num_layers=0)),
     C("bench-run-variant-name", "bench.run_variant", lambda w: bench.run_variant(w.extra["built"], "fp32"), TypeError, r"got 'fp32'.*load_variants\(\)\['fp32'\]", _bench_built),
+    # policies per module
+    C("scope-pin-float16", "Policy.with_module", lambda w: w.policy.with_module("head", pin="float16"), ampkit.PolicyError, r"pin must be one of float32.*'float16'"),
+    C("scope-empty-glob", "Policy.with_module", lambda w: w.policy.with_module("", pin="float32"), ampkit.PolicyError, r"got ''"),
+    C("scope-unknown-op", "Policy.with_module", lambda w: w.policy.with_module("x", fp32=["no_such_op"]), ampkit.PolicyError, r"no_such_op"),
+    C("scope-twice", "Policy.with_module", lambda w: w.policy.with_module("x", pin="float32").with_module("x", fp32=["mm"]), ampkit.PolicyError, r"'x' is already in the policy"),
+    C("scope-remove-absent", "Policy.without_module", lambda w: w.policy.without_module("x"), ampkit.PolicyError, r"no scope 'x'"),
+    C("scope-apply-no-match", "Policy.apply", lambda w: w.policy.with_module("encoder", pin="float32").apply(w.model), ampkit.PolicyError, r"'encoder' matches no module"),
+    C("scope-apply-not-a-module", "Policy.apply", lambda w: w.policy.apply("model"), TypeError, r"got str"),
+    # the numerics doctor
+    C("doctor-every-0", "doctor", lambda w: ampkit.doctor(w.model, every=0), ValueError, r"every must be a positive integer.*got 0"),
+    C("doctor-every-float", "doctor", lambda w: ampkit.doctor(w.model, every=2.5), ValueError, r"got 2.5"),
+    C("doctor-every-bool", "doctor", lambda w: ampkit.doctor(w.model, every=True), ValueError, r"got True"),
+    C("doctor-not-a-module", "doctor", lambda w: ampkit.doctor("model"), TypeError, r"got str"),
+    C("doctor-armed-twice", "doctor", lambda w: ampkit.doctor(w.model), RuntimeError, r"already armed on this Linear", lambda w: w.stack.enter_context(ampkit.doctor(w.model))),
 ]
 
 # Public names with no call to misuse, and public methods whose only arguments are none.
@@ -350,6 +364,10 @@ NOTHING_TO_MISUSE = {
     "ScalerStats": "a result type, returned by GradScaler.stats()",
     "is_autocast_cache_enabled": "takes no arguments",
     "CastTrace.record_call": "the engine's hook, called by the engine with the op it runs",
+    "Policy.without_modules": "takes no arguments",
+    "Finding": "a result type, returned by doctor.first_nonfinite()",
+    "ModuleScope": "a result type: Policy.with_module() builds it from validated rules",
+    "ModuleScopes": "a result type, returned by Policy.apply() (which has cases)",
 }
 _LINEAR = torch.nn.Linear(1, 1)
 _STEP_CLASS = type(ampkit.make_train_step(_LINEAR, torch.nn.functional.mse_loss,

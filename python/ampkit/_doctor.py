@@ -1,0 +1,558 @@
+"""The numerics doctor: the first non-finite op of a run, forward or backward, and its module.
+
+``doc = ampkit.doctor(model, every=N)`` arms it (also ``with ampkit.doctor(...) as doc:``);
+``doc.close()`` disarms it. Armed, it installs a forward pre/post hook on each module of
+the model and pushes one ``TorchDispatchMode`` in this thread, which sees every aten op
+of the model's forward and of the backward (the autocast casts included: they are aten
+``_to_copy`` calls). Disarmed (or never armed) nothing is installed: no cost.
+
+What each watched op costs (the whole algorithm)::
+
+    forward op   : module = innermost module whose forward is running (the hooks' stack)
+    backward op  : module = the module whose forward created the running autograd node
+                   (each module's post-hook tags the nodes its forward created)
+    op outside the model's forward and outside backward (optimizer, scaler): not watched
+    uninitialized outputs (empty_like ...) and views: not watched (a view keeps its base's slot)
+    per watched op: slot k = next slot of the step
+        buf[k]   = max |output|   (one reduction kernel; NaN and inf propagate)
+        sites[k] = site, an int naming (op, module, phase, dtype), interned in Python
+        ins[k]   = the slots of its inputs (a leaf input, parameter or data, gets a slot of
+                   its own, reduced once per step, site -1)
+        (sites and ins are written only where the op sequence changes: the first step)
+    per step, at the next step's start (and on read): fold the slots into the record
+        bad    = not isfinite(buf) and sites >= 0;   j = first bad slot
+        record = where(any(bad) and not record.found,
+                       [1, sites[j], step, max(buf[ins[j]]), buf[j]], record)
+
+No value is read back to the host per step: ``first_nonfinite()`` reads the record on
+demand (one sync). Under ``make_train_step``'s CUDA graph the Python above runs once, at
+capture; the replays run its kernels, and the step counter is a device tensor that the
+root module's pre-hook increments, so the record names the replayed step.
+
+Every ``every`` steps (eager steps; under a capture, the captured step's choice), the
+doctor also accumulates per module: the absmax of its forward outputs and gradients, the
+fraction of values cast to the low dtype that underflow (nonzero in float32, zero after
+the cast) and the fraction of low-precision values beyond the dtype's range (inf).
+
+>>> import torch, ampkit
+>>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+>>> with torch.no_grad():
+...     _ = model[1].weight.fill_(3e4)     # fits float16; the product does not
+>>> with ampkit.doctor(model) as doc, ampkit.autocast("cpu", dtype=torch.float16):
+...     out = model(torch.full((2, 4), 100.0))
+>>> f = doc.first_nonfinite()
+>>> (f.op, f.module, f.phase, f.dtype, f.step)
+('addmm', '1', 'forward', 'float16', 0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from torch.utils._pytree import tree_leaves
+
+_LOW = (torch.float16, torch.bfloat16)
+_OUTSIDE = "<outside model>"
+_TAG = "ampkit_doctor_module"
+_ARMED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> doctor
+_CAST_OPS = ("_to_copy",)
+_current_node = torch._C._current_autograd_node
+_aten = torch.ops.aten
+# ops whose output is uninitialized memory: what they return is not a value any op made
+_UNINITIALIZED = frozenset(getattr(_aten, n) for n in (
+    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted")
+    if hasattr(_aten, n))
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """The first non-finite value the doctor saw: which op made it, where and when."""
+
+    op: str  # the aten op (``addmm``, ``mm``, ``_to_copy``, ``mul`` ...)
+    module: str  # qualified module name ("" is the model itself)
+    phase: str  # "forward" or "backward"
+    dtype: str  # the dtype of the op's output
+    step: int  # 0-based index of the model's forward calls since arming
+    input_absmax: float  # max |x| over the op's floating inputs
+    output_absmax: float  # inf or nan
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _check_every(every):
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"ampkit.doctor: every must be a positive integer (sample statistics every "
+                         f"N steps, 1 = every step), got {every!r}")
+    return every
+
+
+class doctor:
+    """Arm the numerics doctor on ``model``.
+
+    Args:
+      model: the ``torch.nn.Module`` to watch (its forward, and the backward of the graph
+        its forward builds).
+      every: sample per-module statistics every ``every`` steps (a positive int, default
+        100: a sampled step costs a few reductions per op more); the
+        first non-finite op is watched on every step.
+      policy: the cast policy the run uses (an ``ampkit.Policy``, a shipped name or a
+        path); :meth:`suggest` changes it. Default ``"torch_default"``.
+
+    A model has at most one armed doctor: arming a second raises ``RuntimeError`` (close the
+    first). Nothing is installed when an argument is bad.
+    """
+
+    def __init__(self, model, every: int = 100, *, policy=None):
+        from ampkit._policy import load_policy
+
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"ampkit.doctor: model must be a torch.nn.Module, got {type(model).__name__}")
+        self.every = _check_every(every)
+        self.policy = load_policy("torch_default" if policy is None else policy)
+        if model in _ARMED:
+            raise RuntimeError(
+                f"ampkit.doctor: a doctor is already armed on this {type(model).__name__}; "
+                "call .close() on it (or leave its `with` block) before arming another")
+        self.model = model
+        self.names = {m: n for n, m in model.named_modules()}
+        self._sites: dict = {}  # (op, module, phase, dtype) -> int
+        self._site_list: list = []
+        self._records: dict = {}  # device -> float32 tensor [found, site, step, in_absmax, out_absmax]
+        self._steps: dict = {}  # device -> float32 scalar, the step index (root pre-hook adds 1)
+        self._step = -1  # host copy for eager sampling decisions
+        self._sampling = False
+        self._acc: dict = {}  # module -> float32 tensor [absmax, grad_absmax, under, over, n_cast, n_low]
+        self._rows: list = []  # (step, module, tensor) of sampled steps
+        self._stack: list = []  # (module name, stop nodes) of the running forwards
+        self._abs: dict = {}  # id(tensor) -> (weakref, absmax) of this step's values
+        self._slot_state: dict = {}  # device -> _Slots
+        self._thread = threading.get_ident()
+        self._handles = []
+        self._mode = _Mode(self)
+        # the record and the step counter exist before any step, so that a CUDA graph
+        # captured later writes into them rather than allocating (and zeroing) its own
+        for dev in {p.device for p in model.parameters()} or {torch.device("cpu")}:
+            self._records[dev] = torch.zeros(5, device=dev)
+            self._steps[dev] = torch.full((), -1.0, device=dev)
+        try:
+            for m, n in self.names.items():
+                self._handles.append(m.register_forward_pre_hook(self._pre(n, m is model)))
+                self._handles.append(m.register_forward_hook(self._post(n, m is model), always_call=True))
+            self._mode.__enter__()
+        except BaseException:
+            for h in self._handles:
+                h.remove()
+            raise
+        _ARMED[model] = self
+        self.armed = True
+
+    # -- arming ---------------------------------------------------------------------
+    def __enter__(self):
+        if not self.armed:
+            raise RuntimeError("ampkit.doctor: this doctor was closed; arm a new ampkit.doctor(model)")
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def close(self):
+        """Disarm: remove the hooks and pop the mode (records stay readable)."""
+        if not self.armed:
+            return
+        if threading.get_ident() != self._thread:
+            raise RuntimeError("ampkit.doctor.close(): close the doctor in the thread that armed it")
+        stack = _get_current_dispatch_mode_stack()
+        if not stack or stack[-1] is not self._mode:
+            raise RuntimeError(
+                "ampkit.doctor.close(): a dispatch mode entered after the doctor is still active; "
+                "exit it first (close in the reverse order of entering); nothing changed")
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._mode.__exit__(None, None, None)
+        _ARMED.pop(self.model, None)
+        self.armed = False
+
+    # -- hooks ----------------------------------------------------------------------
+    def _pre(self, name, root):
+        def pre(module, args):
+            if root and not self._stack:
+                self._new_step(module)
+            stops = {t.grad_fn for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+            self._stack.append((name, stops))
+
+        return pre
+
+    def _post(self, name, root):
+        def post(module, args, output):
+            if not self._stack or self._stack[-1][0] != name:
+                return None
+            _, stops = self._stack.pop()
+            if torch.is_grad_enabled():
+                self._tag(output, name, stops)
+            return None
+
+        return post
+
+    def _tag(self, output, name, stops):
+        """Tag the autograd nodes this module's forward created (those not tagged by an inner
+        module already): the walk from its outputs stops at its inputs' nodes."""
+        todo = [t.grad_fn for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        seen = set()
+        while todo:
+            node = todo.pop()
+            if node is None or node in seen or node in stops:
+                continue
+            seen.add(node)
+            md = node.metadata
+            if _TAG not in md:
+                md[_TAG] = name
+            todo.extend(nf for nf, _ in node.next_functions if nf is not None)
+
+    def _new_step(self, root):
+        for sl in self._slot_state.values():  # the previous step's slots into the record
+            sl.fold(self._records[sl.dev] if sl.dev in self._records else self._record(sl.dev))
+            sl.restart()
+        self._step += 1
+        self._sampling = self._step % self.every == 0 and not _capturing()
+        for st in self._steps.values():
+            st.add_(1)
+        self._acc = {}
+        self._abs = {}
+
+    # -- the per-op record (called by the mode) --------------------------------------
+    def _site(self, key) -> int:
+        s = self._sites.get(key)
+        if s is None:
+            s = self._sites[key] = len(self._site_list)
+            self._site_list.append(key)
+        return s
+
+    def _step_on(self, dev):
+        st = self._steps.get(dev)
+        if st is None:
+            base = next(iter(self._steps.values()))
+            st = self._steps[dev] = base.to(dev)
+        return st
+
+    # -- the slots: one absmax per watched op and leaf this step, on the device ----------
+    def _slots(self, dev):
+        sl = self._slot_state.get(dev)
+        if sl is None:
+            sl = self._slot_state[dev] = _Slots(dev, self._step_on(dev))
+        return sl
+
+    def _watch(self, func, args, out):
+        if func.overloadpacket in _UNINITIALIZED:  # garbage, which may hold an inf, until written
+            return
+        node = _current_node()
+        if node is not None:
+            phase = "backward"
+            module = node.metadata.get(_TAG, _OUTSIDE)
+        elif self._stack:
+            phase = "forward"
+            module = self._stack[-1][0]
+        else:
+            return
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+        if not outs:
+            return
+        if phase == "forward" and len(outs) > 1:
+            # a forward op's first output is its value; the others are saved statistics for
+            # its backward (layer_norm's mean and rstd, attention's padded logsumexp), whose
+            # padding may hold infs that no value carries
+            outs = outs[:1]
+        known = self._abs
+        if func.is_view:  # a view makes no new value: it has its base's slot (a bound)
+            src = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            e = known.get(id(src)) if src is not None else None
+            if e is not None and e[0]() is src:
+                for o in outs:
+                    known[id(o)] = (weakref.ref(o), e[1])
+            return
+        dev = outs[0].device
+        sl = self._slots(dev)
+        with torch.no_grad():
+            # the inputs: an earlier op's output has a slot; a leaf (a parameter, the data) is
+            # reduced into a slot of its own once per step
+            ins = []
+            for t in tree_leaves(args):
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() and t.device == dev:
+                    e = known.get(id(t))
+                    if e is None or e[0]() is not t:
+                        k = sl.take(-1, ())
+                        if k is None:
+                            return
+                        sl.absmax_into([t], k)
+                        e = known[id(t)] = (weakref.ref(t), k)
+                    ins.append(e[1])
+            name = func.overloadpacket.__name__
+            key = (name, module, phase, str(outs[0].dtype).replace("torch.", ""))
+            k = sl.take(self._site(key), tuple(dict.fromkeys(ins)))
+            if k is None:
+                return
+            sl.absmax_into(outs, k)
+            for o in outs:  # (in-place ops: the new value of the mutated input)
+                known[id(o)] = (weakref.ref(o), k)
+            if self._sampling:
+                self._sample(func, name, module, phase, args, outs, sl.buf[k])
+
+    # views and in-place ops make no new values: not counted in the fractions
+    @staticmethod
+    def _new_values(func):
+        return not func.is_view and not func._schema.is_mutable
+
+    def _sample(self, func, name, module, phase, args, outs, oabs):
+        dev = oabs.device
+        acc = self._acc.get(module)
+        if acc is None:  # the row holds the tensor: the step's backward still adds to it
+            acc = self._acc[module] = torch.zeros(6, device=dev)
+            self._rows.append((self._step, module, acc))
+        if phase == "backward":
+            acc[1] = torch.maximum(acc[1], oabs)
+            return
+        acc[0] = torch.maximum(acc[0], oabs)
+        low = [t for t in outs if t.dtype in _LOW]
+        if not low or not self._new_values(func):
+            return
+        src = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if name in _CAST_OPS and src is not None and src.dtype == torch.float32 and len(outs) == 1:
+            y = outs[0]
+            acc[2] += ((src != 0) & (y == 0)).sum()
+            acc[4] += y.numel()
+        for y in low:  # inf, not NaN: a NaN comes from an inf upstream (or 0/0), not from range
+            acc[3] += torch.isinf(y).sum()
+            acc[5] += y.numel()
+
+    # -- reading ----------------------------------------------------------------------
+    def _record(self, dev):
+        rec = self._records.get(dev)
+        if rec is None:
+            rec = self._records[dev] = torch.zeros(5, device=dev)
+        return rec
+
+    def first_nonfinite(self):
+        """The first non-finite value since arming, as a :class:`Finding`, or None (one read)."""
+        for sl in self._slot_state.values():  # this step's slots so far (folding is idempotent)
+            sl.fold(self._record(sl.dev))
+        found = [rec.tolist() for rec in self._records.values()]
+        hits = [r for r in found if r[0] == 1.0]
+        if not hits:
+            return None
+        r = min(hits, key=lambda r: r[2])  # several devices: the earliest step
+        op, module, phase, dtype = self._site_list[int(r[1])]
+        return Finding(op=op, module=module, phase=phase, dtype=dtype, step=int(r[2]),
+                       input_absmax=float(r[3]), output_absmax=float(r[4]))
+
+    def on_skip(self, scaler):
+        """The finding when ``scaler`` (an ``ampkit.GradScaler``) skipped a step, else None."""
+        stats = scaler.stats()
+        return self.first_nonfinite() if stats.skipped else None
+
+    def stats(self) -> list:
+        """One dict per module and sampled step: step, module, absmax (forward outputs),
+        grad_absmax (backward outputs), underflow (fraction of values cast to the low dtype
+        that became 0), overflow (fraction of low-precision values beyond range), and the
+        counts they come from. Reads the device once."""
+        if not self._rows:
+            return []
+        vals = torch.stack([a.to("cpu") if a.device.type != "cpu" else a for _, _, a in self._rows]).tolist()
+        rows = []
+        for (step, mod, _), v in zip(self._rows, vals):
+            absmax, gabs, under, over, ncast, nlow = v
+            rows.append({"step": step, "module": mod, "absmax": absmax, "grad_absmax": gabs,
+                         "underflow": under / ncast if ncast else 0.0,
+                         "overflow": over / nlow if nlow else 0.0,
+                         "cast_elements": int(ncast), "low_elements": int(nlow)})
+        return rows
+
+    def reset(self):
+        """Forget the record and the statistics (the step count goes on)."""
+        for sl in self._slot_state.values():
+            sl.restart()
+        for rec in self._records.values():
+            rec.zero_()
+        self._rows = []
+
+    def suggest(self, *, underflow: float = 0.01, policy=None):
+        """The smallest change to the policy that stops what the doctor saw: each module where
+        a forward value overflowed (the first non-finite value, or a sampled step's inf), or
+        where more than ``underflow`` of the cast values underflowed, is pinned to float32
+        (``policy.with_module(name, pin="float32")``). A forward finding outside every module
+        moves its op to ``fp32`` instead. Backward overflows are left to the loss scaler
+        (``ampkit.GradScaler`` backs off on them): no rule is suggested for them. Returns an
+        ``ampkit.Policy`` (``.to_yaml()`` writes it)."""
+        from ampkit import _ops
+        from ampkit._policy import load_policy
+
+        base = self.policy if policy is None else load_policy(policy)
+        bad = []
+        f = self.first_nonfinite()
+        global_ops = []
+        if f is not None and f.phase == "forward":
+            if f.module in ("", _OUTSIDE):
+                try:
+                    _ops.check_name(f.op, "suggest")
+                    global_ops.append(f.op)
+                except Exception:
+                    pass
+            else:
+                bad.append(f.module)
+        for r in self.stats():
+            if r["module"] in ("", _OUTSIDE):
+                continue
+            if r["overflow"] > 0 or r["underflow"] > underflow:
+                bad.append(r["module"])
+        out = base
+        have = {m.pattern for m in base.modules}
+        for mod in dict.fromkeys(bad):
+            if mod in have:
+                out = out.without_module(mod)
+            out = out.with_module(mod, pin="float32")
+        if global_ops:
+            out = out.with_ops(fp32=global_ops)
+        if out is not base:
+            out = out.with_name(f"{base.name}+doctor",
+                                "Suggested by ampkit.doctor: " + ", ".join(
+                                    [f"{m} pinned to float32" for m in dict.fromkeys(bad)]
+                                    + [f"{o} in fp32" for o in global_ops]))
+        return out
+
+    def heatmap(self, path, *, title=None):
+        """Write a PNG: per-module underflow and overflow fractions over sampled steps."""
+        from ampkit._doctor_plot import heatmap
+
+        return heatmap(self.stats(), path, title=title or f"ampkit.doctor: {type(self.model).__name__}")
+
+    def __repr__(self):
+        state = "armed" if self.armed else "closed"
+        return f"<ampkit.doctor on {type(self.model).__name__}, every={self.every}, {state}>"
+
+
+_INF = float("inf")
+
+
+def _amax1(t):
+    mn, mx = torch.aminmax(t.detach())  # one reduction, no |x| temporary; NaN propagates
+    return torch.maximum(mx.float(), mn.float().neg())
+
+
+def _absmax(ts):
+    vals = [_amax1(t) for t in ts]
+    if len(vals) == 1:
+        return vals[0]
+    dev = vals[0].device
+    return torch.stack([v if v.device == dev else v.to(dev) for v in vals]).amax()
+
+
+class _Slots:
+    """One device's slots: ``buf[k]`` is the absmax of the k-th watched value of the step
+    (slot 0 is a constant 0, the padding), ``sites[k]`` the op site that made it (-1: a leaf
+    input), ``ins[k]`` the slots of its inputs. Per watched op one reduction kernel writes
+    its slot; ``sites`` and ``ins`` are written only where the step's sequence of ops
+    changes (the first step), by fill kernels, so that this also runs in a graph capture.
+    ``fold`` turns the slots into the record once per step: a dozen kernels, no host read::
+
+        bad  = not isfinite(buf[1:n]) and sites[1:n] >= 0
+        j    = 1 + first index where bad            (argmax of the 0/1 vector)
+        record = where(any(bad) and not record.found,
+                       [1, sites[j], step, max(buf[ins[j]]), buf[j]], record)
+    """
+
+    MAX_INPUTS = 8
+
+    def __init__(self, dev, step):
+        self.dev = dev
+        self.step = step
+        self.cap = 0
+        self.n = 1
+        self.host_sites: list = [-1]
+        self.host_ins: list = [()]
+        self._grow(4096)
+        self._one = torch.ones((), device=dev)
+        self._cuda = dev.type == "cuda"
+
+    def _grow(self, cap):
+        buf = torch.zeros(cap, device=self.dev)
+        sites = torch.full((cap,), -1, dtype=torch.int64, device=self.dev)
+        ins = torch.zeros((cap, self.MAX_INPUTS), dtype=torch.int64, device=self.dev)
+        if self.cap:
+            buf[: self.cap].copy_(self.buf)
+            sites[: self.cap].copy_(self.sites)
+            ins[: self.cap].copy_(self.ins)
+        self.buf, self.sites, self.ins, self.cap = buf, sites, ins, cap
+        self.host_sites += [-1] * (cap - len(self.host_sites))
+        self.host_ins += [()] * (cap - len(self.host_ins))
+
+    def restart(self):
+        self.n = 1
+
+    def take(self, site, ins):
+        """The next slot for a value made by ``site`` from the slots ``ins``; None when a graph
+        capture has filled every slot (the value is not watched then)."""
+        k = self.n
+        if k >= self.cap:
+            if _capturing():
+                return None
+            self._grow(2 * self.cap)
+        self.n = k + 1
+        if self.host_sites[k] != site:
+            self.sites[k].fill_(site)
+            self.host_sites[k] = site
+        ins = ins[: self.MAX_INPUTS]
+        if self.host_ins[k] != ins:
+            row = list(ins) + [0] * (self.MAX_INPUTS - len(ins))
+            for j, v in enumerate(row):
+                self.ins[k, j].fill_(v)
+            self.host_ins[k] = ins
+        return k
+
+    def absmax_into(self, ts, k):
+        out = self.buf[k]
+        for i, t in enumerate(ts):
+            t = t.detach()
+            if self._cuda and t.dtype != torch.float64:  # one kernel, no |x| temporary; NaN propagates
+                v = torch.linalg.vector_norm(t, _INF, dtype=torch.float32)
+            else:  # on the CPU vector_norm(inf) is slow: aminmax is one fast pass
+                v = _amax1(t)
+            if i == 0:
+                out.copy_(v)
+            else:
+                torch.maximum(out, v, out=out)
+
+    def fold(self, rec):
+        n = self.n
+        if n <= 1:
+            return
+        vals, sites = self.buf[1:n], self.sites[1:n]
+        bad = ~torch.isfinite(vals) & (sites >= 0)
+        # (index_select with a 1-element index tensor: indexing by a 0-dim tensor reads it
+        # back to the host)
+        j = (bad.to(torch.uint8).argmax() + 1).view(1)
+        iabs = self.buf.index_select(0, self.ins.index_select(0, j).view(-1)).amax().view(1)
+        row = torch.cat([self._one.view(1), self.sites.index_select(0, j).float(), self.step.view(1),
+                         iabs, self.buf.index_select(0, j)])
+        new = bad.any() & (rec[0] == 0)
+        rec.copy_(torch.where(new, row, rec))
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class _Mode(TorchDispatchMode):
+    def __init__(self, doc):
+        super().__init__()
+        self.doc = doc
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.doc._watch(func, args, out)
+        return out

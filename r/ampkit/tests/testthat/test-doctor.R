@@ -1,0 +1,144 @@
+# The numerics doctor from R: the same findings as the core, faults named, bad input.
+
+# Python's UserWarnings off until the calling test ends (the injector's backward hook on a
+# first layer, make_train_step's "no CUDA graph on cpu"); the filters are restored after.
+local_quiet_python_warnings <- function(.env = parent.frame()) {
+  w <- reticulate::import("warnings")
+  ctx <- w$catch_warnings()
+  ctx$`__enter__`()
+  w$filterwarnings("ignore", category = reticulate::import_builtins()$UserWarning)
+  withr::defer(ctx$`__exit__`(NULL, NULL, NULL), envir = .env)
+}
+
+overflowing_net <- function() {
+  net <- nn_sequential(nn_linear(4, 4), nn_relu(), nn_linear(4, 1))
+  with(pt()$no_grad(), net[2]$weight$fill_(3e4))  # fits float16; its product with 100 does not
+  net
+}
+
+test_that("amp_doctor() names the op, module, phase and step as a one-row data.frame", {
+  skip_if_no_ampkit()
+  torch_manual_seed(0)
+  net <- overflowing_net()
+  doc <- amp_doctor(net)
+  expect_null(doc$first_nonfinite())
+  x <- pt()$full(list(2L, 4L), 100)
+  with_autocast(device_type = "cpu", dtype = torch_float16(), y <- net(x))
+  f <- doc$first_nonfinite()
+  doc$close()
+  expect_s3_class(f, "data.frame")
+  expect_equal(nrow(f), 1)
+  expect_equal(f$op, "addmm")
+  expect_equal(f$module, "2")
+  expect_equal(f$phase, "forward")
+  expect_equal(f$dtype, "float16")
+  expect_equal(f$step, 0)
+  expect_equal(f$output_absmax, Inf)
+  # the oracle: the input of layer 2 computed by hand under torch's autocast
+  h <- with(pt()$autocast("cpu", dtype = torch_float16()), pt()$relu(net[0](x)))
+  expect_equal(f$input_absmax, max(h$abs()$max()$item(), 3e4, net[2]$bias$abs()$max()$item()), tolerance = 1e-6)
+})
+
+test_that("$stats() is a data.frame per module and sampled step, and $suggest() pins the module", {
+  skip_if_no_ampkit()
+  net <- overflowing_net()
+  doc <- amp_doctor(net, every = 2)
+  for (i in 1:3) with_autocast(device_type = "cpu", dtype = torch_float16(), y <- net(pt()$full(list(2L, 4L), 100)))
+  s <- doc$stats()
+  expect_s3_class(s, "data.frame")
+  expect_setequal(unique(s$step), c(0, 2))
+  expect_setequal(unique(s$module), c("0", "1", "2"))
+  expect_gt(s$overflow[s$module == "2" & s$step == 0], 0)
+  expect_equal(s$overflow[s$module == "0"], c(0, 0))
+  p <- doc$suggest()
+  expect_s3_class(p, "ampkit_policy")
+  expect_equal(amp_scopes(p), data.frame(scope = "2", pin = "float32", op = NA_character_, category = NA_character_))
+  png <- tempfile(fileext = ".png")
+  expect_equal(doc$heatmap(png), png)
+  expect_equal(readBin(png, "raw", 4), as.raw(c(0x89, 0x50, 0x4e, 0x47)))
+  doc$close()
+  remove <- amp_apply_scopes(p, net)
+  y <- with_autocast(device_type = "cpu", dtype = torch_float16(), net(pt()$full(list(2L, 4L), 100)))
+  remove()
+  expect_true(pt()$isfinite(y)$all()$item())
+})
+
+test_that("the doctor names the injected op, module and phase of the fault suite from R", {
+  skip_if_no_ampkit()
+  local_quiet_python_warnings()
+  faults <- reticulate::import("ampkit.faults")
+  bench <- reticulate::import("ampkit.bench")
+  plan <- faults$plan()
+  hits <- 0
+  for (f in plan) {
+    built <- bench$build_case(f$case, "tiny", device = "cpu")
+    model <- built$new_model()
+    opt <- built$new_optimizer(model)
+    dtype <- if (f$dtype == "float16") torch_float16() else torch_bfloat16()
+    scaler <- amp_grad_scaler("cpu", init_scale = 1)
+    step <- if (f$mode == "train_step") {
+      amp_train_step(model, built$loss_fn, opt, scaler = scaler, device_type = "cpu", dtype = dtype)
+    } else {
+      function(x, y) {
+        opt$zero_grad()
+        loss <- with_autocast(device_type = "cpu", dtype = dtype, built$loss_fn(model(x), y))
+        loss$backward()
+        opt$step()
+      }
+    }
+    inj <- faults$inject(model, f$module, f$op, f$phase, f$kind, step = 1L, occurrence = f$occurrence)
+    inj$`__enter__`()
+    doc <- amp_doctor(model)
+    for (i in 0:1) {
+      b <- built$batches[[i %% length(built$batches) + 1]]
+      step(b[[1]], b[[2]])
+    }
+    got <- doc$first_nonfinite()
+    doc$close()
+    inj$`__exit__`(NULL, NULL, NULL)
+    expect_equal(inj$fired_at_step, 1)
+    ok <- !is.null(got) && got$op == f$op && got$module == f$module && got$phase == f$phase && got$step == 1
+    expect_true(ok, info = paste(f$case, f$dtype, f$mode, f$module, f$op, f$phase, f$kind))
+    hits <- hits + ok
+  }
+  expect_gte(length(plan), 50)
+  expect_gte(hits / length(plan), 0.95)
+})
+
+test_that("bad input is an R condition that names the value, and changes nothing", {
+  skip_if_no_ampkit()
+  net <- nn_sequential(nn_linear(4, 4))
+  for (bad in list(0, -1, 1.5, "2", NA, c(1, 2))) {
+    expect_error(amp_doctor(net, every = bad), class = "ampkit_bad_argument")
+  }
+  expect_error(amp_doctor("net"), class = "ampkit_bad_argument")
+  doc <- amp_doctor(net)
+  err <- expect_error(amp_doctor(net), class = "ampkit_python_error")
+  expect_match(conditionMessage(err), "already armed")
+  doc$close()
+  amp_doctor(net)$close()  # closed: it can be armed again
+  p <- amp_policy()
+  err <- expect_error(amp_apply_scopes(amp_scope(p, "1", pin = "float32"), net), class = "ampkit_python_error")
+  expect_match(conditionMessage(err), "matches no module")
+  err <- expect_error(amp_scope(amp_scope(p, "0", pin = "float32"), "0", fp32 = "linear"),
+                      class = "ampkit_python_error")
+  expect_match(conditionMessage(err), "already in the policy with other rules")
+  expect_error(amp_scope(p, 3, pin = "float32"), class = "ampkit_bad_argument")
+})
+
+test_that("scopes from R give torch.autocast's dtypes with the hand-written fp32 section", {
+  skip_if_no_ampkit()
+  net <- nn_sequential(nn_linear(4, 4), nn_linear(4, 2))
+  x <- torch_randn(3, 4)
+  p <- amp_scope(amp_policy(), "1", pin = "float32")
+  remove <- amp_apply_scopes(p, net)
+  got <- with_autocast(device_type = "cpu", net(x))
+  remove()
+  want <- with(pt()$autocast("cpu", dtype = torch_bfloat16()), {
+    h <- net[0](x)
+    with(pt()$autocast("cpu", enabled = FALSE), net[1](h$float()))
+  })
+  expect_equal(dtype_name(got), "float32")
+  expect_true(pt()$equal(got, want))
+  expect_equal(dtype_name(with_autocast(device_type = "cpu", net(x))), "bfloat16")
+})

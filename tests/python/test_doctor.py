@@ -1,0 +1,288 @@
+"""The numerics doctor: checked against hand-derived values and an independent fault injector."""
+
+import functools
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+
+import ampkit
+from ampkit import faults
+
+pytestmark = [pytest.mark.usefixtures("ampkit_quiet"), pytest.mark.filterwarnings("ignore::UserWarning")]
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+# -- fault injection over the four benchmark cases ------------------------------------------
+@functools.lru_cache(maxsize=1)
+def _plan():
+    return faults.plan()
+
+
+N_FAULTS = len(faults.CASES) * len(faults.DTYPES) * len(faults.MODES) * 4
+
+
+def test_the_plan_covers_what_the_suite_promises():
+    p = _plan()
+    assert len(p) == N_FAULTS >= 50
+    assert {f["case"] for f in p} == set(faults.CASES)
+    assert {(f["phase"], f["kind"], f["dtype"], f["mode"]) for f in p} == {
+        (ph, k, d, m) for ph in ("forward", "backward") for k in ("inf", "nan")
+        for d in ("float16", "bfloat16") for m in faults.MODES}
+
+
+@pytest.mark.parametrize("i", range(N_FAULTS))
+def test_doctor_names_the_injected_op_module_and_phase(i):
+    f = _plan()[i]
+    finding, fired = faults.run_fault(f, step=1)
+    assert fired == 1, "the injector did not fire: the fault plan is wrong"
+    assert finding is not None
+    assert (finding.op, finding.module, finding.phase, finding.step) == (f["op"], f["module"], f["phase"], fired)
+    assert finding.output_absmax != finding.output_absmax if f["kind"] == "nan" else finding.output_absmax == float("inf")
+
+
+# -- the record ---------------------------------------------------------------------------
+def test_forward_overflow_values_match_a_hand_computation():
+    model = _mlp()
+    x = torch.full((3, 8), 200.0)
+    with torch.no_grad():
+        model[2].weight.fill_(100.0)  # |y| = 8 * 100 * relu(h) overflows float16 when relu(h) > 82
+        model[0].weight.fill_(0.1)
+        model[0].bias.zero_()
+    with ampkit.doctor(model) as doc, ampkit.autocast("cpu", dtype=torch.float16):
+        model(x)
+    f = doc.first_nonfinite()
+    with torch.autocast("cpu", dtype=torch.float16):
+        h = torch.relu(model[0](x))
+    assert not torch.isinf(h).any()  # the oracle: layer 0 is finite, layer 2's addmm is not
+    want_in = max(h.abs().max().item(), 100.0, model[2].bias.abs().max().item())
+    assert (f.op, f.module, f.phase, f.dtype, f.step) == ("addmm", "2", "forward", "float16", 0)
+    assert f.input_absmax == pytest.approx(want_in)
+    assert f.output_absmax == float("inf")
+
+
+def test_clean_run_finds_nothing_and_changes_nothing():
+    losses = {}
+    for armed in (False, True):
+        model = _mlp(1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        doc = ampkit.doctor(model) if armed else None
+        out = []
+        for i in range(3):
+            opt.zero_grad()
+            with ampkit.autocast("cpu", dtype=torch.float16):
+                loss = F.mse_loss(model(torch.randn(4, 8, generator=torch.Generator().manual_seed(i))),
+                                  torch.zeros(4, 2))
+            loss.backward()
+            opt.step()
+            out.append(loss.detach())
+        losses[armed] = torch.stack(out)
+        if doc:
+            assert doc.first_nonfinite() is None
+            doc.close()
+    assert torch.equal(losses[True], losses[False])
+
+
+class _CountHostReads(TorchDispatchMode):
+    """A CPU proxy for 'no host sync': a device value read by the host is aten's
+    _local_scalar_dense (item(), bool(), tolist() of a scalar ...)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_no_host_read_per_step(every):
+    reads = {}
+    for armed in (False, True):
+        model = _mlp(2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        step = ampkit.make_train_step(model, F.mse_loss, opt, scaler=ampkit.GradScaler("cpu"),
+                                      autocast=dict(device_type="cpu", dtype=torch.float16))
+        with _CountHostReads() as counter:  # below the doctor's mode: it sees the doctor's ops
+            doc = ampkit.doctor(model, every=every) if armed else None
+            for i in range(4):
+                step(torch.randn(4, 8), torch.randn(4, 2))
+            if doc:
+                doc.close()
+        reads[armed] = counter.reads
+    assert reads[True] == reads[False]
+
+
+def test_off_costs_nothing():
+    model = _mlp()
+    before = len(_get_current_dispatch_mode_stack())
+    with ampkit.doctor(model):
+        assert len(_get_current_dispatch_mode_stack()) == before + 1
+        assert all(m._forward_pre_hooks for m in model.modules())
+    assert len(_get_current_dispatch_mode_stack()) == before
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
+
+
+def test_backward_finding_names_the_module_and_the_step():
+    torch.manual_seed(0)
+    model = _mlp()
+    scaler = ampkit.GradScaler("cpu", init_scale=1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ampkit.doctor(model) as doc:
+        for i in range(3):
+            opt.zero_grad()
+            with ampkit.autocast("cpu", dtype=torch.float16):
+                out = model(torch.randn(4, 8))
+            # step 2 only: a gradient beyond float16 arrives at the last layer's output
+            g = torch.full_like(out, 1e5 if i == 2 else 1.0, dtype=torch.float32)
+            scaler.scale((out.float() * g).sum()).backward()
+            scaler.step(opt)
+            scaler.update()
+            assert (doc.on_skip(scaler) is None) == (i < 2)
+    f = doc.first_nonfinite()
+    # the fp32 grad 1e5 is cast back to float16 (the backward of the output's cast), outside
+    # the model; that cast is the first op to make an inf
+    assert (f.op, f.phase, f.step, f.dtype) == ("_to_copy", "backward", 2, "float16")
+    assert f.input_absmax == pytest.approx(1e5)
+
+
+# -- statistics -------------------------------------------------------------------------------
+def test_stats_fractions_match_a_hand_count():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 3)
+    model = torch.nn.Sequential(lin)
+    x = torch.tensor([[1e-9, 1.0, 7e4, 0.0], [2e-8, -3e-9, 1.0, 2.0]])
+    with ampkit.doctor(model) as doc, ampkit.autocast("cpu", dtype=torch.float16):
+        y = model(x)
+    (row,) = doc.stats()
+    cast = [x, lin.weight.detach(), lin.bias.detach()]
+    n_cast = sum(t.numel() for t in cast)
+    under = sum(((t != 0) & (t.half() == 0)).sum().item() for t in cast)
+    low = [t.half() for t in cast] + [y]
+    over = sum((~torch.isfinite(t)).sum().item() for t in low)
+    assert under == 3 and over >= 1  # 1e-9, 2e-8, -3e-9 underflow; 7e4 does not fit
+    assert row["module"] == "0" and row["step"] == 0
+    assert row["cast_elements"] == n_cast
+    assert row["underflow"] == pytest.approx(under / n_cast)
+    assert row["overflow"] == pytest.approx(over / sum(t.numel() for t in low))
+
+
+def test_stats_are_sampled_every_n_steps():
+    model = _mlp()
+    with ampkit.doctor(model, every=3) as doc:
+        for _ in range(7):
+            with ampkit.autocast("cpu", dtype=torch.bfloat16):
+                model(torch.randn(2, 8)).float().sum().backward()
+    rows = doc.stats()
+    assert sorted({r["step"] for r in rows}) == [0, 3, 6]
+    # the loss (.float().sum()) is computed outside the model: its backward is a row too
+    assert {r["module"] for r in rows} == {"0", "1", "2", "<outside model>"}
+    assert all(r["grad_absmax"] > 0 for r in rows if r["module"] in ("0", "2"))
+
+
+# -- suggest -------------------------------------------------------------------------------
+def test_suggest_pins_the_overflowing_module_and_round_trips(tmp_path):
+    model = _mlp()
+    with torch.no_grad():
+        model[2].weight.fill_(3e4)
+    with ampkit.doctor(model) as doc, ampkit.autocast("cpu", dtype=torch.float16):
+        model(torch.full((2, 8), 50.0))
+    p = doc.suggest()
+    assert [(m.pattern, m.pin) for m in p.modules] == [("2", "float32")]
+    f = tmp_path / "fix.yaml"
+    f.write_text(p.to_yaml())
+    assert ampkit.load_policy(f) == p
+    with ampkit.doctor(model) as doc2, p.apply(model), ampkit.autocast("cpu", dtype=torch.float16):
+        out = model(torch.full((2, 8), 50.0))
+    assert torch.isfinite(out).all() and doc2.first_nonfinite() is None
+    clean = ampkit.doctor(_mlp())
+    assert clean.suggest() == clean.policy
+    clean.close()
+
+
+# -- bad input --------------------------------------------------------------------------------
+@pytest.mark.parametrize("every", [0, -1, 1.5, True, "2", None])
+def test_every_must_be_a_positive_int(every):
+    model = _mlp()
+    with pytest.raises(ValueError, match=f"every must be a positive integer.*got {every!r}"):
+        ampkit.doctor(model, every=every)
+    assert all(not m._forward_pre_hooks for m in model.modules())
+
+
+def test_armed_twice_raises_and_changes_nothing():
+    model = _mlp()
+    modes = len(_get_current_dispatch_mode_stack())
+    with ampkit.doctor(model):
+        hooks = [len(m._forward_pre_hooks) for m in model.modules()]
+        with pytest.raises(RuntimeError, match="already armed on this Sequential"):
+            ampkit.doctor(model)
+        assert [len(m._forward_pre_hooks) for m in model.modules()] == hooks
+        assert len(_get_current_dispatch_mode_stack()) == modes + 1
+    with ampkit.doctor(model):  # closed: armed again
+        pass
+
+
+def test_model_must_be_a_module():
+    with pytest.raises(TypeError, match="torch.nn.Module, got function"):
+        ampkit.doctor(lambda x: x)
+
+
+def test_heatmap_writes_a_png(tmp_path):
+    model = _mlp()
+    with ampkit.doctor(model, every=1) as doc:
+        for _ in range(3):
+            with ampkit.autocast("cpu", dtype=torch.float16):
+                model(torch.randn(2, 8) * 1e-6)
+    path = doc.heatmap(tmp_path / "h.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_close_out_of_order_raises_and_changes_nothing():
+    model = _mlp()
+    doc = ampkit.doctor(model)
+    counter = _CountHostReads()
+    counter.__enter__()
+    with pytest.raises(RuntimeError, match="still active"):
+        doc.close()
+    assert doc.armed and all(m._forward_pre_hooks for m in model.modules())
+    counter.__exit__(None, None, None)
+    doc.close()
+    assert not doc.armed and len(_get_current_dispatch_mode_stack()) == 0
+
+
+def test_uninitialized_memory_is_not_a_finding():
+    class Garbage(torch.nn.Module):
+        def forward(self, x):
+            e = torch.empty_like(x)
+            e.fill_(float("inf"))  # what uninitialized memory may hold; then written over
+            return e.zero_() + x
+
+    with ampkit.doctor(Garbage()) as doc:
+        doc.model(torch.ones(3))
+    f = doc.first_nonfinite()
+    # fill_ wrote the inf: that op is named, never empty_like
+    assert f is not None and f.op == "fill_" and f.module == ""
+
+
+def test_suggest_pins_a_module_whose_casts_underflow():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    x = torch.full((4, 8), 1e-9)  # every input value underflows in float16 (min subnormal 6e-8)
+    with ampkit.doctor(model, every=1) as doc, ampkit.autocast("cpu", dtype=torch.float16):
+        model(x)
+    rows = {r["module"]: r for r in doc.stats()}
+    w, b = model[0].weight, model[0].bias
+    want = 32 / (32 + w.numel() + b.numel())  # x underflows; the parameters do not
+    assert ((w != 0) & (w.half() == 0)).sum() == 0 and ((b != 0) & (b.half() == 0)).sum() == 0
+    assert rows["0"]["underflow"] == pytest.approx(want)
+    assert doc.first_nonfinite() is None
+    assert [(m.pattern, m.pin) for m in doc.suggest().modules] == [("0", "float32")]
+    assert doc.suggest(underflow=0.5).modules == ()
