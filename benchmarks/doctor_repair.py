@@ -92,7 +92,8 @@ def train(device, steps, precision, policy=None, doctor_every=None, seed=0):
             counting = flops if i == 0 else None
             if counting:
                 counting.__enter__()
-            with ampkit.autocast(device, dtype=torch.float16, enabled=precision == "fp16", policy=policy):
+            with ampkit.autocast(device, dtype=torch.float16, enabled=precision == "fp16",
+                                 policy=None if policy is None else policy.without_modules()):
                 loss = F.mse_loss(model(x).float(), y)
             scaler.scale(loss).backward()
             if counting:

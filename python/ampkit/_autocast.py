@@ -962,6 +962,12 @@ def _region_args(device_type, dtype, enabled, cache_enabled, policy):
             f"{', '.join(DEVICES)} (ampkit.is_autocast_available tells; torch.autocast({device_type!r}) "
             "runs torch's own table where torch has one)")
     pol = _default_policy() if policy is None else load_policy(policy)
+    if getattr(pol, "modules", None):  # a region sees ops, not modules: scopes would be dropped silently
+        raise ValueError(
+            f"ampkit.autocast: policy {pol.name!r} has module scopes "
+            f"({', '.join(s.pattern for s in pol.modules)}), which a region cannot apply: it sees ops, "
+            "not modules. Apply them to the model and give the region the rest: "
+            "`with policy.apply(model), ampkit.autocast(device, policy=policy.without_modules()):`")
     rules = pol.rules(device_type)  # PolicyError (a ValueError) names the valid device types
     if dtype is None:  # as torch.autocast: an enclosing region's dtype, else the policy's
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) \

@@ -188,3 +188,13 @@ def test_scopes_work_under_make_train_step():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         want = F.mse_loss(_oracle(ref, x, pin_head=True), y)
     assert torch.equal(loss, want.detach())
+
+
+def test_a_region_refuses_a_policy_with_module_scopes_and_names_the_remedy():
+    """A region sees ops, not modules: passing it a scoped policy would drop the scopes."""
+    p = ampkit.load_policy("torch_default").with_module("head", pin="float32")
+    with pytest.raises(ValueError, match=r"policy\.apply\(model\).*without_modules"):
+        ampkit.autocast("cpu", policy=p)
+    with ampkit.autocast("cpu", policy=p.without_modules()):
+        assert torch.is_autocast_enabled("cpu")
+    assert not torch.is_autocast_enabled("cpu")
