@@ -12,11 +12,35 @@
 # <out-dir>/timing.txt (ms per step, R and Python, per variant: medians of the
 # process's CPU time, which other processes on a shared machine disturb less
 # than wall time, and of wall time).
+#
+# With a fourth argument `count` it only counts, per step, the calls the R loop makes
+# into reticulate's C++ layer (every `.Call` of reticulate: Python calls, attribute
+# lookups, conversions) and reticulate's R-level r_to_py() dispatches, for the
+# default, autocast and autocast + scaler loops: <out-dir>/crossings.txt. Counting
+# traces reticulate's functions (slow), so it runs in its own process:
+#
+#   Rscript r/ampkit/bench/profile_seed.R <out-dir> 100 1 count
 args <- commandArgs(trailingOnly = TRUE)
 out_dir <- if (length(args) >= 1) args[[1]] else "."
 steps <- if (length(args) >= 2) as.integer(args[[2]]) else 400L
 repeats <- if (length(args) >= 3) as.integer(args[[3]]) else 5L
+count_mode <- length(args) >= 4 && args[[4]] == "count"
 dir.create(out_dir, showWarnings = FALSE, recursive = TRUE)
+
+if (count_mode) {
+  # Before the package binds any reticulate function: trace every .Call wrapper.
+  .cnt <- new.env()
+  ns <- asNamespace("reticulate")
+  dot_calls <- Filter(function(k) {
+    v <- get(k, ns)
+    is.function(v) && any(grepl(".Call(", deparse(body(v)), fixed = TRUE))
+  }, ls(ns, all.names = TRUE))
+  for (k in c(dot_calls, "r_to_py")) {
+    .cnt[[k]] <- 0
+    suppressMessages(trace(k, tracer = bquote(.cnt[[.(k)]] <- .cnt[[.(k)]] + 1),
+                           where = ns, print = FALSE))
+  }
+}
 
 library(ampkit)
 stopifnot(ampkit_available())
@@ -35,6 +59,35 @@ batch_size <- 8; in_size <- 16; num_layers <- 3
 steps <- seeds$timed$steps
 run <- function(autocast, scale, n) (if (n <= 50) seeds$warm else seeds$timed)$run(autocast, scale)
 py_side <- function(autocast, scale, n) (if (n <= 50) seeds$warm else seeds$timed)$py_run(autocast, scale)
+
+if (count_mode) {
+  counts <- function(autocast, scale, n) {
+    for (k in ls(.cnt)) .cnt[[k]] <- 0
+    run(autocast, scale, n)
+    unlist(mget(ls(.cnt), .cnt))
+  }
+  variants <- list(default = c(FALSE, FALSE), autocast = c(TRUE, FALSE), autocast_scaler = c(TRUE, TRUE))
+  for (v in variants) run(v[1], v[2], 50L)  # warm-up: one-time imports and lookups
+  rows <- list()
+  for (vn in names(variants)) {
+    v <- variants[[vn]]
+    # per step: the difference of a long and a short run (setup calls cancel)
+    d <- (counts(v[1], v[2], steps) - counts(v[1], v[2], 50L)) / (seeds$timed$steps - seeds$warm$steps)
+    d <- d[d > 0]
+    rows[[vn]] <- data.frame(variant = vn, all_calls = sum(d), python_calls = sum(d[["py_call_impl"]]),
+                             r_to_py_dispatch = if ("r_to_py" %in% names(d)) d[["r_to_py"]] else 0,
+                             detail = paste(sprintf("%s %.2f", names(d), d), collapse = ", "))
+  }
+  tab <- do.call(rbind, rows)
+  sink(file.path(out_dir, "crossings.txt"))
+  cat("Calls per step of the R seed loop into reticulate's C++ layer (.Call entries) and reticulate's R-level r_to_py() dispatches\n")
+  cat("Command: Rscript r/ampkit/bench/profile_seed.R", out_dir, steps, repeats, "count\n")
+  print(tab[, 1:4], row.names = FALSE)
+  cat("\n"); for (vn in names(rows)) cat(vn, ": ", rows[[vn]]$detail, "\n", sep = "")
+  sink()
+  cat(readLines(file.path(out_dir, "crossings.txt")), sep = "\n")
+  quit(save = "no")
+}
 
 # ---- profiles: the R-driven loop, autocast + scaler, both profilers at once
 run(TRUE, TRUE, 50L)  # warm-up
