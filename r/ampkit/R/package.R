@@ -161,6 +161,11 @@ py_ready <- function() {
                  "bound_zero_grad")) {
     assign(name, bridge[[name]], envir = .h)
   }
+  # The hot path's crossings (see py_call_dots()): reticulate's own call, without the
+  # R closure around it, and the bridge's functions as Python objects.
+  .h$call <- utils::getFromNamespace("py_call_impl", "reticulate")
+  .h$fn <- lapply(list(enter_autocast = "enter_autocast", exit_autocast = "exit_autocast",
+                       call_method = "call_method"), function(n) py_fn(bridge[[n]]))
   # An out-of-memory error in Python runs R's gc() before the retry.
   py_reset_collector()
   .h$named_parameters <- reticulate::py_eval("lambda m: dict(m.named_parameters())")
@@ -176,3 +181,40 @@ py_reset_collector <- function() {
     invisible(NULL)
   })
 }
+
+# ---- the hot path's crossings
+#
+# reticulate 1.28 calls a Python function from R through an R closure that splits
+# `...`, calls py_call_impl() and converts the result (py_to_r() dispatch), and it
+# sends every argument that has a class through R's r_to_py() dispatch (15-30 us
+# an argument on a small CPU, as much as the call itself). The hot path calls
+# py_call_impl() directly and passes Python objects in an unclassed carrier whose
+# `py_object` attribute reticulate's C++ conversion takes as the object itself.
+
+# The Python object of a callable (reticulate wraps callables in R closures).
+py_fn <- function(f) if (is.function(f)) attr(f, "py_object") else f
+
+py_arg <- function(x) {
+  if (is.object(x) && inherits(x, "python.builtin.object")) {
+    structure(list(), py_object = if (is.function(x)) attr(x, "py_object") else x)
+  } else {
+    x
+  }
+}
+
+py_args <- function(args) {
+  for (k in seq_along(args)) if (is.object(args[[k]])) args[k] <- list(py_arg(args[[k]]))
+  args
+}
+
+# fn(args...) with R's named arguments as keywords; the result unconverted.
+py_call_dots <- function(fn, args) {
+  nm <- names(args)
+  if (is.null(nm)) return(.h$call(fn, py_args(args), NULL))
+  named <- nzchar(nm)
+  .h$call(fn, py_args(unname(args[!named])), py_args(args[named]))
+}
+
+# A result as reticulate's converting call returns it; tensors (which do not
+# convert) skip py_to_r()'s dispatch.
+py_value <- function(res) if (inherits(res, "torch.Tensor")) res else reticulate::py_to_r(res)

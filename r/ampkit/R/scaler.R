@@ -132,7 +132,8 @@ GradScalerR6 <- R6::R6Class("ampkit_grad_scaler",
       private$f <- f
       # The per-step calls, bound to this scaler in Python (r_bridge.ScalerCalls).
       calls <- .h$ScalerCalls(py)
-      private$hot <- list(scale_backward = calls$scale_backward, step = calls$step, update = calls$update)
+      private$hot <- lapply(list(scale_backward = "scale_backward", step = "step", update = "update"),
+                            function(n) py_fn(calls[[n]]))
     },
     scale = function(x) {
       if (inherits(x, "torch.Tensor")) return(scaled_loss(self$py, x, private$hot$scale_backward))
@@ -147,13 +148,14 @@ GradScalerR6 <- R6::R6Class("ampkit_grad_scaler",
         abort(sprintf("`$step()` takes a torch optimizer (from optim_sgd(), optim_adam(), ...), not %s.",
                       describe(optimizer)), class = "ampkit_bad_argument")
       }
-      invisible(py_try(private$hot$step(optimizer, ...), "$step()"))
+      invisible(py_try(py_value(py_call_dots(private$hot$step, c(list(optimizer), list(...)))), "$step()"))
     },
     update = function(new_scale = NULL) {
       if (!is.null(new_scale) && !inherits(new_scale, "torch.Tensor")) {
         new_scale <- as_py_num(new_scale, "new_scale")
       }
-      watch_memory(py_try(private$hot$update(new_scale), "$update()"))
+      watch_memory(py_try(reticulate::py_to_r(.h$call(private$hot$update, list(py_arg(new_scale)), NULL)),
+                          "$update()"))
     },
     unscale_ = function(optimizer) {
       invisible(py_try(private$f$unscale_(optimizer), "$unscale_()"))
@@ -204,7 +206,7 @@ scaled_tensor <- function(x) {
     loss <- .subset2(x, "loss")
     backward <- .subset2(x, "backward")
     return(function(...) {
-      py_try(backward(loss, ...), "$scale(loss)$backward()")
+      py_try(py_call_dots(backward, c(list(loss), list(...))), "$scale(loss)$backward()")
       invisible(NULL)
     })
   }

@@ -231,10 +231,14 @@ adam_like <- function(class, context, params, lr, betas, eps, weight_decay, amsg
 
 #' @export
 `$.torch.Tensor` <- function(x, name) {
-  if (is_py_method(x, name)) {
-    function(...) py_try(.h$call_method(x, name, ...), paste0("$", name, "()"))
-  } else {
-    NextMethod()
+  if (is_py_method(x, name)) method_function(x, name) else NextMethod()
+}
+
+# `x$name(...)`: one crossing (the bridge's call_method, retried after an out of memory).
+method_function <- function(x, name) {
+  function(...) {
+    py_try(py_value(py_call_dots(.h$fn$call_method, c(list(x, name), list(...)))),
+           paste0("$", name, "()"))
   }
 }
 
@@ -246,18 +250,42 @@ adam_like <- function(class, context, params, lr, betas, eps, weight_decay, amsg
     if (is.null(.h$ready)) py_ready()
     # Bound in Python once per optimizer and kept in the optimizer's own R object
     # (an environment): no optimizer argument to convert each step.
+    # The R function too: `opt$zero_grad` builds nothing after the first step.
     zero <- get0(".ampkit_zero_grad", envir = x, inherits = FALSE)
     if (is.null(zero)) {
-      zero <- .h$bound_zero_grad(x)
+      bound <- py_fn(.h$bound_zero_grad(x))
+      zero <- function(...) {
+        watch_memory(py_try(reticulate::py_to_r(py_call_dots(bound, list(...))), "$zero_grad()"))
+      }
       assign(".ampkit_zero_grad", zero, envir = x)
     }
-    return(function(...) watch_memory(py_try(zero(...), "$zero_grad()")))
+    return(zero)
   }
-  if (is_py_method(x, name)) {
-    function(...) py_try(.h$call_method(x, name, ...), paste0("$", name, "()"))
-  } else {
-    NextMethod()
+  if (is_py_method(x, name)) method_function(x, name) else NextMethod()
+}
+
+# Modules reach R through reticulate's conversion (the constructors here, a model
+# made in Python): each becomes an R function that calls it in one crossing
+# (py_call_dots()), with the class and `py_object` of reticulate's own wrapper, so
+# that `net(x)` costs what a bridge call costs.
+#' @exportS3Method reticulate::py_to_r
+py_to_r.torch.nn.modules.module.Module <- function(x) {
+  if (isTRUE(attr(x, "ampkit_module"))) return(x)
+  f <- NextMethod()
+  if (!is.function(f) || is.null(attr(f, "py_object"))) return(f)
+  module_function(f)
+}
+
+module_function <- function(f) {
+  if (is.null(.h$ready)) py_ready()
+  obj <- attr(f, "py_object")
+  convert <- isTRUE(get0("convert", envir = obj, inherits = FALSE))
+  g <- function(...) {
+    res <- py_call_dots(obj, list(...))
+    if (convert && !inherits(res, "torch.Tensor")) reticulate::py_to_r(res) else res
   }
+  attributes(g) <- c(attributes(f), list(ampkit_module = TRUE))
+  g
 }
 
 is_py_method <- function(x, name) {
