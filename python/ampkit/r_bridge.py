@@ -35,6 +35,7 @@ import dataclasses
 import gc
 import inspect
 import os
+import sys
 import warnings
 import weakref
 from typing import Any, Callable
@@ -48,6 +49,7 @@ __all__ = [
     "amp_loop",
     "bound_zero_grad",
     "call_method",
+    "call_releasing",
     "check_autocast",
     "clear_policy_cache",
     "call_warn",
@@ -57,6 +59,7 @@ __all__ = [
     "exit_autocast",
     "is_method",
     "is_out_of_memory",
+    "live_tensor_bytes",
     "live_tensor_count",
     "load_scaler_state",
     "memory_allocated",
@@ -66,6 +69,7 @@ __all__ = [
     "set_r_collector",
     "policy",
     "policy_names",
+    "release_tensors",
     "scale_backward",
     "scaler_int_state_keys",
     "scaler_step",
@@ -150,6 +154,54 @@ def open_regions() -> int:
 def live_tensor_count() -> int:
     """How many ``torch.Tensor`` objects are alive in this interpreter (for tests)."""
     return sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of the storages of all live tensors, each storage counted once (for tests)."""
+    seen: dict[int, int] = {}
+    for o in gc.get_objects():
+        if issubclass(type(o), torch.Tensor) and not o.is_meta:
+            st = o.untyped_storage()
+            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+    return sum(seen.values())
+
+
+# ---------------------------------------------------------------- tensors R has dropped
+
+# References to a tensor held only by R, counted inside release_tensors(): R's wrapper
+# (one), the list R passed, the loop variable and getrefcount's argument.
+_R_ONLY_REFS = 4
+
+
+def release_tensors(tensors) -> int:
+    """Free the memory of tensors that R no longer references; return how many were freed.
+
+    R hands the module outputs of earlier steps whose R objects no binding references
+    any more (R's reference count, checked by the R package): such a tensor is still
+    alive only because R has not collected its wrapper yet. A tensor is freed only if
+    nothing else holds it either: no other Python reference, no other owner of its
+    TensorImpl (the autograd graph, a view's base bookkeeping), and it is not a view.
+    Freed means: its autograd history detached and its data replaced by an empty
+    tensor, so the R wrapper, when R collects it, frees only an empty shell.
+    """
+    n = 0
+    for t in tensors:
+        if (not isinstance(t, torch.Tensor) or sys.getrefcount(t) > _R_ONLY_REFS
+                or t._use_count() != 1 or t._is_view() or t.is_leaf and t.requires_grad):
+            continue
+        with torch.no_grad():
+            if t.grad_fn is not None:
+                t.detach_()
+            t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+        n += 1
+    return n
+
+
+def call_releasing(dead, fn, *args, **kwargs):
+    """``release_tensors(dead)``, then ``fn(*args, **kwargs)``: the release costs R no extra call."""
+    release_tensors(dead)
+    del dead
+    return fn(*args, **kwargs)
 
 
 # ---------------------------------------------------------------- the seed loop's calls

@@ -110,13 +110,21 @@ with_autocast_positional <- function(device_type, ..., env) {
 }
 
 # Enter, evaluate `expr` in `env`, leave (also after an error).
+#
+# The block's value (often a tensor: `loss <- loss_fn(...)`) passes through no frame
+# that outlives the call: the error handler is a package function (an inline one
+# would keep this frame, and `value` with it, alive), and `value` is cleared on exit,
+# so that R's reference count of the value drops when the caller drops it (memory.R).
 run_region <- function(expr, env, device_type, dtype, enabled, cache_enabled, policy) {
   region <- enter_autocast(device_type, dtype, enabled, cache_enabled, policy)
   on.exit(exit_autocast(region), add = TRUE)
-  value <- py_try(eval(expr, env), REGION_CONTEXT)
-  if (is.function(value)) value <- py_try(value(), REGION_CONTEXT)
+  value <- withCallingHandlers(eval(expr, env), error = region_error)
+  if (is.function(value)) value <- withCallingHandlers(value(), error = region_error)
+  on.exit(value <- NULL, add = TRUE)
   value
 }
+
+region_error <- function(e) py_rethrow(e, REGION_CONTEXT)
 
 #' @rdname with_autocast
 #' @export

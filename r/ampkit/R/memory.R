@@ -83,6 +83,7 @@ amp_gc <- function() {
   gc_threshold_bytes("ampkit.gc_full_threshold_mb", 8192)
   py_ready()
   before <- memory_allocated()
+  forget_outputs()
   after <- collect_memory(before, full = TRUE, automatic = FALSE)
   invisible(list(allocated_before_mb = before / 2^20, allocated_after_mb = after / 2^20,
                  collections = .mem$collections))
@@ -144,9 +145,94 @@ full_threshold_default_mb <- function() {
 # Python's gc and torch's cache. Returns the MiB of CUDA memory freed.
 free_memory <- function() {
   before <- tryCatch(memory_allocated(), error = function(e) 0)
+  forget_outputs()
   gc(full = TRUE)
   after <- tryCatch(.h$collect_garbage(), error = function(e) before)
   .mem$base <- after
   .mem$floor <- after
   (before - after) / 2^20
+}
+
+# ---- the outputs of earlier steps, freed when R drops them
+#
+# R frees a Python tensor when it collects the R object holding it, which can be many
+# steps later (see above). The outputs of module calls (`output <- net(x)`, `loss <-
+# loss_fn(output, y)`) are kept in a short list here; at the next module call, those
+# that no R binding references any more (R's own reference count, which counts every
+# binding, list element and attribute that points to an object, and never counts too
+# few) are handed to Python in the same crossing (r_bridge.call_releasing), which
+# frees the tensors that nothing in Python holds either. A tensor the user still holds
+# (bound to a name, kept in a list) is left alone; so are outputs passed to functions
+# that keep a reference until R collects (the garbage watch above covers those): the
+# release only ever errs on the side of keeping. Option `ampkit.release_outputs`
+# (default TRUE) turns it off.
+
+.rel <- new.env(parent = emptyenv())
+# The watched outputs live in the bindings of an environment used as a ring: a
+# binding replaced or cleared lowers the count of what it held, where a list copied
+# to grow would count once more for every element it copied.
+RELEASE_KEEP <- 16L   # outputs watched at most; older ones are left to R's collector
+SLOTS <- as.character(seq_len(RELEASE_KEEP))
+.rel$slots <- new.env(parent = emptyenv(), size = RELEASE_KEEP)
+.rel$n <- 0L          # slots filled so far (ring position)
+.rel$base <- NA_integer_  # the reference count of an object held only by its slot
+.rel$released <- 0L   # outputs handed to Python for release so far
+.rel$on <- TRUE
+
+slot_count <- function(slots, key) .Internal(refcnt(.subset2(slots, key)))
+
+# What an output held by nothing but its slot reads: measured on a tensor that takes
+# the outputs' own path (reticulate's call, keep_output()) and is then dropped, as
+# reticulate's making of the R object may count too. R >= 4.0 counts references;
+# where it does not, the release stays off.
+calibrate_release <- function() {
+  slots <- .rel$slots
+  empty <- py_fn(py_torch$empty)
+  probe <- function() {
+    res <- .h$call(empty, list(0L), NULL)
+    keep_output(res)
+    invisible(NULL)
+  }
+  .rel$on <- TRUE
+  .rel$base <- tryCatch({
+    probe()
+    slot_count(slots, SLOTS[[.rel$n]])
+  }, error = function(e) NA_integer_)
+  for (key in SLOTS) assign(key, NULL, envir = slots)
+  .rel$n <- 0L
+  .rel$on <- !is.na(.rel$base) && .rel$base >= 1L
+  invisible(.rel$on)
+}
+
+keep_output <- function(x) {
+  if (.rel$on) {
+    .rel$n <- .rel$n %% RELEASE_KEEP + 1L
+    assign(SLOTS[[.rel$n]], x, envir = .rel$slots)  # replaces (and lets go of) the oldest
+  }
+  x
+}
+
+# The carriers of the watched outputs that no R binding references, cleared from their
+# slots; NULL when there are none (the common case costs a few R operations a slot).
+dropped_outputs <- function() {
+  if (!.rel$on) return(NULL)
+  slots <- .rel$slots
+  out <- NULL
+  base <- .rel$base
+  for (key in SLOTS) {
+    if (!is.null(.subset2(slots, key)) && slot_count(slots, key) <= base) {
+      out[[length(out) + 1L]] <- py_arg(.subset2(slots, key))
+      assign(key, NULL, envir = slots)
+    }
+  }
+  if (is.null(out) || !isTRUE(getOption("ampkit.release_outputs", TRUE))) return(NULL)
+  .rel$released <- .rel$released + length(out)
+  out
+}
+
+# Before a full collection: let go of the watched outputs, so that the collection frees
+# those that nothing else holds.
+forget_outputs <- function() {
+  for (key in SLOTS) assign(key, NULL, envir = .rel$slots)
+  invisible(NULL)
 }

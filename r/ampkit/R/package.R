@@ -161,11 +161,13 @@ py_ready <- function() {
                  "bound_zero_grad")) {
     assign(name, bridge[[name]], envir = .h)
   }
-  # The hot path's crossings (see py_call_dots()): reticulate's own call, without the
+  # The hot path's crossings (see py_arg() below): reticulate's own call, without the
   # R closure around it, and the bridge's functions as Python objects.
   .h$call <- utils::getFromNamespace("py_call_impl", "reticulate")
   .h$fn <- lapply(list(enter_autocast = "enter_autocast", exit_autocast = "exit_autocast",
-                       call_method = "call_method"), function(n) py_fn(bridge[[n]]))
+                       call_method = "call_method", call_releasing = "call_releasing",
+                       release_tensors = "release_tensors"), function(n) py_fn(bridge[[n]]))
+  calibrate_release()
   # An out-of-memory error in Python runs R's gc() before the retry.
   py_reset_collector()
   .h$named_parameters <- reticulate::py_eval("lambda m: dict(m.named_parameters())")
@@ -177,6 +179,7 @@ py_ready <- function() {
 # R's collector for the bridge's out-of-memory retry (r_bridge.retry_call).
 py_reset_collector <- function() {
   reticulate::import("ampkit.r_bridge")$set_r_collector(function() {
+    forget_outputs()
     gc(full = TRUE)
     invisible(NULL)
   })
@@ -194,9 +197,17 @@ py_reset_collector <- function() {
 # The Python object of a callable (reticulate wraps callables in R closures).
 py_fn <- function(f) if (is.function(f)) attr(f, "py_object") else f
 
+#
+# The carrier points to a new environment holding reticulate's external pointer, not
+# to the R object itself: a carrier left for R's collector then adds nothing to the R
+# object's reference count, which the release of dropped outputs reads (memory.R).
 py_arg <- function(x) {
   if (is.object(x) && inherits(x, "python.builtin.object")) {
-    structure(list(), py_object = if (is.function(x)) attr(x, "py_object") else x)
+    if (is.function(x)) x <- attr(x, "py_object")
+    ref <- new.env(parent = emptyenv(), size = 2L)
+    ref$pyobj <- .subset2(x, "pyobj")
+    ref$convert <- .subset2(x, "convert")
+    structure(list(), py_object = ref)
   } else {
     x
   }
@@ -207,12 +218,28 @@ py_args <- function(args) {
   args
 }
 
-# fn(args...) with R's named arguments as keywords; the result unconverted.
-py_call_dots <- function(fn, args) {
-  nm <- names(args)
-  if (is.null(nm)) return(.h$call(fn, py_args(args), NULL))
-  named <- nzchar(nm)
-  .h$call(fn, py_args(unname(args[!named])), py_args(args[named]))
+# The unnamed and the named arguments of `...`, as carriers, read one by one with
+# ...elt(): a list(...) would hold the R objects (and count as a reference to them)
+# until R collects it.
+dot_args <- function(...) {
+  n <- ...length()
+  if (!n) return(list())
+  nm <- ...names()
+  pos <- if (is.null(nm)) seq_len(n) else which(!nzchar(nm) | is.na(nm))
+  args <- vector("list", length(pos))
+  for (k in seq_along(pos)) args[k] <- list(py_arg(...elt(pos[[k]])))
+  args
+}
+
+dot_keywords <- function(...) {
+  nm <- ...names()
+  if (is.null(nm)) return(NULL)
+  at <- which(nzchar(nm) & !is.na(nm))
+  if (!length(at)) return(NULL)
+  kw <- vector("list", length(at))
+  for (k in seq_along(at)) kw[k] <- list(py_arg(...elt(at[[k]])))
+  names(kw) <- nm[at]
+  kw
 }
 
 # A result as reticulate's converting call returns it; tensors (which do not

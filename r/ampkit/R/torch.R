@@ -234,10 +234,15 @@ adam_like <- function(class, context, params, lr, betas, eps, weight_decay, amsg
   if (is_py_method(x, name)) method_function(x, name) else NextMethod()
 }
 
-# `x$name(...)`: one crossing (the bridge's call_method, retried after an out of memory).
-method_function <- function(x, name) {
+# `x$name(...)`: one crossing (the bridge's call_method, retried after an out of
+# memory). The returned function holds the carrier, not `x` (see py_arg()).
+method_function <- function(x, name) bound_method(py_arg(x), name)
+
+bound_method <- function(self, name) {
+  force(self)
+  force(name)  # an unforced promise would keep the caller's frame, and `x`, alive
   function(...) {
-    py_try(py_value(py_call_dots(.h$fn$call_method, c(list(x, name), list(...)))),
+    py_try(py_value(.h$call(.h$fn$call_method, c(list(self, name), dot_args(...)), dot_keywords(...))),
            paste0("$", name, "()"))
   }
 }
@@ -255,7 +260,8 @@ method_function <- function(x, name) {
     if (is.null(zero)) {
       bound <- py_fn(.h$bound_zero_grad(x))
       zero <- function(...) {
-        watch_memory(py_try(reticulate::py_to_r(py_call_dots(bound, list(...))), "$zero_grad()"))
+        watch_memory(py_try(reticulate::py_to_r(.h$call(bound, dot_args(...), dot_keywords(...))),
+                            "$zero_grad()"))
       }
       assign(".ampkit_zero_grad", zero, envir = x)
     }
@@ -266,7 +272,7 @@ method_function <- function(x, name) {
 
 # Modules reach R through reticulate's conversion (the constructors here, a model
 # made in Python): each becomes an R function that calls it in one crossing
-# (py_call_dots()), with the class and `py_object` of reticulate's own wrapper, so
+# (py_arg(), dot_args()), with the class and `py_object` of reticulate's own wrapper, so
 # that `net(x)` costs what a bridge call costs.
 #' @exportS3Method reticulate::py_to_r
 py_to_r.torch.nn.modules.module.Module <- function(x) {
@@ -279,10 +285,15 @@ py_to_r.torch.nn.modules.module.Module <- function(x) {
 module_function <- function(f) {
   if (is.null(.h$ready)) py_ready()
   obj <- attr(f, "py_object")
+  module <- py_arg(obj)
   convert <- isTRUE(get0("convert", envir = obj, inherits = FALSE))
   g <- function(...) {
-    res <- py_call_dots(obj, list(...))
-    if (convert && !inherits(res, "torch.Tensor")) reticulate::py_to_r(res) else res
+    # The outputs of earlier calls that R has dropped are freed in the same crossing.
+    dead <- dropped_outputs()
+    res <- if (is.null(dead)) .h$call(obj, dot_args(...), dot_keywords(...))
+           else .h$call(.h$fn$call_releasing, c(list(dead, module), dot_args(...)), dot_keywords(...))
+    if (inherits(res, "torch.Tensor")) return(keep_output(res))
+    if (convert) reticulate::py_to_r(res) else res
   }
   attributes(g) <- c(attributes(f), list(ampkit_module = TRUE))
   g

@@ -119,26 +119,33 @@ writeLines(c(sprintf("Python side of the same R-driven run (cProfile), %d steps"
 # ---- timing: R loop vs Python twin, interleaved, medians after a warm-up
 variants <- list(default = c(FALSE, FALSE), autocast = c(TRUE, FALSE), autocast_scaler = c(TRUE, TRUE))
 rows <- list()
+gc.time(TRUE)
 for (vn in names(variants)) {
   v <- variants[[vn]]
   run(v[1], v[2], 50L); py_side(v[1], v[2], 50L)
-  tr <- tp <- wr <- wp <- numeric(repeats)
+  tr <- tp <- wr <- wp <- gr <- numeric(repeats)
   cpu <- function(t) t[["user.self"]] + t[["sys.self"]]
   for (k in seq_len(repeats)) {
     t <- system.time(py_side(v[1], v[2], steps))
     tp[k] <- cpu(t) / steps; wp[k] <- t[["elapsed"]] / steps
-    t <- system.time(run(v[1], v[2], steps))
+    invisible(gc())  # as system.time()'s gcFirst, but before gc.time() is read
+    g0 <- gc.time()[[1]]
+    t <- system.time(run(v[1], v[2], steps), gcFirst = FALSE)
+    gr[k] <- (gc.time()[[1]] - g0) / steps
     tr[k] <- cpu(t) / steps; wr[k] <- t[["elapsed"]] / steps
   }
+  # min: the least disturbed repeat on a shared machine (host cost); median as well
   rows[[vn]] <- data.frame(variant = vn, python_ms = round(median(tp) * 1e3, 3),
                            r_ms = round(median(tr) * 1e3, 3),
                            r_over_python = round(median(tr) / median(tp), 2),
                            r_extra_us = round((median(tr) - median(tp)) * 1e6),
+                           min_python_ms = round(min(tp) * 1e3, 3), min_r_ms = round(min(tr) * 1e3, 3),
+                           r_gc_ms = round(median(gr) * 1e3, 3),
                            wall_python_ms = round(median(wp) * 1e3, 3), wall_r_ms = round(median(wr) * 1e3, 3))
 }
 tab <- do.call(rbind, rows)
 sink(file.path(out_dir, "timing.txt"))
-cat(sprintf("Seed loop, batch %d, width %d, %d layers, %d steps per repeat, %d repeats (median process CPU ms/step, user + system; wall medians too), torch threads 1\n",
+cat(sprintf("Seed loop, batch %d, width %d, %d layers, %d steps per repeat, %d repeats (median and min process CPU ms/step, user + system; r_gc_ms: R's own garbage collections in the R loop, ms/step (gc.time()); wall medians too), torch threads 1\n",
             batch_size, in_size, num_layers, steps, repeats))
 cat("Command: Rscript r/ampkit/bench/profile_seed.R", out_dir, steps, repeats, "\n")
 print(tab, row.names = FALSE)
