@@ -181,18 +181,17 @@ def release_tensors(tensors) -> int:
     alive only because R has not collected its wrapper yet. A tensor is freed only if
     nothing else holds it either: no other Python reference, no other owner of its
     TensorImpl (the autograd graph, a view's base bookkeeping), and it is not a view.
-    Freed means: its autograd history detached and its data replaced by an empty
-    tensor, so the R wrapper, when R collects it, frees only an empty shell.
+    Freed means: its autograd history detached and its storage replaced by an empty
+    one, so the R wrapper, when R collects it, frees only an empty shell.
     """
     n = 0
     for t in tensors:
         if (not isinstance(t, torch.Tensor) or sys.getrefcount(t) > _R_ONLY_REFS
                 or t._use_count() != 1 or t._is_view() or t.is_leaf and t.requires_grad):
             continue
-        with torch.no_grad():
-            if t.grad_fn is not None:
-                t.detach_()
-            t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+        if t.grad_fn is not None:
+            t.detach_()  # its graph (saved tensors, if no backward ran) goes with it
+        t.set_()  # empty storage; the old one is freed unless a detached copy shares it
         n += 1
     return n
 

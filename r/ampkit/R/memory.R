@@ -177,6 +177,7 @@ SLOTS <- as.character(seq_len(RELEASE_KEEP))
 .rel$n <- 0L          # slots filled so far (ring position)
 .rel$base <- NA_integer_  # the reference count of an object held only by its slot
 .rel$released <- 0L   # outputs handed to Python for release so far
+.rel$filled <- FALSE  # whether any slot may hold an output
 .rel$on <- TRUE
 
 slot_count <- function(slots, key) .Internal(refcnt(.subset2(slots, key)))
@@ -195,19 +196,21 @@ calibrate_release <- function() {
   }
   .rel$on <- TRUE
   .rel$base <- tryCatch({
-    probe()
+    withr::with_options(list(ampkit.release_outputs = TRUE), probe())
     slot_count(slots, SLOTS[[.rel$n]])
   }, error = function(e) NA_integer_)
   for (key in SLOTS) assign(key, NULL, envir = slots)
   .rel$n <- 0L
+  .rel$filled <- FALSE
   .rel$on <- !is.na(.rel$base) && .rel$base >= 1L
   invisible(.rel$on)
 }
 
 keep_output <- function(x) {
-  if (.rel$on) {
+  if (.rel$on && isTRUE(getOption("ampkit.release_outputs", TRUE))) {
     .rel$n <- .rel$n %% RELEASE_KEEP + 1L
     assign(SLOTS[[.rel$n]], x, envir = .rel$slots)  # replaces (and lets go of) the oldest
+    .rel$filled <- TRUE
   }
   x
 }
@@ -215,18 +218,23 @@ keep_output <- function(x) {
 # The carriers of the watched outputs that no R binding references, cleared from their
 # slots; NULL when there are none (the common case costs a few R operations a slot).
 dropped_outputs <- function() {
-  if (!.rel$on) return(NULL)
+  if (!isTRUE(.rel$filled)) return(NULL)
   slots <- .rel$slots
   out <- NULL
   base <- .rel$base
+  filled <- FALSE
   for (key in SLOTS) {
-    if (!is.null(.subset2(slots, key)) && slot_count(slots, key) <= base) {
-      out[[length(out) + 1L]] <- py_arg(.subset2(slots, key))
-      assign(key, NULL, envir = slots)
+    if (!is.null(.subset2(slots, key))) {
+      if (slot_count(slots, key) <= base) {
+        out[[length(out) + 1L]] <- py_arg(.subset2(slots, key))
+        assign(key, NULL, envir = slots)
+      } else {
+        filled <- TRUE
+      }
     }
   }
-  if (is.null(out) || !isTRUE(getOption("ampkit.release_outputs", TRUE))) return(NULL)
-  .rel$released <- .rel$released + length(out)
+  .rel$filled <- filled
+  if (!is.null(out)) .rel$released <- .rel$released + length(out)
   out
 }
 
@@ -234,5 +242,6 @@ dropped_outputs <- function() {
 # those that nothing else holds.
 forget_outputs <- function() {
   for (key in SLOTS) assign(key, NULL, envir = .rel$slots)
+  .rel$filled <- FALSE
   invisible(NULL)
 }

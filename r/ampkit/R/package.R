@@ -207,7 +207,9 @@ py_arg <- function(x) {
     ref <- new.env(parent = emptyenv(), size = 2L)
     ref$pyobj <- .subset2(x, "pyobj")
     ref$convert <- .subset2(x, "convert")
-    structure(list(), py_object = ref)
+    carrier <- list()
+    attr(carrier, "py_object") <- ref  # (structure() costs twice as much)
+    carrier
   } else {
     x
   }

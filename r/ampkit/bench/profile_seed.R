@@ -117,11 +117,14 @@ writeLines(c(sprintf("Python side of the same R-driven run (cProfile), %d steps"
              buf$getvalue()), file.path(out_dir, "cprofile.txt"))
 
 # ---- timing: R loop vs Python twin, interleaved, medians after a warm-up
-variants <- list(default = c(FALSE, FALSE), autocast = c(TRUE, FALSE), autocast_scaler = c(TRUE, TRUE))
+# (the last row: the AMP loop with the release of dropped outputs off, for its cost)
+variants <- list(default = c(FALSE, FALSE), autocast = c(TRUE, FALSE), autocast_scaler = c(TRUE, TRUE),
+                 autocast_scaler_release_off = c(TRUE, TRUE))
 rows <- list()
 gc.time(TRUE)
 for (vn in names(variants)) {
   v <- variants[[vn]]
+  options(ampkit.release_outputs = !grepl("release_off", vn))
   run(v[1], v[2], 50L); py_side(v[1], v[2], 50L)
   tr <- tp <- wr <- wp <- gr <- numeric(repeats)
   cpu <- function(t) t[["user.self"]] + t[["sys.self"]]
