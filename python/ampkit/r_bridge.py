@@ -59,6 +59,7 @@ __all__ = [
     "exit_autocast",
     "is_method",
     "is_out_of_memory",
+    "is_torch_function",
     "live_tensor_bytes",
     "live_tensor_count",
     "load_scaler_state",
@@ -179,19 +180,37 @@ def release_tensors(tensors) -> int:
     R hands the module outputs of earlier steps whose R objects no binding references
     any more (R's reference count, checked by the R package): such a tensor is still
     alive only because R has not collected its wrapper yet. A tensor is freed only if
-    nothing else holds it either: no other Python reference, no other owner of its
-    TensorImpl (the autograd graph, a view's base bookkeeping), and it is not a view.
-    Freed means: its autograd history detached and its storage replaced by an empty
-    one, so the R wrapper, when R collects it, frees only an empty shell.
+    nothing else holds it or its memory: no other Python reference, no other owner of
+    its TensorImpl (the autograd graph, a view of it), no other tensor on its storage
+    (a detached copy) but, for a view (a linear layer's 3-d output is one), its base,
+    which nothing else may hold either; and it is not a leaf that requires grad.
+    Freed means: it (and a view's base) set to an empty tensor, which frees the
+    storage, and a tensor that is not a view detached from its graph (which, without
+    a backward pass, holds the forward's saved tensors). The R wrapper, when R
+    collects it, frees an empty shell of shape (0,).
     """
     n = 0
     for t in tensors:
         if (not isinstance(t, torch.Tensor) or sys.getrefcount(t) > _R_ONLY_REFS
-                or t._use_count() != 1 or t._is_view() or t.is_leaf and t.requires_grad):
+                or t._use_count() != 1 or t.is_leaf and t.requires_grad):
             continue
-        if t.grad_fn is not None:
-            t.detach_()  # its graph (saved tensors, if no backward ran) goes with it
-        t.set_()  # empty storage; the old one is freed unless a detached copy shares it
+        base = None
+        if t._is_view():
+            base = t._base
+            # the view's bookkeeping and `base`; a base's Python object is also
+            # referenced by its TensorImpl, hence 3 (with getrefcount's argument)
+            if base._use_count() != 2 or sys.getrefcount(base) > 3:
+                continue
+        # the tensors above and the `untyped_storage()` object: no other tensor on it
+        if torch._C._storage_Use_Count(t.untyped_storage()._cdata) != (3 if base is not None else 2):
+            continue
+        with torch.no_grad():
+            if base is None and t.grad_fn is not None:
+                t.detach_()  # its graph (saved tensors, if no backward ran) goes with it
+            if base is not None:
+                base.set_()
+            t.set_()  # empty: the storage is freed
+        base = None
         n += 1
     return n
 
@@ -261,6 +280,17 @@ def call_method(obj, name: str, *args, **kwargs):
 def is_method(obj, name: str) -> bool:
     """Whether ``obj.name`` is a method of ``obj``'s class (not an instance attribute)."""
     return inspect.isroutine(getattr(type(obj), name, None)) and name not in getattr(obj, "__dict__", ())
+
+
+def is_torch_function(fn) -> bool:
+    """Whether ``fn`` is a Python function of torch or ampkit (R calls those in one crossing).
+
+    >>> import torch.nn.functional as F
+    >>> is_torch_function(F.mse_loss), is_torch_function(len), is_torch_function(lambda: 0)
+    (True, False, False)
+    """
+    module = getattr(fn, "__module__", None) or ""
+    return inspect.isfunction(fn) and module.split(".", 1)[0] in ("torch", "ampkit")
 
 
 def call_warn(fn: Callable, *args, **kwargs) -> list:

@@ -158,7 +158,7 @@ py_ready <- function() {
                  "call_warn", "open_regions", "memory_allocated", "cuda_total_memory",
                  "set_memory_reader", "collect_garbage", "live_tensor_count",
                  "is_out_of_memory", "policy_names", "scaler_int_state_keys", "ScalerCalls",
-                 "bound_zero_grad")) {
+                 "bound_zero_grad", "is_torch_function")) {
     assign(name, bridge[[name]], envir = .h)
   }
   # The hot path's crossings (see py_arg() below): reticulate's own call, without the

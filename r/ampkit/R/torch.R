@@ -282,6 +282,21 @@ py_to_r.torch.nn.modules.module.Module <- function(x) {
   module_function(f)
 }
 
+# Python functions of torch and ampkit (a loss function such as
+# torch.nn.functional.cross_entropy, or one defined in ampkit.bench) take the same
+# path when R converts them, so that `loss_fn(output, y)` neither costs reticulate's
+# dispatch nor keeps `output` counted (memory.R). Other Python functions keep
+# reticulate's own wrapper.
+#' @exportS3Method reticulate::py_to_r
+py_to_r.python.builtin.function <- function(x) {
+  if (isTRUE(attr(x, "ampkit_module"))) return(x)
+  f <- NextMethod()
+  # (not while py_ready() converts the bridge's own functions)
+  if (!is.function(f) || is.null(attr(f, "py_object")) || is.null(.h$ready)) return(f)
+  if (!isTRUE(tryCatch(.h$is_torch_function(f), error = function(e) FALSE))) return(f)
+  module_function(f)
+}
+
 module_function <- function(f) {
   if (is.null(.h$ready)) py_ready()
   obj <- attr(f, "py_object")
