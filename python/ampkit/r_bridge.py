@@ -204,12 +204,11 @@ def release_tensors(tensors) -> int:
         # the tensors above and the `untyped_storage()` object: no other tensor on it
         if torch._C._storage_Use_Count(t.untyped_storage()._cdata) != (3 if base is not None else 2):
             continue
-        with torch.no_grad():
-            if base is None and t.grad_fn is not None:
-                t.detach_()  # its graph (saved tensors, if no backward ran) goes with it
-            if base is not None:
-                base.set_()
-            t.set_()  # empty: the storage is freed
+        if base is None and t.grad_fn is not None:
+            t.detach_()  # its graph (saved tensors, if no backward ran) goes with it
+        if base is not None:
+            base.set_()
+        t.set_()  # empty: the storage is freed
         base = None
         n += 1
     return n

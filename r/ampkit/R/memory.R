@@ -47,7 +47,20 @@
 #'     collection, in MiB, that a young-generation collection could not free
 #'     and that triggers a full one (default: a quarter of the CUDA device's
 #'     memory, read once; 8192 where it cannot be read).}
+#'   \item{`ampkit.release_outputs`}{`TRUE` (the default) or `FALSE`: whether
+#'     the outputs of module calls (`output <- net(x)`, `loss <- loss_fn(output,
+#'     y)`) that no R binding references any more are freed at the next module
+#'     call, without a collection (see below).}
 #' }
+#'
+#' Outputs R has dropped: the outputs of module calls are watched; when a later
+#' step rebinds `output` and nothing else in R (R's own reference count) or in
+#' Python holds the old one, the next module call frees its memory in the same
+#' call to Python (the tensor becomes empty). So a loop written as the seed
+#' writes it holds no earlier step's outputs, with no collection at all. A
+#' tensor you keep (bound to another name, stored in a list) is never freed;
+#' an output passed to code that keeps a reference until R collects is left to
+#' the garbage watch.
 #'
 #' Out of memory: an out-of-memory error (`torch.OutOfMemoryError`) raised by
 #' a Python call that ampkit makes (entering a region, tensor and optimizer
@@ -105,6 +118,7 @@ gc_threshold_bytes <- function(option = "ampkit.gc_threshold_mb", default = 1024
 # comparison on the hot path.
 watch_memory <- function(bytes) {
   base <- .mem$base
+  if (identical(bytes, base)) return(invisible(NULL))  # no growth (always so on the CPU)
   if (is.na(base) || bytes < base) {
     .mem$base <- bytes  # growth is measured from the lowest reading since the last collection
     if (!is.na(.mem$floor) && bytes < .mem$floor) .mem$floor <- bytes
@@ -177,7 +191,7 @@ SLOTS <- as.character(seq_len(RELEASE_KEEP))
 .rel$n <- 0L          # slots filled so far (ring position)
 .rel$base <- NA_integer_  # the reference count of an object held only by its slot
 .rel$released <- 0L   # outputs handed to Python for release so far
-.rel$filled <- FALSE  # whether any slot may hold an output
+.rel$used <- logical(RELEASE_KEEP)  # which slots hold an output
 .rel$on <- TRUE
 
 slot_count <- function(slots, key) .Internal(refcnt(.subset2(slots, key)))
@@ -201,16 +215,19 @@ calibrate_release <- function() {
   }, error = function(e) NA_integer_)
   for (key in SLOTS) assign(key, NULL, envir = slots)
   .rel$n <- 0L
-  .rel$filled <- FALSE
+  .rel$used <- logical(RELEASE_KEEP)
   .rel$on <- !is.na(.rel$base) && .rel$base >= 1L
   invisible(.rel$on)
 }
 
 keep_output <- function(x) {
   if (.rel$on && isTRUE(getOption("ampkit.release_outputs", TRUE))) {
-    .rel$n <- .rel$n %% RELEASE_KEEP + 1L
-    assign(SLOTS[[.rel$n]], x, envir = .rel$slots)  # replaces (and lets go of) the oldest
-    .rel$filled <- TRUE
+    k <- .rel$n %% RELEASE_KEEP + 1L
+    .rel$n <- k
+    assign(SLOTS[[k]], x, envir = .rel$slots)  # replaces (and lets go of) the oldest
+    used <- .rel$used
+    used[[k]] <- TRUE
+    .rel$used <- used
   }
   x
 }
@@ -218,23 +235,23 @@ keep_output <- function(x) {
 # The carriers of the watched outputs that no R binding references, cleared from their
 # slots; NULL when there are none (the common case costs a few R operations a slot).
 dropped_outputs <- function() {
-  if (!isTRUE(.rel$filled)) return(NULL)
+  used <- .rel$used
+  at <- which(used)
+  if (!length(at)) return(NULL)
   slots <- .rel$slots
-  out <- NULL
   base <- .rel$base
-  filled <- FALSE
-  for (key in SLOTS) {
-    if (!is.null(.subset2(slots, key))) {
-      if (slot_count(slots, key) <= base) {
-        out[[length(out) + 1L]] <- py_arg(.subset2(slots, key))
-        assign(key, NULL, envir = slots)
-      } else {
-        filled <- TRUE
-      }
+  out <- NULL
+  for (k in at) {
+    key <- SLOTS[[k]]
+    if (slot_count(slots, key) <= base) {
+      out[[length(out) + 1L]] <- py_arg(.subset2(slots, key))
+      assign(key, NULL, envir = slots)
+      used[[k]] <- FALSE
     }
   }
-  .rel$filled <- filled
-  if (!is.null(out)) .rel$released <- .rel$released + length(out)
+  if (is.null(out)) return(NULL)
+  .rel$used <- used
+  .rel$released <- .rel$released + length(out)
   out
 }
 
@@ -242,6 +259,6 @@ dropped_outputs <- function() {
 # those that nothing else holds.
 forget_outputs <- function() {
   for (key in SLOTS) assign(key, NULL, envir = .rel$slots)
-  .rel$filled <- FALSE
+  .rel$used <- logical(RELEASE_KEEP)
   invisible(NULL)
 }

@@ -164,6 +164,7 @@ py_ready <- function() {
   # The hot path's crossings (see py_arg() below): reticulate's own call, without the
   # R closure around it, and the bridge's functions as Python objects.
   .h$call <- utils::getFromNamespace("py_call_impl", "reticulate")
+  .h$to_r <- utils::getFromNamespace("py_ref_to_r", "reticulate")  # a plain value, no dispatch
   .h$fn <- lapply(list(enter_autocast = "enter_autocast", exit_autocast = "exit_autocast",
                        call_method = "call_method", call_releasing = "call_releasing",
                        release_tensors = "release_tensors"), function(n) py_fn(bridge[[n]]))

@@ -155,7 +155,7 @@ GradScalerR6 <- R6::R6Class("ampkit_grad_scaler",
       if (!is.null(new_scale) && !inherits(new_scale, "torch.Tensor")) {
         new_scale <- as_py_num(new_scale, "new_scale")
       }
-      watch_memory(py_try(reticulate::py_to_r(.h$call(private$hot$update, list(py_arg(new_scale)), NULL)),
+      watch_memory(py_try(.h$to_r(.h$call(private$hot$update, list(py_arg(new_scale)), NULL)),
                           "$update()"))
     },
     unscale_ = function(optimizer) {

@@ -260,7 +260,7 @@ bound_method <- function(self, name) {
     if (is.null(zero)) {
       bound <- py_fn(.h$bound_zero_grad(x))
       zero <- function(...) {
-        watch_memory(py_try(reticulate::py_to_r(.h$call(bound, dot_args(...), dot_keywords(...))),
+        watch_memory(py_try(.h$to_r(.h$call(bound, dot_args(...), dot_keywords(...))),
                             "$zero_grad()"))
       }
       assign(".ampkit_zero_grad", zero, envir = x)
