@@ -162,8 +162,12 @@ def live_tensor_bytes() -> int:
     seen: dict[int, int] = {}
     for o in gc.get_objects():
         if issubclass(type(o), torch.Tensor) and not o.is_meta:
-            st = o.untyped_storage()
-            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+            try:
+                st = o.untyped_storage()
+                ptr = st.data_ptr()
+            except (RuntimeError, NotImplementedError):  # fake, functional, sparse tensors
+                continue
+            seen[ptr] = max(seen.get(ptr, 0), st.nbytes())
     return sum(seen.values())
 
 
@@ -284,8 +288,8 @@ def is_method(obj, name: str) -> bool:
 def is_torch_function(fn) -> bool:
     """Whether ``fn`` is a Python function of torch or ampkit (R calls those in one crossing).
 
-    >>> import torch.nn.functional as F
-    >>> is_torch_function(F.mse_loss), is_torch_function(len), is_torch_function(lambda: 0)
+    >>> import json, torch.nn.functional as F
+    >>> is_torch_function(F.mse_loss), is_torch_function(len), is_torch_function(json.dumps)
     (True, False, False)
     """
     module = getattr(fn, "__module__", None) or ""
