@@ -219,8 +219,15 @@ def release_tensors(tensors) -> int:
 
 
 def call_releasing(dead, fn, *args, **kwargs):
-    """``release_tensors(dead)``, then ``fn(*args, **kwargs)``: the release costs R no extra call."""
-    release_tensors(dead)
+    """``release_tensors(dead)``, then ``fn(*args, **kwargs)``: the release costs R no extra call.
+
+    The release only saves memory: should it fail (a torch without the reference counts
+    it reads), the call still runs, and the tensors are left to R's collector.
+    """
+    try:
+        release_tensors(dead)
+    except Exception:  # noqa: BLE001 - never let the optional release break the user's call
+        pass
     del dead
     return fn(*args, **kwargs)
 
