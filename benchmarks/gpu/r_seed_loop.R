@@ -43,10 +43,16 @@ if (mode == "seed") {
                               num_layers = sizes[[4]], num_batches = sizes[[5]], epochs = sizes[[6]]))
   run <- seed$run
   py_run <- seed$py_run
+  # R's own collections (gc.time()) and the outputs the package freed (released) in a
+  # run: what automatic memory handling costs, beside the run's time.
+  gc.time(TRUE)
+  released <- function() ampkit:::.rel$released
   timed <- function(f, autocast, scale) {
     clean(); peak_reset(); sync()
-    t <- system.time({ f(autocast, scale); sync() })
-    c(seconds = t[["elapsed"]], peak_mib = peak_mib())
+    g0 <- gc.time()[[1]]; r0 <- released()
+    t <- system.time({ f(autocast, scale); sync() }, gcFirst = FALSE)
+    c(seconds = t[["elapsed"]], peak_mib = peak_mib(), r_gc_s = gc.time()[[1]] - g0,
+      released = released() - r0)
   }
   variants <- list(default = c(FALSE, FALSE), autocast = c(TRUE, FALSE), autocast_scaler = c(TRUE, TRUE))
   withCallingHandlers({
@@ -59,14 +65,19 @@ if (mode == "seed") {
         res[[length(res) + 1]] <- data.frame(variant = vn, lang = "python", rep = k, t(timed(py_run, v[1], v[2])))
       }
     }
+    # The R AMP loop with the release of dropped outputs off (its effect on peak memory)
+    options(ampkit.release_outputs = FALSE)
+    off <- do.call(rbind, lapply(seq_len(repeats), function(k) t(timed(run, TRUE, TRUE))))
+    options(ampkit.release_outputs = TRUE)
   }, ampkit_cuda_unavailable = function(w) invokeRestart("muffleWarning"),
      ampkit_python_warning = function(w) invokeRestart("muffleWarning"))
   raw <- do.call(rbind, res)
   write.csv(raw, file.path(out_dir, "seed_loop_raw.csv"), row.names = FALSE)
-  med <- aggregate(cbind(seconds, peak_mib) ~ variant + lang, raw, median, na.action = na.pass)
+  med <- aggregate(cbind(seconds, peak_mib, r_gc_s, released) ~ variant + lang, raw, median, na.action = na.pass)
   tab <- reshape(med, idvar = "variant", timevar = "lang", direction = "wide")
   tab$r_over_python <- round(tab$seconds.R / tab$seconds.python, 3)
   tab$r_mem_over_python <- round(tab$peak_mib.R / tab$peak_mib.python, 3)
+  tab$r_gc_share <- round(tab$r_gc_s.R / tab$seconds.R, 3)
   base <- tab$seconds.R[tab$variant == "default"]
   tab$r_speedup_vs_r_default <- round(base / tab$seconds.R, 3)
   tab$py_speedup_vs_py_default <- round(tab$seconds.python[tab$variant == "default"] / tab$seconds.python, 3)
@@ -75,7 +86,10 @@ if (mode == "seed") {
   say("device: %s; sizes batch %d, in %d, out %d, layers %d, batches %d, epochs %d; medians of %d interleaved repeats after a warm-up",
       card, sizes[[1]], sizes[[2]], sizes[[3]], sizes[[4]], sizes[[5]], sizes[[6]], repeats)
   say("automatic collections by ampkit in R: %d", amp_gc()$collections)
-  print(tab, row.names = FALSE)
+  print(tab[, setdiff(names(tab), c("r_gc_s.python", "released.python"))], row.names = FALSE)
+  say("r_gc_s.R: seconds of R's own garbage collections in the R run (gc.time()); r_gc_share: of the run's time; released.R: outputs freed by the package in the run")
+  say("R autocast + scaler with the release off (options(ampkit.release_outputs = FALSE)), medians: %.3f s, peak %.0f MiB, R gc %.3f s",
+      median(off[, "seconds"]), median(off[, "peak_mib"]), median(off[, "r_gc_s"]))
   sink()
   cat(readLines(file.path(out_dir, "seed_loop.txt")), sep = "\n")
 }

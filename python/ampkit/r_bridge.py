@@ -35,6 +35,7 @@ import dataclasses
 import gc
 import inspect
 import os
+import sys
 import warnings
 import weakref
 from typing import Any, Callable
@@ -48,6 +49,7 @@ __all__ = [
     "amp_loop",
     "bound_zero_grad",
     "call_method",
+    "call_releasing",
     "check_autocast",
     "clear_policy_cache",
     "call_warn",
@@ -57,6 +59,8 @@ __all__ = [
     "exit_autocast",
     "is_method",
     "is_out_of_memory",
+    "is_torch_function",
+    "live_tensor_bytes",
     "live_tensor_count",
     "load_scaler_state",
     "memory_allocated",
@@ -66,6 +70,7 @@ __all__ = [
     "set_r_collector",
     "policy",
     "policy_names",
+    "release_tensors",
     "scale_backward",
     "scaler_int_state_keys",
     "scaler_step",
@@ -152,6 +157,81 @@ def live_tensor_count() -> int:
     return sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
 
 
+def live_tensor_bytes() -> int:
+    """Bytes of the storages of all live tensors, each storage counted once (for tests)."""
+    seen: dict[int, int] = {}
+    for o in gc.get_objects():
+        if issubclass(type(o), torch.Tensor) and not o.is_meta:
+            try:
+                st = o.untyped_storage()
+                ptr = st.data_ptr()
+            except (RuntimeError, NotImplementedError):  # fake, functional, sparse tensors
+                continue
+            seen[ptr] = max(seen.get(ptr, 0), st.nbytes())
+    return sum(seen.values())
+
+
+# ---------------------------------------------------------------- tensors R has dropped
+
+# References to a tensor held only by R, counted inside release_tensors(): R's wrapper
+# (one), the list R passed, the loop variable and getrefcount's argument.
+_R_ONLY_REFS = 4
+
+
+def release_tensors(tensors) -> int:
+    """Free the memory of tensors that R no longer references; return how many were freed.
+
+    R hands the module outputs of earlier steps whose R objects no binding references
+    any more (R's reference count, checked by the R package): such a tensor is still
+    alive only because R has not collected its wrapper yet. A tensor is freed only if
+    nothing else holds it or its memory: no other Python reference, no other owner of
+    its TensorImpl (the autograd graph, a view of it), no other tensor on its storage
+    (a detached copy) but, for a view (a linear layer's 3-d output is one), its base,
+    which nothing else may hold either; and it is not a leaf that requires grad.
+    Freed means: it (and a view's base) set to an empty tensor, which frees the
+    storage, and a tensor that is not a view detached from its graph (which, without
+    a backward pass, holds the forward's saved tensors). The R wrapper, when R
+    collects it, frees an empty shell of shape (0,).
+    """
+    n = 0
+    for t in tensors:
+        if (not isinstance(t, torch.Tensor) or sys.getrefcount(t) > _R_ONLY_REFS
+                or t._use_count() != 1 or t.is_leaf and t.requires_grad):
+            continue
+        base = None
+        if t._is_view():
+            base = t._base
+            # the view's bookkeeping and `base`; a base's Python object is also
+            # referenced by its TensorImpl, hence 3 (with getrefcount's argument)
+            if base._use_count() != 2 or sys.getrefcount(base) > 3:
+                continue
+        # the tensors above and the `untyped_storage()` object: no other tensor on it
+        if torch._C._storage_Use_Count(t.untyped_storage()._cdata) != (3 if base is not None else 2):
+            continue
+        if base is None and t.grad_fn is not None:
+            t.detach_()  # its graph (saved tensors, if no backward ran) goes with it
+        if base is not None:
+            base.set_()
+        t.set_()  # empty: the storage is freed
+        base = None
+        n += 1
+    return n
+
+
+def call_releasing(dead, fn, *args, **kwargs):
+    """``release_tensors(dead)``, then ``fn(*args, **kwargs)``: the release costs R no extra call.
+
+    The release only saves memory: should it fail (a torch without the reference counts
+    it reads), the call still runs, and the tensors are left to R's collector.
+    """
+    try:
+        release_tensors(dead)
+    except Exception:  # noqa: BLE001 - never let the optional release break the user's call
+        pass
+    del dead
+    return fn(*args, **kwargs)
+
+
 # ---------------------------------------------------------------- the seed loop's calls
 
 def scale_backward(scaler, loss, *args, **kwargs) -> None:
@@ -210,6 +290,17 @@ def call_method(obj, name: str, *args, **kwargs):
 def is_method(obj, name: str) -> bool:
     """Whether ``obj.name`` is a method of ``obj``'s class (not an instance attribute)."""
     return inspect.isroutine(getattr(type(obj), name, None)) and name not in getattr(obj, "__dict__", ())
+
+
+def is_torch_function(fn) -> bool:
+    """Whether ``fn`` is a Python function of torch or ampkit (R calls those in one crossing).
+
+    >>> import json, torch.nn.functional as F
+    >>> is_torch_function(F.mse_loss), is_torch_function(len), is_torch_function(json.dumps)
+    (True, False, False)
+    """
+    module = getattr(fn, "__module__", None) or ""
+    return inspect.isfunction(fn) and module.split(".", 1)[0] in ("torch", "ampkit")
 
 
 def call_warn(fn: Callable, *args, **kwargs) -> list:

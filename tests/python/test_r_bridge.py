@@ -186,3 +186,59 @@ def test_trace_rows_and_plain():
     assert rows and all(isinstance(r, dict) for r in rows)
     assert all(v is None or isinstance(v, (str, int, float, bool)) for r in rows for v in r.values())
     assert r_bridge.plain({"a": (1, 2)}) == {"a": [1, 2]}
+
+
+def _held_by_r_alone(t):
+    # release_tensors() counts R's wrapper as one reference: a one-element list stands in.
+    return [t]
+
+
+def test_release_tensors_frees_tensors_held_by_nothing_else():
+    lin = torch.nn.Linear(8, 4)
+    out = lin(torch.randn(16, 8))
+    r_side = _held_by_r_alone(out)
+    del out
+    assert r_bridge.release_tensors(list(r_side)) == 1
+    assert r_side[0].shape == (0,) and r_side[0].grad_fn is None
+    # a linear layer's 3-d output is a view of its 2-d product: both go
+    view = lin(torch.randn(2, 16, 8))
+    assert view._is_view()
+    r_side = _held_by_r_alone(view)
+    del view
+    assert r_bridge.release_tensors(list(r_side)) == 1
+    assert r_side[0].shape == (0,) and r_side[0]._base.untyped_storage().nbytes() == 0
+
+
+def test_release_tensors_leaves_tensors_that_something_else_holds():
+    lin = torch.nn.Linear(8, 4)
+    kept = lin(torch.randn(16, 8))                 # `kept` stands for R's reference,
+    also_kept = [kept]                             # and this one is another holder
+    base = lin(torch.randn(16, 8))
+    view = base.view(64)                           # a view whose base is held elsewhere
+    detached = lin(torch.randn(16, 8))
+    copy = detached.detach()                       # another tensor on the same storage
+    param = lin.weight                             # a leaf that requires grad
+    before = kept.clone()
+    saved = lin(torch.randn(16, 8))
+    loss = (saved ** 2).sum()                      # PowBackward0 saves `saved`: the graph owns it too
+    assert r_bridge.release_tensors([kept, view, param, saved, detached]) == 0
+    assert torch.equal(also_kept[0], before) and view.sum() == base.sum() and param.numel() == 32
+    assert torch.equal(copy, detached.detach())
+    loss.backward()                                # the graph is intact
+    assert saved.numel() == 64 and lin.weight.grad is not None
+
+
+def test_call_releasing_releases_then_calls():
+    out = torch.nn.Linear(8, 4)(torch.randn(2, 8))
+    r_side = _held_by_r_alone(out)
+    del out
+    assert r_bridge.call_releasing(list(r_side), torch.add, torch.ones(2), 1).tolist() == [2.0, 2.0]
+    assert r_side[0].shape == (0,)
+
+
+def test_live_tensor_bytes_counts_a_storage_once():
+    before = r_bridge.live_tensor_bytes()
+    t = torch.zeros(1024)
+    views = [t[:10], t.view(32, 32)]
+    assert r_bridge.live_tensor_bytes() - before == 4096
+    del t, views

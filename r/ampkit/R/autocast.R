@@ -110,13 +110,21 @@ with_autocast_positional <- function(device_type, ..., env) {
 }
 
 # Enter, evaluate `expr` in `env`, leave (also after an error).
+#
+# The block's value (often a tensor: `loss <- loss_fn(...)`) passes through no frame
+# that outlives the call: the error handler is a package function (an inline one
+# would keep this frame, and `value` with it, alive), and `value` is cleared on exit,
+# so that R's reference count of the value drops when the caller drops it (memory.R).
 run_region <- function(expr, env, device_type, dtype, enabled, cache_enabled, policy) {
   region <- enter_autocast(device_type, dtype, enabled, cache_enabled, policy)
-  on.exit(.h$exit_autocast(region), add = TRUE)
-  value <- py_try(eval(expr, env), REGION_CONTEXT)
-  if (is.function(value)) value <- py_try(value(), REGION_CONTEXT)
+  on.exit(exit_autocast(region), add = TRUE)
+  value <- withCallingHandlers(eval(expr, env), error = region_error)
+  if (is.function(value)) value <- withCallingHandlers(value(), error = region_error)
+  on.exit(value <- NULL, add = TRUE)
   value
 }
+
+region_error <- function(e) py_rethrow(e, REGION_CONTEXT)
 
 #' @rdname with_autocast
 #' @export
@@ -126,7 +134,7 @@ local_autocast <- function(device_type, dtype = NULL, enabled = TRUE, cache_enab
     check_dots_empty_(..., .hint = "The order is local_autocast(device_type, dtype, enabled, cache_enabled); name `policy` and `.env`.")
   }
   region <- enter_autocast(device_type, dtype, enabled, cache_enabled, policy)
-  withr::defer(.h$exit_autocast(region), envir = .env)
+  withr::defer(exit_autocast(region), envir = .env)
   invisible(NULL)
 }
 
@@ -169,7 +177,15 @@ enter_autocast <- function(device_type, dtype, enabled, cache_enabled, policy) {
   if (!isTRUE(enabled)) enabled <- as_py_bool(enabled, "enabled")
   if (!is.null(cache_enabled)) cache_enabled <- as_py_bool(cache_enabled, "cache_enabled")
   if (!is.null(policy)) policy <- as_py_policy(policy)
-  py_try(.h$enter_autocast(device_type, dtype, enabled, cache_enabled, policy), "with_autocast()")
+  # The token stays a Python int: it goes back to exit_autocast() unconverted.
+  py_try(.h$call(.h$fn$enter_autocast,
+                 list(device_type, py_arg(dtype), enabled, cache_enabled, py_arg(policy)), NULL),
+         "with_autocast()")
+}
+
+exit_autocast <- function(region) {
+  .h$call(.h$fn$exit_autocast, list(py_arg(region)), NULL)
+  invisible(NULL)
 }
 
 # The context of a Python exception raised by the code of a region (or of amp_trace()).

@@ -35,13 +35,15 @@ py_error_condition <- function(e, context = NULL, call = NULL) {
 # Evaluate `expr`; a Python exception raised by it becomes an ampkit_error.
 # R errors pass through untouched.
 py_try <- function(expr, context = NULL) {
-  withCallingHandlers(expr, error = function(e) {
-    if (is_py_error(e)) {
-      cond <- py_error_condition(e, context)
-      if (is_oom(cond$py_type)) stop(oom_condition(cond, context))
-      stop(cond)
-    }
-  })
+  withCallingHandlers(expr, error = function(e) py_rethrow(e, context))
+}
+
+py_rethrow <- function(e, context) {
+  if (is_py_error(e)) {
+    cond <- py_error_condition(e, context)
+    if (is_oom(cond$py_type)) stop(oom_condition(cond, context))
+    stop(cond)
+  }
 }
 
 # An out-of-memory exception (torch.OutOfMemoryError, torch.cuda.OutOfMemoryError):

@@ -47,7 +47,20 @@
 #'     collection, in MiB, that a young-generation collection could not free
 #'     and that triggers a full one (default: a quarter of the CUDA device's
 #'     memory, read once; 8192 where it cannot be read).}
+#'   \item{`ampkit.release_outputs`}{`TRUE` (the default) or `FALSE`: whether
+#'     the outputs of module calls (`output <- net(x)`, `loss <- loss_fn(output,
+#'     y)`) that no R binding references any more are freed at the next module
+#'     call, without a collection (see below).}
 #' }
+#'
+#' Outputs R has dropped: the outputs of module calls are watched; when a later
+#' step rebinds `output` and nothing else in R (R's own reference count) or in
+#' Python holds the old one, the next module call frees its memory in the same
+#' call to Python (the tensor becomes empty). So a loop written as the seed
+#' writes it holds no earlier step's outputs, with no collection at all. A
+#' tensor you keep (bound to another name, stored in a list) is never freed;
+#' an output passed to code that keeps a reference until R collects is left to
+#' the garbage watch.
 #'
 #' Out of memory: an out-of-memory error (`torch.OutOfMemoryError`) raised by
 #' a Python call that ampkit makes (entering a region, tensor and optimizer
@@ -83,6 +96,7 @@ amp_gc <- function() {
   gc_threshold_bytes("ampkit.gc_full_threshold_mb", 8192)
   py_ready()
   before <- memory_allocated()
+  forget_outputs()
   after <- collect_memory(before, full = TRUE, automatic = FALSE)
   invisible(list(allocated_before_mb = before / 2^20, allocated_after_mb = after / 2^20,
                  collections = .mem$collections))
@@ -104,6 +118,7 @@ gc_threshold_bytes <- function(option = "ampkit.gc_threshold_mb", default = 1024
 # comparison on the hot path.
 watch_memory <- function(bytes) {
   base <- .mem$base
+  if (identical(bytes, base)) return(invisible(NULL))  # no growth (always so on the CPU)
   if (is.na(base) || bytes < base) {
     .mem$base <- bytes  # growth is measured from the lowest reading since the last collection
     if (!is.na(.mem$floor) && bytes < .mem$floor) .mem$floor <- bytes
@@ -144,9 +159,114 @@ full_threshold_default_mb <- function() {
 # Python's gc and torch's cache. Returns the MiB of CUDA memory freed.
 free_memory <- function() {
   before <- tryCatch(memory_allocated(), error = function(e) 0)
+  forget_outputs()
   gc(full = TRUE)
   after <- tryCatch(.h$collect_garbage(), error = function(e) before)
   .mem$base <- after
   .mem$floor <- after
   (before - after) / 2^20
+}
+
+# ---- the outputs of earlier steps, freed when R drops them
+#
+# R frees a Python tensor when it collects the R object holding it, which can be many
+# steps later (see above). The outputs of module calls (`output <- net(x)`, `loss <-
+# loss_fn(output, y)`) are kept in a short list here; at the next module call, those
+# that no R binding references any more (R's own reference count, which counts every
+# binding, list element and attribute that points to an object, and never counts too
+# few) are handed to Python in the same crossing (r_bridge.call_releasing), which
+# frees the tensors that nothing in Python holds either. A tensor the user still holds
+# (bound to a name, kept in a list) is left alone; so are outputs passed to functions
+# that keep a reference until R collects (the garbage watch above covers those): the
+# release only ever errs on the side of keeping. Option `ampkit.release_outputs`
+# (default TRUE) turns it off.
+
+.rel <- new.env(parent = emptyenv())
+# The watched outputs live in the bindings of an environment used as a ring: a
+# binding replaced or cleared lowers the count of what it held, where a list copied
+# to grow would count once more for every element it copied.
+RELEASE_KEEP <- 16L   # outputs watched at most; older ones are left to R's collector
+SLOTS <- as.character(seq_len(RELEASE_KEEP))
+.rel$slots <- new.env(parent = emptyenv(), size = RELEASE_KEEP)
+.rel$n <- 0L          # slots filled so far (ring position)
+.rel$base <- NA_integer_  # the reference count of an object held only by its slot
+.rel$released <- 0L   # outputs handed to Python for release so far
+.rel$used <- logical(RELEASE_KEEP)  # which slots hold an output
+.rel$on <- TRUE
+
+# R's reference count of what a slot holds. refcnt() is internal to R (not API):
+# R CMD check warns on .Internal() in package code, so the function is built when
+# the release is calibrated, and the release stays off wherever that fails.
+slot_count <- function(slots, key) .rel$refcnt(slots, key)
+
+make_refcnt <- function() {
+  eval(str2lang("function(slots, key) .Internal(refcnt(.subset2(slots, key)))"), baseenv())
+}
+
+# What an output held by nothing but its slot reads: measured on a tensor that takes
+# the outputs' own path (reticulate's call, keep_output()) and is then dropped, as
+# reticulate's making of the R object may count too. R >= 4.0 counts references;
+# where it does not, the release stays off.
+calibrate_release <- function() {
+  slots <- .rel$slots
+  empty <- py_fn(py_torch$empty)
+  probe <- function() {
+    res <- .h$call(empty, list(0L), NULL)
+    keep_output(res)
+    invisible(NULL)
+  }
+  .rel$on <- TRUE
+  .rel$base <- tryCatch({
+    .rel$refcnt <- make_refcnt()
+    withr::with_options(list(ampkit.release_outputs = TRUE), probe())
+    slot_count(slots, SLOTS[[.rel$n]])
+  }, error = function(e) NA_integer_)
+  for (key in SLOTS) assign(key, NULL, envir = slots)
+  .rel$n <- 0L
+  .rel$used <- logical(RELEASE_KEEP)
+  .rel$on <- !is.na(.rel$base) && .rel$base >= 1L
+  invisible(.rel$on)
+}
+
+keep_output <- function(x) {
+  if (.rel$on && isTRUE(getOption("ampkit.release_outputs", TRUE))) {
+    k <- .rel$n %% RELEASE_KEEP + 1L
+    .rel$n <- k
+    assign(SLOTS[[k]], x, envir = .rel$slots)  # replaces (and lets go of) the oldest
+    used <- .rel$used
+    used[[k]] <- TRUE
+    .rel$used <- used
+  }
+  x
+}
+
+# The carriers of the watched outputs that no R binding references, cleared from their
+# slots; NULL when there are none (the common case costs a few R operations a slot).
+dropped_outputs <- function() {
+  used <- .rel$used
+  at <- which(used)
+  if (!length(at)) return(NULL)
+  slots <- .rel$slots
+  base <- .rel$base
+  out <- NULL
+  for (k in at) {
+    key <- SLOTS[[k]]
+    if (slot_count(slots, key) <= base) {
+      out[[length(out) + 1L]] <- py_arg(.subset2(slots, key))
+      assign(key, NULL, envir = slots)
+      used[[k]] <- FALSE
+    }
+  }
+  if (is.null(out)) return(NULL)
+  .rel$used <- used
+  .rel$released <- .rel$released + length(out)
+  out
+}
+
+# Before a full collection: let go of the watched outputs, so that the collection frees
+# those that nothing else holds.
+forget_outputs <- function() {
+  for (key in SLOTS) assign(key, NULL, envir = .rel$slots)
+  .rel$used <- logical(RELEASE_KEEP)
+  invisible(NULL)
 }

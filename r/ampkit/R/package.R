@@ -158,9 +158,17 @@ py_ready <- function() {
                  "call_warn", "open_regions", "memory_allocated", "cuda_total_memory",
                  "set_memory_reader", "collect_garbage", "live_tensor_count",
                  "is_out_of_memory", "policy_names", "scaler_int_state_keys", "ScalerCalls",
-                 "bound_zero_grad")) {
+                 "bound_zero_grad", "is_torch_function")) {
     assign(name, bridge[[name]], envir = .h)
   }
+  # The hot path's crossings (see py_arg() below): reticulate's own call, without the
+  # R closure around it, and the bridge's functions as Python objects.
+  .h$call <- utils::getFromNamespace("py_call_impl", "reticulate")
+  .h$to_r <- utils::getFromNamespace("py_ref_to_r", "reticulate")  # a plain value, no dispatch
+  .h$fn <- lapply(list(enter_autocast = "enter_autocast", exit_autocast = "exit_autocast",
+                       call_method = "call_method", call_releasing = "call_releasing",
+                       release_tensors = "release_tensors"), function(n) py_fn(bridge[[n]]))
+  calibrate_release()
   # An out-of-memory error in Python runs R's gc() before the retry.
   py_reset_collector()
   .h$named_parameters <- reticulate::py_eval("lambda m: dict(m.named_parameters())")
@@ -172,7 +180,71 @@ py_ready <- function() {
 # R's collector for the bridge's out-of-memory retry (r_bridge.retry_call).
 py_reset_collector <- function() {
   reticulate::import("ampkit.r_bridge")$set_r_collector(function() {
+    forget_outputs()
     gc(full = TRUE)
     invisible(NULL)
   })
 }
+
+# ---- the hot path's crossings
+#
+# reticulate 1.28 calls a Python function from R through an R closure that splits
+# `...`, calls py_call_impl() and converts the result (py_to_r() dispatch), and it
+# sends every argument that has a class through R's r_to_py() dispatch (15-30 us
+# an argument on a small CPU, as much as the call itself). The hot path calls
+# py_call_impl() directly and passes Python objects in an unclassed carrier whose
+# `py_object` attribute reticulate's C++ conversion takes as the object itself.
+
+# The Python object of a callable (reticulate wraps callables in R closures).
+py_fn <- function(f) if (is.function(f)) attr(f, "py_object") else f
+
+#
+# The carrier points to a new environment holding reticulate's external pointer, not
+# to the R object itself: a carrier left for R's collector then adds nothing to the R
+# object's reference count, which the release of dropped outputs reads (memory.R).
+py_arg <- function(x) {
+  if (is.object(x) && inherits(x, "python.builtin.object")) {
+    if (is.function(x)) x <- attr(x, "py_object")
+    ref <- new.env(parent = emptyenv(), size = 2L)
+    ref$pyobj <- .subset2(x, "pyobj")
+    ref$convert <- .subset2(x, "convert")
+    carrier <- list()
+    attr(carrier, "py_object") <- ref  # (structure() costs twice as much)
+    carrier
+  } else {
+    x
+  }
+}
+
+py_args <- function(args) {
+  for (k in seq_along(args)) if (is.object(args[[k]])) args[k] <- list(py_arg(args[[k]]))
+  args
+}
+
+# The unnamed and the named arguments of `...`, as carriers, read one by one with
+# ...elt(): a list(...) would hold the R objects (and count as a reference to them)
+# until R collects it.
+dot_args <- function(...) {
+  n <- ...length()
+  if (!n) return(list())
+  nm <- ...names()
+  pos <- if (is.null(nm)) seq_len(n) else which(!nzchar(nm) | is.na(nm))
+  args <- vector("list", length(pos))
+  for (k in seq_along(pos)) args[k] <- list(py_arg(...elt(pos[[k]])))
+  args
+}
+
+dot_keywords <- function(...) {
+  nm <- ...names()
+  if (is.null(nm)) return(NULL)
+  at <- which(nzchar(nm) & !is.na(nm))
+  if (!length(at)) return(NULL)
+  kw <- vector("list", length(at))
+  for (k in seq_along(at)) kw[k] <- list(py_arg(...elt(at[[k]])))
+  names(kw) <- nm[at]
+  kw
+}
+
+# A result as reticulate's converting call returns it; tensors (which do not
+# convert) skip py_to_r()'s dispatch.
+py_value <- function(res) if (inherits(res, "torch.Tensor")) res else reticulate::py_to_r(res)

@@ -132,7 +132,8 @@ GradScalerR6 <- R6::R6Class("ampkit_grad_scaler",
       private$f <- f
       # The per-step calls, bound to this scaler in Python (r_bridge.ScalerCalls).
       calls <- .h$ScalerCalls(py)
-      private$hot <- list(scale_backward = calls$scale_backward, step = calls$step, update = calls$update)
+      private$hot <- lapply(list(scale_backward = "scale_backward", step = "step", update = "update"),
+                            function(n) py_fn(calls[[n]]))
     },
     scale = function(x) {
       if (inherits(x, "torch.Tensor")) return(scaled_loss(self$py, x, private$hot$scale_backward))
@@ -147,13 +148,15 @@ GradScalerR6 <- R6::R6Class("ampkit_grad_scaler",
         abort(sprintf("`$step()` takes a torch optimizer (from optim_sgd(), optim_adam(), ...), not %s.",
                       describe(optimizer)), class = "ampkit_bad_argument")
       }
-      invisible(py_try(private$hot$step(optimizer, ...), "$step()"))
+      invisible(py_try(py_value(.h$call(private$hot$step, c(list(py_arg(optimizer)), dot_args(...)),
+                                        dot_keywords(...))), "$step()"))
     },
     update = function(new_scale = NULL) {
       if (!is.null(new_scale) && !inherits(new_scale, "torch.Tensor")) {
         new_scale <- as_py_num(new_scale, "new_scale")
       }
-      watch_memory(py_try(private$hot$update(new_scale), "$update()"))
+      watch_memory(py_try(.h$to_r(.h$call(private$hot$update, list(py_arg(new_scale)), NULL)),
+                          "$update()"))
     },
     unscale_ = function(optimizer) {
       invisible(py_try(private$f$unscale_(optimizer), "$unscale_()"))
@@ -190,26 +193,43 @@ GradScalerR6 <- R6::R6Class("ampkit_grad_scaler",
 
 # `scaler$scale(loss)`: the scaler and the loss, scaled when used. `$backward()`
 # is one Python call (scale_backward); anything else makes the scaled tensor.
+# An environment, so that `$backward()` can let go of the loss: R's reference count of
+# the loss then drops, and the loss can be freed as a dropped output (memory.R).
 scaled_loss <- function(scaler, loss, backward) {
-  structure(list(scaler = scaler, loss = loss, backward = backward), class = "ampkit_scaled_loss")
+  x <- new.env(parent = emptyenv(), size = 3L)
+  x$scaler <- scaler
+  x$loss <- loss
+  x$backward <- backward
+  class(x) <- "ampkit_scaled_loss"
+  x
 }
 
 scaled_tensor <- function(x) {
-  py_try(.subset2(x, "scaler")$scale(.subset2(x, "loss")), "$scale()")
+  loss <- .subset2(x, "loss")
+  if (is.null(loss)) {
+    abort("This scaled loss was used by `$backward()` already; scale the loss again: scaler$scale(loss).",
+          class = "ampkit_bad_argument", call = NULL)
+  }
+  py_try(.subset2(x, "scaler")$scale(loss), "$scale()")
 }
 
 #' @export
 `$.ampkit_scaled_loss` <- function(x, name) {
-  if (identical(name, "backward")) {
-    loss <- .subset2(x, "loss")
-    backward <- .subset2(x, "backward")
-    return(function(...) {
-      py_try(backward(loss, ...), "$scale(loss)$backward()")
-      invisible(NULL)
-    })
-  }
+  if (identical(name, "backward")) return(scaled_backward(x))
   t <- scaled_tensor(x)
   `$`(t, name)
+}
+
+scaled_backward <- function(x) {
+  force(x)
+  function(...) {
+    if (is.null(.subset2(x, "loss"))) scaled_tensor(x)  # the error: used already
+    py_try(.h$call(.subset2(x, "backward"), c(list(py_arg(.subset2(x, "loss"))), dot_args(...)),
+                   dot_keywords(...)), "$scale(loss)$backward()")
+    # Without arguments (retain_graph and such) the graph is gone: let go of the loss.
+    if (!...length()) x$loss <- NULL
+    invisible(NULL)
+  }
 }
 
 #' @export

@@ -231,10 +231,19 @@ adam_like <- function(class, context, params, lr, betas, eps, weight_decay, amsg
 
 #' @export
 `$.torch.Tensor` <- function(x, name) {
-  if (is_py_method(x, name)) {
-    function(...) py_try(.h$call_method(x, name, ...), paste0("$", name, "()"))
-  } else {
-    NextMethod()
+  if (is_py_method(x, name)) method_function(x, name) else NextMethod()
+}
+
+# `x$name(...)`: one crossing (the bridge's call_method, retried after an out of
+# memory). The returned function holds the carrier, not `x` (see py_arg()).
+method_function <- function(x, name) bound_method(py_arg(x), name)
+
+bound_method <- function(self, name) {
+  force(self)
+  force(name)  # an unforced promise would keep the caller's frame, and `x`, alive
+  function(...) {
+    py_try(py_value(.h$call(.h$fn$call_method, c(list(self, name), dot_args(...)), dot_keywords(...))),
+           paste0("$", name, "()"))
   }
 }
 
@@ -246,18 +255,63 @@ adam_like <- function(class, context, params, lr, betas, eps, weight_decay, amsg
     if (is.null(.h$ready)) py_ready()
     # Bound in Python once per optimizer and kept in the optimizer's own R object
     # (an environment): no optimizer argument to convert each step.
+    # The R function too: `opt$zero_grad` builds nothing after the first step.
     zero <- get0(".ampkit_zero_grad", envir = x, inherits = FALSE)
     if (is.null(zero)) {
-      zero <- .h$bound_zero_grad(x)
+      bound <- py_fn(.h$bound_zero_grad(x))
+      zero <- function(...) {
+        watch_memory(py_try(.h$to_r(.h$call(bound, dot_args(...), dot_keywords(...))),
+                            "$zero_grad()"))
+      }
       assign(".ampkit_zero_grad", zero, envir = x)
     }
-    return(function(...) watch_memory(py_try(zero(...), "$zero_grad()")))
+    return(zero)
   }
-  if (is_py_method(x, name)) {
-    function(...) py_try(.h$call_method(x, name, ...), paste0("$", name, "()"))
-  } else {
-    NextMethod()
+  if (is_py_method(x, name)) method_function(x, name) else NextMethod()
+}
+
+# Modules reach R through reticulate's conversion (the constructors here, a model
+# made in Python): each becomes an R function that calls it in one crossing
+# (py_arg(), dot_args()), with the class and `py_object` of reticulate's own wrapper, so
+# that `net(x)` costs what a bridge call costs.
+#' @exportS3Method reticulate::py_to_r
+py_to_r.torch.nn.modules.module.Module <- function(x) {
+  if (isTRUE(attr(x, "ampkit_module"))) return(x)
+  f <- NextMethod()
+  if (!is.function(f) || is.null(attr(f, "py_object"))) return(f)
+  module_function(f)
+}
+
+# Python functions of torch and ampkit (a loss function such as
+# torch.nn.functional.cross_entropy, or one defined in ampkit.bench) take the same
+# path when R converts them, so that `loss_fn(output, y)` neither costs reticulate's
+# dispatch nor keeps `output` counted (memory.R). Other Python functions keep
+# reticulate's own wrapper.
+#' @exportS3Method reticulate::py_to_r
+py_to_r.python.builtin.function <- function(x) {
+  if (isTRUE(attr(x, "ampkit_module"))) return(x)
+  f <- NextMethod()
+  # (not while py_ready() converts the bridge's own functions)
+  if (!is.function(f) || is.null(attr(f, "py_object")) || is.null(.h$ready)) return(f)
+  if (!isTRUE(tryCatch(.h$is_torch_function(f), error = function(e) FALSE))) return(f)
+  module_function(f)
+}
+
+module_function <- function(f) {
+  if (is.null(.h$ready)) py_ready()
+  obj <- attr(f, "py_object")
+  module <- py_arg(obj)
+  convert <- isTRUE(get0("convert", envir = obj, inherits = FALSE))
+  g <- function(...) {
+    # The outputs of earlier calls that R has dropped are freed in the same crossing.
+    dead <- dropped_outputs()
+    res <- if (is.null(dead)) .h$call(obj, dot_args(...), dot_keywords(...))
+           else .h$call(.h$fn$call_releasing, c(list(dead, module), dot_args(...)), dot_keywords(...))
+    if (inherits(res, "torch.Tensor")) return(keep_output(res))
+    if (convert) reticulate::py_to_r(res) else res
   }
+  attributes(g) <- c(attributes(f), list(ampkit_module = TRUE))
+  g
 }
 
 is_py_method <- function(x, name) {

@@ -12,11 +12,35 @@
 # <out-dir>/timing.txt (ms per step, R and Python, per variant: medians of the
 # process's CPU time, which other processes on a shared machine disturb less
 # than wall time, and of wall time).
+#
+# With a fourth argument `count` it only counts, per step, the calls the R loop makes
+# into reticulate's C++ layer (every `.Call` of reticulate: Python calls, attribute
+# lookups, conversions) and reticulate's R-level r_to_py() dispatches, for the
+# default, autocast and autocast + scaler loops: <out-dir>/crossings.txt. Counting
+# traces reticulate's functions (slow), so it runs in its own process:
+#
+#   Rscript r/ampkit/bench/profile_seed.R <out-dir> 100 1 count
 args <- commandArgs(trailingOnly = TRUE)
 out_dir <- if (length(args) >= 1) args[[1]] else "."
 steps <- if (length(args) >= 2) as.integer(args[[2]]) else 400L
 repeats <- if (length(args) >= 3) as.integer(args[[3]]) else 5L
+count_mode <- length(args) >= 4 && args[[4]] == "count"
 dir.create(out_dir, showWarnings = FALSE, recursive = TRUE)
+
+if (count_mode) {
+  # Before the package binds any reticulate function: trace every .Call wrapper.
+  .cnt <- new.env()
+  ns <- asNamespace("reticulate")
+  dot_calls <- Filter(function(k) {
+    v <- get(k, ns)
+    is.function(v) && any(grepl(".Call(", deparse(body(v)), fixed = TRUE))
+  }, ls(ns, all.names = TRUE))
+  for (k in c(dot_calls, "r_to_py")) {
+    .cnt[[k]] <- 0
+    suppressMessages(trace(k, tracer = bquote(.cnt[[.(k)]] <- .cnt[[.(k)]] + 1),
+                           where = ns, print = FALSE))
+  }
+}
 
 library(ampkit)
 stopifnot(ampkit_available())
@@ -35,6 +59,35 @@ batch_size <- 8; in_size <- 16; num_layers <- 3
 steps <- seeds$timed$steps
 run <- function(autocast, scale, n) (if (n <= 50) seeds$warm else seeds$timed)$run(autocast, scale)
 py_side <- function(autocast, scale, n) (if (n <= 50) seeds$warm else seeds$timed)$py_run(autocast, scale)
+
+if (count_mode) {
+  counts <- function(autocast, scale, n) {
+    for (k in ls(.cnt)) .cnt[[k]] <- 0
+    run(autocast, scale, n)
+    unlist(mget(ls(.cnt), .cnt))
+  }
+  variants <- list(default = c(FALSE, FALSE), autocast = c(TRUE, FALSE), autocast_scaler = c(TRUE, TRUE))
+  for (v in variants) run(v[1], v[2], 50L)  # warm-up: one-time imports and lookups
+  rows <- list()
+  for (vn in names(variants)) {
+    v <- variants[[vn]]
+    # per step: the difference of a long and a short run (setup calls cancel)
+    d <- (counts(v[1], v[2], steps) - counts(v[1], v[2], 50L)) / (seeds$timed$steps - seeds$warm$steps)
+    d <- d[d > 0]
+    rows[[vn]] <- data.frame(variant = vn, all_calls = sum(d), python_calls = sum(d[["py_call_impl"]]),
+                             r_to_py_dispatch = if ("r_to_py" %in% names(d)) d[["r_to_py"]] else 0,
+                             detail = paste(sprintf("%s %.2f", names(d), d), collapse = ", "))
+  }
+  tab <- do.call(rbind, rows)
+  sink(file.path(out_dir, "crossings.txt"))
+  cat("Calls per step of the R seed loop into reticulate's C++ layer (.Call entries) and reticulate's R-level r_to_py() dispatches\n")
+  cat("Command: Rscript r/ampkit/bench/profile_seed.R", out_dir, steps, repeats, "count\n")
+  print(tab[, 1:4], row.names = FALSE)
+  cat("\n"); for (vn in names(rows)) cat(vn, ": ", rows[[vn]]$detail, "\n", sep = "")
+  sink()
+  cat(readLines(file.path(out_dir, "crossings.txt")), sep = "\n")
+  quit(save = "no")
+}
 
 # ---- profiles: the R-driven loop, autocast + scaler, both profilers at once
 run(TRUE, TRUE, 50L)  # warm-up
@@ -64,28 +117,38 @@ writeLines(c(sprintf("Python side of the same R-driven run (cProfile), %d steps"
              buf$getvalue()), file.path(out_dir, "cprofile.txt"))
 
 # ---- timing: R loop vs Python twin, interleaved, medians after a warm-up
-variants <- list(default = c(FALSE, FALSE), autocast = c(TRUE, FALSE), autocast_scaler = c(TRUE, TRUE))
+# (the last row: the AMP loop with the release of dropped outputs off, for its cost)
+variants <- list(default = c(FALSE, FALSE), autocast = c(TRUE, FALSE), autocast_scaler = c(TRUE, TRUE),
+                 autocast_scaler_release_off = c(TRUE, TRUE))
 rows <- list()
+gc.time(TRUE)
 for (vn in names(variants)) {
   v <- variants[[vn]]
+  options(ampkit.release_outputs = !grepl("release_off", vn))
   run(v[1], v[2], 50L); py_side(v[1], v[2], 50L)
-  tr <- tp <- wr <- wp <- numeric(repeats)
+  tr <- tp <- wr <- wp <- gr <- numeric(repeats)
   cpu <- function(t) t[["user.self"]] + t[["sys.self"]]
   for (k in seq_len(repeats)) {
     t <- system.time(py_side(v[1], v[2], steps))
     tp[k] <- cpu(t) / steps; wp[k] <- t[["elapsed"]] / steps
-    t <- system.time(run(v[1], v[2], steps))
+    invisible(gc())  # as system.time()'s gcFirst, but before gc.time() is read
+    g0 <- gc.time()[[1]]
+    t <- system.time(run(v[1], v[2], steps), gcFirst = FALSE)
+    gr[k] <- (gc.time()[[1]] - g0) / steps
     tr[k] <- cpu(t) / steps; wr[k] <- t[["elapsed"]] / steps
   }
+  # min: the least disturbed repeat on a shared machine (host cost); median as well
   rows[[vn]] <- data.frame(variant = vn, python_ms = round(median(tp) * 1e3, 3),
                            r_ms = round(median(tr) * 1e3, 3),
                            r_over_python = round(median(tr) / median(tp), 2),
                            r_extra_us = round((median(tr) - median(tp)) * 1e6),
+                           min_python_ms = round(min(tp) * 1e3, 3), min_r_ms = round(min(tr) * 1e3, 3),
+                           r_gc_ms = round(median(gr) * 1e3, 3),
                            wall_python_ms = round(median(wp) * 1e3, 3), wall_r_ms = round(median(wr) * 1e3, 3))
 }
 tab <- do.call(rbind, rows)
 sink(file.path(out_dir, "timing.txt"))
-cat(sprintf("Seed loop, batch %d, width %d, %d layers, %d steps per repeat, %d repeats (median process CPU ms/step, user + system; wall medians too), torch threads 1\n",
+cat(sprintf("Seed loop, batch %d, width %d, %d layers, %d steps per repeat, %d repeats (median and min process CPU ms/step, user + system; r_gc_ms: R's own garbage collections in the R loop, ms/step (gc.time()); wall medians too), torch threads 1\n",
             batch_size, in_size, num_layers, steps, repeats))
 cat("Command: Rscript r/ampkit/bench/profile_seed.R", out_dir, steps, repeats, "\n")
 print(tab, row.names = FALSE)

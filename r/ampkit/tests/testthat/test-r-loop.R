@@ -86,6 +86,57 @@ test_that("a step of the R loop leaves no tensors of earlier steps alive", {
   expect_gt(max(off), max(on) + 10)
 })
 
+test_that("a step of the R loop frees the earlier steps' outputs without any collection", {
+  skip_if_no_ampkit()
+  bridge <- reticulate::import("ampkit.r_bridge")
+  bytes <- bridge$live_tensor_bytes
+  withr::local_options(ampkit.gc_threshold_mb = Inf)  # the garbage watch off: no collection
+  # The seed's AMP loop, bigger tensors (an output: 64 x 256 bfloat16, 32 KiB).
+  loop <- function(steps, keep_at = 0L) {
+    amp_gc()
+    torch_manual_seed(5)
+    xs <- lapply(1:4, function(i) torch_randn(64, 128))
+    ys <- lapply(1:4, function(i) torch_randn(64, 256))
+    net <- nn_sequential(nn_linear(128, 256), nn_relu(), nn_linear(256, 256))
+    loss_fn <- nn_mse_loss()
+    opt <- optim_sgd(net$parameters, lr = 0.01)
+    scaler <- amp_grad_scaler("cpu", init_scale = 2^10)
+    live <- numeric(steps)
+    kept <- list()
+    for (s in seq_len(steps)) {
+      i <- (s - 1L) %% 4L + 1L
+      with_autocast(device_type = "cpu", {
+        output <- net(xs[[i]])
+        loss <- loss_fn(output, ys[[i]])
+      })
+      if (s == keep_at) {  # tensors the user keeps must stay valid
+        kept <- list(output = output, copy = output$clone(), loss = loss, loss_value = loss$item())
+      }
+      scaler$scale(loss)$backward()
+      scaler$step(opt)
+      scaler$update()
+      opt$zero_grad()
+      live[[s]] <- bytes()
+    }
+    list(live = live, kept = kept)
+  }
+  on <- loop(20, keep_at = 6L)
+  out_bytes <- 64 * 256 * 2
+  # Flat but for the tensors kept at step 6: each step's outputs are freed once the
+  # next step rebinds `output` and `loss` (the loss one step later), so the kept
+  # output, its copy and the kept loss show from steps 6, 7 and 8 on.
+  expect_lte(max(on$live[3:5]) - min(on$live[3:5]), 0)
+  expect_lte(max(on$live[8:20]) - min(on$live[8:20]), 0)
+  # The tensors kept at step 6 are intact 14 steps later.
+  expect_identical(on$kept$output$numel(), 64L * 256L)
+  expect_true(on$kept$output$equal(on$kept$copy))
+  expect_identical(on$kept$loss$item(), on$kept$loss_value)
+  # Control: without the release, every step leaves its outputs to R's collector.
+  withr::local_options(ampkit.release_outputs = FALSE)
+  off <- loop(20)
+  expect_gt(off$live[[20]] - off$live[[3]], 15 * out_bytes)
+})
+
 oom_py <- "
 import torch
 calls = {'n': 0}
