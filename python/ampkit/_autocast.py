@@ -172,7 +172,6 @@ class _Engine:
         self.mode = _Mode(self)
         self.mode_pushed = False
         self.held = [()]  # per frame: the kernels (_kernels.acquire keys) its region holds
-        self.idle_kernels = []  # held by regions that exited inside the outermost one
         self.kernel_acts = _NO_KERNELS  # {(overload, device_type): action} of the innermost frame
 
     @property
@@ -217,13 +216,8 @@ class _Engine:
         if len(self.frames) == 1:
             self.cache.clear()
         self._use(self.frames[-1], self.kinds[-1])
-        # Kernels stay registered until the outermost region exits: a nested region (a
-        # module's scope, a decorated function) entered again and again does not register
-        # them each time; meanwhile a frame that does not change the op gets native's handling.
-        self.idle_kernels.extend(held)
+        _kernels.release(held)
         if len(self.frames) == 1:
-            idle, self.idle_kernels = self.idle_kernels, []
-            _kernels.release(idle)
             _kernels.forget_compiled_if_traced()
 
     def make_kernel(self, op, device_type):

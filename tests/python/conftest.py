@@ -17,7 +17,7 @@ import warnings
 import pytest
 import torch
 
-from ampkit import _native
+from ampkit import _kernels, _native
 
 # torch < 2.5 (the oldest torch ampkit supports is 2.4): what its dynamo cannot trace
 TORCH_BEFORE_2_5 = _native.torch_version() < (2, 5)
@@ -37,6 +37,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def torch_autocast_as_shipped():
+    """Each test starts with torch's own autocast kernels: a kernel that an earlier test's
+    changed region left registered (idle, doing native's handling without native's cast
+    cache, ampkit/_kernels.py) is given back after every test."""
+    yield
+    _kernels.drop_idle()
 
 
 @pytest.fixture

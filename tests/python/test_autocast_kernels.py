@@ -15,6 +15,7 @@ import threading
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import ampkit
 import ampkit._kernels as kernels
@@ -38,6 +39,8 @@ def no_compiled_code():
     """The route runs while torch.compile holds no compiled code (other tests compile)."""
     torch._dynamo.reset()
     assert not kernels.dynamo_used()
+    yield
+    kernels.drop_idle()
 
 
 @pytest.fixture
@@ -100,7 +103,7 @@ def test_a_moved_op_gives_the_handlers_result(dev, op, to, route):
     assert kernels.held() == {}
 
 
-def test_kernels_are_held_while_a_region_needs_them_and_dropped_after():
+def test_kernels_are_held_while_regions_need_them_then_idle_with_natives_handling():
     policy = BASE.with_ops("cpu", fp32=["linear"])
     lin, x = torch.nn.Linear(4, 3), torch.randn(2, 4)
     key = (torch.ops.aten.linear.default, "cpu")
@@ -108,21 +111,47 @@ def test_kernels_are_held_while_a_region_needs_them_and_dropped_after():
     def holders():
         return kernels.held().get(key, 0)
 
+    with torch.autocast("cpu"):
+        native = lin(x)
     with ampkit.autocast("cpu", policy=policy):
         with ampkit.autocast("cpu", policy=policy):
             assert holders() == 2
-        # kept until the outermost region exits (a nested region entered again and
-        # again registers nothing)
-        assert holders() == 2
+        assert holders() == 1
         assert lin(x).dtype == torch.float32
-    assert kernels.held() == {}
-    with ampkit.autocast("cpu"):  # a default outer region: the inner one's kernel stays...
-        with ampkit.autocast("cpu", policy=policy):
-            assert lin(x).dtype == torch.float32
-        assert holders() == 1 and lin(x).dtype == torch.bfloat16  # ...doing native's handling
-    assert kernels.held() == {}
+    assert holders() == 0 and key in kernels.registered()  # kept, idle: no re-registration
     with torch.autocast("cpu"):
-        assert lin(x).dtype == torch.bfloat16  # torch's own kernel is back
+        assert bits_equal(lin(x), native)  # ...doing what torch's own kernel does
+    kernels.drop_idle()
+    assert kernels.registered() == frozenset()
+    with torch.autocast("cpu"):
+        assert bits_equal(lin(x), native)  # torch's own kernel is back
+
+
+def test_an_idle_kernel_gives_torch_autocast_its_values_but_not_its_cast_cache():
+    """The one difference an idle kernel makes outside ampkit's regions (documented): the
+    values are native's, but two uses of a weight get two casts (native shares one)."""
+    w = torch.nn.Parameter(torch.randn(3, 4))
+    a, b = torch.randn(2, 4), torch.randn(2, 4)
+    with torch.autocast("cpu"):
+        native = (F.linear(a, w), F.linear(b, w))
+    with ampkit.autocast("cpu", policy=BASE.with_ops("cpu", fp32=["linear"])):
+        pass
+    with torch.autocast("cpu"):
+        idle = (F.linear(a, w), F.linear(b, w))
+    assert bits_equal(idle, native)
+
+    def casts(y):  # the cast nodes (ToCopyBackward) in y's graph
+        out, todo = set(), [y.grad_fn]
+        while todo:
+            n = todo.pop()
+            if n is not None:
+                if "ToCopy" in n.name():
+                    out.add(n)
+                todo.extend(m for m, _ in n.next_functions)
+        return out
+
+    assert casts(native[0]) & casts(native[1])  # one shared cast of w
+    assert not casts(idle[0]) & casts(idle[1])  # a cast of w per use
 
 
 def test_inner_regions_and_torch_autocast_see_their_own_table():
