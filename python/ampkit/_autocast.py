@@ -183,7 +183,11 @@ class _Engine:
         if self.reference:
             kind = REFERENCE
         else:
-            kind = KERNELS if _kernels.ENABLED[0] and not _kernels.dynamo_used() else DELTA
+            known = frame.tables.get(KERNELS)
+            if known is not None and not known.kernels:  # nothing runs as a kernel: the two kinds agree
+                kind = KERNELS
+            else:
+                kind = KERNELS if _kernels.ENABLED[0] and not _kernels.dynamo_used() else DELTA
         table = self._use(frame, kind)  # (compiling a table may raise: nothing is changed then)
         try:
             held = _kernels.acquire(table.kernels, self.make_kernel) if table.kernels else ()
@@ -216,7 +220,8 @@ class _Engine:
         if len(self.frames) == 1:
             self.cache.clear()
         self._use(self.frames[-1], self.kinds[-1])
-        _kernels.release(held)
+        if held:
+            _kernels.release(held)
         if len(self.frames) == 1:
             _kernels.forget_compiled_if_traced()
 
@@ -225,17 +230,15 @@ class _Engine:
         return _kernel(op, device_type)
 
     def _use(self, frame, kind):
-        self.kernel_acts = _NO_KERNELS
-        if kind == KERNELS:
-            table = frame.tables.get(KERNELS)
-            if table is None:
-                table = frame.tables[KERNELS] = _compile(self, frame.devs, DELTA, kernels=True)
-            self.kernel_acts = table.kernels
-        if kind != REFERENCE and self.trace is not None:
-            kind = TRACE
-        table = frame.tables.get(kind)
+        tables = frame.tables
+        table = tables.get(kind)
         if table is None:
-            table = frame.tables[kind] = _compile(self, frame.devs, kind)
+            table = tables[kind] = _compile(self, frame.devs, DELTA if kind == KERNELS else kind, kernels=kind == KERNELS)
+        self.kernel_acts = table.kernels  # ({} but for a KERNELS table)
+        if self.trace is not None and kind != REFERENCE:  # every listed op goes to the recorder
+            table = tables.get(TRACE)
+            if table is None:
+                table = tables[TRACE] = _compile(self, frame.devs, TRACE)
         mode = self.mode
         mode.real = table
         mode.real_size = table.changes
