@@ -22,7 +22,7 @@ import traceback
 import torch
 
 import ampkit
-from ampkit.bench import build_case
+from ampkit.bench import build_case, loop_step
 
 
 def trainer(built, model, device, variant, dtype):
@@ -33,15 +33,7 @@ def trainer(built, model, device, variant, dtype):
         step = ampkit.make_train_step(model, built.loss_fn, opt, scaler=scaler, autocast=region)
         return lambda x, y: step(x, y), step
 
-    def run(x, y):
-        opt.zero_grad(set_to_none=True)
-        with ampkit.autocast(**region):
-            loss = built.loss_fn(model(x), y)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        return loss.detach()
-    return run, None
+    return loop_step(model, built.loss_fn, opt, lambda: ampkit.autocast(**region), scaler), None
 
 
 def _sync(device):

@@ -129,23 +129,7 @@ def no_sync():
 
 
 def _bad_batch_finding(capture, bad_step=6, steps=8):
-    built = build_case("seed_mlp", "tiny", device=DEVICE)
-    model = built.new_model()
-    opt = built.new_optimizer(model, fused=DEVICE == "cuda")
-    scaler = ampkit.GradScaler(DEVICE, init_scale=1.0)
-    step = ampkit.make_train_step(model, built.loss_fn, opt, scaler=scaler,
-                                  capture=capture if DEVICE == "cuda" else False,
-                                  autocast=dict(device_type=DEVICE, dtype=torch.float16))
-    captured = []
-    with ampkit.doctor(model) as doc:
-        for i in range(steps):
-            x, y = built.batches[i % len(built.batches)]
-            if i == bad_step:
-                x = x.clone()
-                x[0, 0] = 1e6  # beyond float16: the cast of x in layer 0 overflows
-            step(x, y)
-            captured.append(bool(step.captured))
-        f = doc.first_nonfinite()
+    f, captured = faults.bad_batch(DEVICE, capture, bad_step=bad_step, steps=steps)
     return (f.to_dict() if f else None), captured
 
 

@@ -69,7 +69,7 @@ import types
 import torch
 from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_function
 
-from ampkit import _decompositions, _kernels, _narrow_casts, _native, _ops
+from ampkit import _decompositions, _kernels, _module_policy, _narrow_casts, _native, _ops
 from ampkit._policy import CATEGORIES, DEVICES, Policy, PolicyError, live_policy, load_policy
 
 Tensor = torch.Tensor
@@ -1301,3 +1301,6 @@ def op(fn=None, *, name=None, replace=False):
     _native.forget()
     wrapper.ampkit_op_name = name
     return wrapper
+
+
+_module_policy.REGION[0] = autocast  # the region module scopes enter (see there)

@@ -48,6 +48,11 @@ import torch
 from ampkit import _ops
 from ampkit._errors import PolicyError
 
+# ampkit.autocast, set by ampkit._autocast when it is imported (the package imports it
+# first): the scopes' hooks enter regions, and an import of _autocast from here would run
+# back up the house (_autocast -> _policy -> this module)
+REGION = [None]
+
 PINS = ("float32",)
 SCOPE_CATEGORIES = ("lower_precision_fp", "fp32", "fp32_output", "promote")
 _SCOPE_KEYS = ("pin",) + SCOPE_CATEGORIES
@@ -300,7 +305,7 @@ class ModuleScopes:
         return pol
 
     def _pre(self, scope, stack):
-        from ampkit._autocast import autocast
+        autocast = REGION[0]
 
         def pre(module, args, kwargs):
             # the devices autocast is on for, with their dtype; inside a pinned scope the

@@ -169,15 +169,13 @@ def _trainer(built, model, dtype, mode, device):
             return step(x, y)
         return run
 
+    from ampkit.bench import loop_step
+
+    step = loop_step(model, built.loss_fn, opt, lambda: ampkit.autocast(**region), scaler)
+
     def run(i):
         x, y = built.batches[i % len(built.batches)]
-        opt.zero_grad()
-        with ampkit.autocast(**region):
-            loss = built.loss_fn(model(x), y)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        return loss.detach()
+        return step(x, y).detach()
     return run
 
 
@@ -248,3 +246,35 @@ def _run_fault(model, run, fault, step, every):
                 run(i)
             finding = doc.first_nonfinite()
     return finding, inj.fired_at_step
+
+
+def bad_batch(device="cuda", capture="auto", bad_step=6, steps=8, around_step=None):
+    """The seed_mlp case (tiny profile) trained in float16 by ``make_train_step`` with the
+    doctor armed; batch ``bad_step`` holds 1e6 (beyond float16: the cast of the input in
+    layer ``0`` overflows). ``around_step(i)``, if given, returns a context manager for
+    step ``i`` (a sync check, say). Returns (the doctor's first finding or None, whether
+    each step replayed a captured graph)."""
+    import contextlib
+
+    import ampkit
+    from ampkit.bench import build_case
+
+    built = build_case("seed_mlp", "tiny", device=device)
+    model = built.new_model()
+    opt = built.new_optimizer(model, fused=device == "cuda")
+    step = ampkit.make_train_step(model, built.loss_fn, opt, scaler=ampkit.GradScaler(device, init_scale=1.0),
+                                  capture=capture if device == "cuda" else False,
+                                  autocast=dict(device_type=device, dtype=torch.float16))
+    captured = []
+    with ampkit.doctor(model) as doc:
+        for i in range(steps):
+            x, y = built.batches[i % len(built.batches)]
+            if i == bad_step:
+                x = x.clone()
+                x[0, 0] = 1e6
+            with around_step(i) if around_step else contextlib.nullcontext():
+                step(x, y)
+            captured.append(bool(step.captured))
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return doc.first_nonfinite(), captured

@@ -1,6 +1,8 @@
 """The numerics doctor on CUDA: no host sync (sync debug mode 'error'), the finding of a bad
 batch replayed through make_train_step's CUDA graph equals the eager one, faults named."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -13,26 +15,10 @@ pytestmark = [pytest.mark.cuda, pytest.mark.filterwarnings("ignore::UserWarning"
 
 
 def _run(capture, bad_step=None, steps=7, sync_check_from=None):
-    built = build_case("seed_mlp", "tiny", device="cuda")
-    model = built.new_model()
-    opt = built.new_optimizer(model, fused=True)
-    step = ampkit.make_train_step(model, built.loss_fn, opt, scaler=ampkit.GradScaler("cuda", init_scale=1.0),
-                                  capture=capture, autocast=dict(device_type="cuda", dtype=torch.float16))
-    captured = []
-    with ampkit.doctor(model) as doc:
-        for i in range(steps):
-            x, y = built.batches[i % len(built.batches)]
-            if i == bad_step:
-                x = x.clone()
-                x[0, 0] = 1e6
-            if sync_check_from is not None and i >= sync_check_from:
-                with SyncError():
-                    step(x, y)
-            else:
-                step(x, y)
-            captured.append(bool(step.captured))
-        torch.cuda.synchronize()
-        return doc.first_nonfinite(), captured
+    def around(i):
+        return SyncError() if sync_check_from is not None and i >= sync_check_from else contextlib.nullcontext()
+
+    return faults.bad_batch("cuda", capture, bad_step=bad_step, steps=steps, around_step=around)
 
 
 def test_armed_doctor_adds_no_sync_inside_the_captured_step():
