@@ -11,7 +11,6 @@ the CPU (bfloat16) and, marked ``cuda``, on a GPU (float16).
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as ckpt
 
 import ampkit
-from conftest import TORCH_BEFORE_2_5, bits_equal
+from conftest import TORCH_BEFORE_2_5, bits_equal, compiles_correctly_here
 
 pytestmark = pytest.mark.usefixtures("ampkit_quiet")
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
@@ -313,15 +312,6 @@ def test_torch_autocast_disabled_inside_a_changed_region_switches_the_policy_off
 
 
 # --------------------------------------------------------------------- torch.compile
-def compiles_correctly_here(dev):
-    """torch.compile's CPU kernels ignore ATEN_CPU_CAPABILITY (the AVX2 emulation on an
-    AVX-512 machine): under it even a float32 compiled Linear differs from eager (NaN), so
-    there is no oracle to compare with."""
-    if dev == "cpu" and os.environ.get("ATEN_CPU_CAPABILITY"):
-        pytest.skip("torch.compile on the CPU under ATEN_CPU_CAPABILITY emulation gives wrong results "
-                    "even without autocast; run on a machine whose CPU is that kind")
-
-
 def _graphs(fn, *args):
     torch._dynamo.reset()
     ex = torch._dynamo.explain(fn)(*args)

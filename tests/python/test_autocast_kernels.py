@@ -21,6 +21,7 @@ import ampkit
 import ampkit._kernels as kernels
 from ampkit._autocast import thread_engine
 from ampkit.testing import op_sample
+from conftest import compiles_correctly_here
 
 BASE = ampkit.load_policy("torch_default")
 CPU = BASE.rules("cpu")
@@ -255,6 +256,7 @@ def test_a_first_compile_inside_a_kernel_region_outlives_it_in_no_graph():
     the same compiled model under torch.autocast gives torch's result, not a stale graph."""
     if sys.platform != "linux":
         pytest.skip("compile test on linux only")
+    compiles_correctly_here("cpu")
     out = subprocess.run([sys.executable, "-c", _FIRST_COMPILE], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     inside, after, eager, same = out.stdout.split()
