@@ -190,7 +190,7 @@ class _Engine:
                 kind = KERNELS if _kernels.ENABLED[0] and not _kernels.dynamo_used() else DELTA
         table = self._use(frame, kind)  # (compiling a table may raise: nothing is changed then)
         try:
-            held = _kernels.acquire(table.kernels, self.make_kernel) if table.kernels else ()
+            held = _kernels.acquire(table.kernels, _kernel) if table.kernels else ()
         except BaseException:
             self._use(self.frames[-1], self.kinds[-1])
             raise
@@ -224,10 +224,6 @@ class _Engine:
             _kernels.release(held)
         if len(self.frames) == 1:
             _kernels.forget_compiled_if_traced()
-
-    def make_kernel(self, op, device_type):
-        """The kernel registered at torch's Autocast key for ``op`` (see _kernels.py)."""
-        return _kernel(op, device_type)
 
     def _use(self, frame, kind):
         tables = frame.tables
@@ -680,11 +676,11 @@ def _kernel_ops(name, category, device_type) -> tuple:
     return _kernels.overloads(name)
 
 
-def _kernel(op, device_type):
-    """The kernel at torch's Autocast key of ``device_type`` for ``op``: the innermost ampkit
-    frame's action for it, else native autocast's handling of it."""
+def _kernel(op, device_type, name):
+    """The kernel at torch's Autocast key of ``device_type`` for ``op`` (policy op ``name``):
+    the innermost ampkit frame's action for it, else native autocast's handling of it."""
     key = (op, device_type)
-    native = _native_handling(op, device_type)
+    native = _native_handling(op, device_type, name)
     note = _kernels.note_if_traced
 
     def kernel(*args, **kwargs):
@@ -697,19 +693,17 @@ def _kernel(op, device_type):
     return kernel
 
 
-def _native_handling(op, device_type):
-    """(args, kwargs) -> result: what torch's own autocast does for ``op``: its table's rule
-    where torch registers a kernel for the op (the shipped torch_default, proven equal by the
-    drift check), else a fall-through to the kernels below autocast."""
-    if _kernels.native_has_kernel(op, device_type):
-        rules = _DEFAULT.rules(device_type)
-        name = _native_name(op, rules)
-        if name is not None:
-            cat = rules.category(name)
-            msg = rules.ban_message(name) if cat == "banned" else None
-            rule = _rule(_engine(), name, cat, device_type, False, msg)
-            get_dtype = torch.get_autocast_dtype
-            return lambda args, kwargs: rule(op, args, kwargs, get_dtype(device_type))
+def _native_handling(op, device_type, name):
+    """(args, kwargs) -> result: what torch's own autocast does for ``op``: the shipped
+    torch_default's rule for ``name`` where torch registers a kernel for the op (the drift
+    check proves the two equal), else a fall-through to the kernels below autocast."""
+    rules = _DEFAULT.rules(device_type)
+    cat = rules.category(name)
+    if cat is not None and _kernels.native_has_kernel(op, device_type):
+        msg = rules.ban_message(name) if cat == "banned" else None
+        rule = _rule(_engine(), name, cat, device_type, False, msg)
+        get_dtype = torch.get_autocast_dtype
+        return lambda args, kwargs: rule(op, args, kwargs, get_dtype(device_type))
     after = torch._C._dispatch_keyset_full_after(getattr(torch._C.DispatchKey, _kernels.KEYS[device_type]))
     keys_of = torch._C._dispatch_keys
 
@@ -722,17 +716,6 @@ def _native_handling(op, device_type):
         return op.redispatch(after if ks is None else after & ks, *args, **kwargs)
 
     return fall_through
-
-
-def _native_name(op, rules):
-    """The torch_default op name whose ATen op is ``op`` (``linalg.vector_norm`` for
-    aten::linalg_vector_norm), if the table lists it."""
-    packet = op.name().split("::", 1)[1].split(".", 1)[0]
-    for cat in CATEGORIES:
-        for name in rules.ops(cat):
-            if name.replace(".", "_") == packet:
-                return name
-    return None
 
 
 
@@ -959,7 +942,7 @@ def _region_args(device_type, dtype, enabled, cache_enabled, policy):
             f"{', '.join(DEVICES)} (ampkit.is_autocast_available tells; torch.autocast({device_type!r}) "
             "runs torch's own table where torch has one)")
     pol = _default_policy() if policy is None else load_policy(policy)
-    if getattr(pol, "modules", None):  # a region sees ops, not modules: scopes would be dropped silently
+    if pol.modules:  # a region sees ops, not modules: scopes would be dropped silently
         raise ValueError(
             f"ampkit.autocast: policy {pol.name!r} has module scopes "
             f"({', '.join(s.pattern for s in pol.modules)}), which a region cannot apply: it sees ops, "

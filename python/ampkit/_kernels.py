@@ -67,8 +67,7 @@ STRAIGHT = frozenset({
 CATEGORIES = frozenset({"lower_precision_fp", "fp32", "promote", "banned", None})
 
 _lock = threading.RLock()
-_held: dict = {}  # (overload, device_type) -> [torch.library.Library, regions holding it]
-_native_has: dict = {}  # (overload, device_type) -> native autocast has a kernel for it
+_held: dict = {}  # (overload, device_type) -> [C++ library object, regions holding it]
 _kernels: dict = {}  # (overload, device_type) -> its kernel (built once: it holds no region)
 _overloads: dict = {}  # op name -> tuple of OpOverloads ((): not a kernel op)
 _traced = [False]  # a kernel ran on fake tensors (a compile) since the last reset
@@ -117,29 +116,22 @@ def _find_overloads(name: str) -> tuple:
 
 
 def native_has_kernel(op, device_type: str) -> bool:
-    """Whether torch's own autocast registers a kernel for ``op`` (asked before ampkit's)."""
-    key = (op, device_type)
-    hit = _native_has.get(key)
-    if hit is None:
-        with _lock:
-            hit = _native_has.get(key)
-            if hit is None:
-                held = _held.get(key)
-                if held is not None:  # (cannot happen: asked when the kernel is built)
-                    raise RuntimeError(f"native autocast's kernel for {op} asked after ampkit registered one")
-                hit = _native_has[key] = torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), KEYS[device_type])
-    return hit
+    """Whether torch's own autocast registers a kernel for ``op``: asked when ampkit's
+    kernel for it is built, before ampkit registers it (the kernel is built once)."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), KEYS[device_type])
 
 
-def acquire(keys, make_kernel) -> tuple:
-    """Register (or count one more holder of) the kernel of each (overload, device_type)."""
+def acquire(acts, make_kernel) -> tuple:
+    """Register (or count one more holder of) the kernel of each (overload, device_type) of
+    ``acts`` ({key: action}); ``make_kernel(op, device_type, name)`` builds one, ``name``
+    being the policy's op name (the action's ``op``)."""
     done = []
     with _lock:
         try:
-            for key in keys:
+            for key, act in acts.items():
                 held = _held.get(key)
                 if held is None:
-                    held = _held[key] = [_register(*key, make_kernel), 0]
+                    held = _held[key] = [_register(key, act.op, make_kernel), 0]
                 held[1] += 1
                 done.append(key)
         except BaseException:
@@ -151,20 +143,21 @@ def acquire(keys, make_kernel) -> tuple:
 _warned = [False]
 
 
-def _register(op, device_type, make_kernel):
+def _register(key, name, make_kernel):
     """One registration, the C++ library object itself: torch.library.Library's Python
     bookkeeping tripled the cost of a region (about 7 us against 20+ on the dev VM)."""
-    kernel = _kernels.get((op, device_type))
+    kernel = _kernels.get(key)
     if kernel is None:
-        kernel = _kernels[(op, device_type)] = make_kernel(op, device_type)
+        kernel = _kernels[key] = make_kernel(*key, name)
+    op, device_type = key
     lib = torch._C._dispatch_library("IMPL", "aten", "", __file__, 0)
-    name = op.name().split("::", 1)[1]
+    overload = op.name().split("::", 1)[1]
     if _warned[0]:
-        lib.impl(name, KEYS[device_type], kernel, False)
+        lib.impl(overload, KEYS[device_type], kernel, False)
     else:  # torch warns once per process that a kernel replaces native autocast's
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            lib.impl(name, KEYS[device_type], kernel, False)
+            lib.impl(overload, KEYS[device_type], kernel, False)
         _warned[0] = True
     return lib
 

@@ -429,9 +429,9 @@ class TrainStep:
 
 
 # The warning is issued once per step object (a failed call does not take it back); the
-# side stream is a cache.
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+# side stream and the rollback copies are caches.
 _NOT_ROLLED_BACK = ("_warned", "_stream", "_rollback_pool")
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensors with a foreach copy (_OptimizerCopy)
 
 
 class _OptimizerCopy:

@@ -21,17 +21,18 @@ import ampkit
 import ampkit._kernels as kernels
 from ampkit._autocast import thread_engine
 from ampkit.testing import op_sample
-from conftest import compiles_correctly_here
+from conftest import bits_equal, compiles_correctly_here
 
 BASE = ampkit.load_policy("torch_default")
 CPU = BASE.rules("cpu")
 
 
-def bits_equal(a, b):
+def same(a, b):
+    """Bitwise equal tensors (conftest.bits_equal), also inside tuples and lists."""
     if isinstance(a, (tuple, list)):
-        return type(a) is type(b) and len(a) == len(b) and all(bits_equal(x, y) for x, y in zip(a, b))
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     if isinstance(a, torch.Tensor):
-        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        return bits_equal(a, b)
     return a == b
 
 
@@ -100,7 +101,7 @@ def test_a_moved_op_gives_the_handlers_result(dev, op, to, route):
     (got, got_err), (want, want_err) = outs
     assert got_err == want_err
     if want_err is None:
-        assert bits_equal(got, want)
+        assert same(got, want)
     assert kernels.held() == {}
 
 
@@ -121,11 +122,11 @@ def test_kernels_are_held_while_regions_need_them_then_idle_with_natives_handlin
         assert lin(x).dtype == torch.float32
     assert holders() == 0 and key in kernels.registered()  # kept, idle: no re-registration
     with torch.autocast("cpu"):
-        assert bits_equal(lin(x), native)  # ...doing what torch's own kernel does
+        assert same(lin(x), native)  # ...doing what torch's own kernel does
     kernels.drop_idle()
     assert kernels.registered() == frozenset()
     with torch.autocast("cpu"):
-        assert bits_equal(lin(x), native)  # torch's own kernel is back
+        assert same(lin(x), native)  # torch's own kernel is back
 
 
 def test_an_idle_kernel_gives_torch_autocast_its_values_but_not_its_cast_cache():
@@ -139,7 +140,7 @@ def test_an_idle_kernel_gives_torch_autocast_its_values_but_not_its_cast_cache()
         pass
     with torch.autocast("cpu"):
         idle = (F.linear(a, w), F.linear(b, w))
-    assert bits_equal(idle, native)
+    assert same(idle, native)
 
     def casts(y):  # the cast nodes (ToCopyBackward) in y's graph
         out, todo = set(), [y.grad_fn]
@@ -164,7 +165,7 @@ def test_inner_regions_and_torch_autocast_see_their_own_table():
         native = lin(x)
     with ampkit.autocast("cpu", policy=policy):
         with ampkit.autocast("cpu"):
-            assert bits_equal(lin(x), native)
+            assert same(lin(x), native)
         with torch.autocast("cpu", enabled=False):
             assert lin(x).dtype == torch.float32
         assert lin(x).dtype == torch.float32
@@ -193,7 +194,7 @@ def test_another_thread_under_torch_autocast_gets_natives_result():
         done.wait(60)
         assert lin(a).dtype == torch.float32
     t.join()
-    assert bits_equal(got[0], want)
+    assert same(got[0], want)
 
 
 def test_gradients_through_a_kernel_equal_the_handlers(route):
@@ -209,7 +210,7 @@ def test_gradients_through_a_kernel_equal_the_handlers(route):
             y = model(x)
         y.float().sum().backward()
         grads.append([y.detach()] + [p.grad.clone() for p in model.parameters()])
-    assert bits_equal(grads[0], grads[1])
+    assert same(grads[0], grads[1])
 
 
 def test_plain_checkpoint_of_a_kernel_change_still_raises_and_names_the_remedy():
