@@ -150,29 +150,6 @@ def parse_scopes(data, where_of) -> tuple:
     return tuple(sorted(out, key=lambda s: s.pattern))
 
 
-def duplicate_scope_keys(text) -> list:
-    """Scopes written twice in a policy file's ``modules:`` mapping (YAML keeps the last one
-    silently): ``[(pattern, first_line, second_line)]``."""
-    import yaml
-
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError:
-        return []
-    if not isinstance(root, yaml.MappingNode):
-        return []
-    dups = []
-    for k, v in root.value:
-        if getattr(k, "value", None) == "modules" and isinstance(v, yaml.MappingNode):
-            seen = {}
-            for kk, _ in v.value:
-                name = kk.value
-                if name in seen:
-                    dups.append((name, seen[name], kk.start_mark.line + 1))
-                seen.setdefault(name, kk.start_mark.line + 1)
-    return dups
-
-
 # -- matching -----------------------------------------------------------------
 def _match_parts(pat, name):
     if not pat:

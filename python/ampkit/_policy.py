@@ -402,18 +402,23 @@ def _check_decomposable(op, device, where):
 
 # -- loading -----------------------------------------------------------------
 def _lines(text):
-    """Map YAML key paths to 1-based line numbers (best effort)."""
-    out = {}
+    """(YAML key paths -> 1-based line numbers (best effort), [(path, first line, second
+    line)] of the mapping keys written twice, which YAML would silently keep the last of)."""
+    out, twice = {}, []
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError:
-        return out
+        return out, twice
 
     def walk(node, path):
         if isinstance(node, yaml.MappingNode):
             for k, v in node.value:
                 p = path + (getattr(k, "value", None),)
-                out[p] = k.start_mark.line + 1
+                line = k.start_mark.line + 1
+                if p in out:
+                    twice.append((p, out[p], line))
+                else:
+                    out[p] = line
                 walk(v, p)
         elif isinstance(node, yaml.SequenceNode):
             for i, v in enumerate(node.value):
@@ -423,7 +428,7 @@ def _lines(text):
 
     if root is not None:
         walk(root, ())
-    return out
+    return out, twice
 
 
 def load_policy(path_or_name) -> Policy:
@@ -486,7 +491,13 @@ def parse_policy(text: str, source: str = "<string>") -> Policy:
         line = f", line {mark.line + 1}" if mark is not None else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise PolicyError(f"{source}{line}: malformed YAML ({problem}); only plain YAML is accepted (no Python tags)") from e
-    lines = _lines(text)
+    lines, twice = _lines(text)
+    for path, first, second in twice:
+        key = ".".join(str(p) for p in path)
+        raise PolicyError(
+            f"{source}, line {second}, key {key!r}: written twice (lines {first} and {second}); YAML "
+            "would keep the last one silently: merge the two into one"
+            + (" (two scopes on one glob conflict)" if path[0] == "modules" else ""))
 
     def where(*path):
         ln = lines.get(tuple(path))
@@ -514,10 +525,6 @@ def parse_policy(text: str, source: str = "<string>") -> Policy:
         if dev not in DEVICES:
             raise PolicyError(f"{where('devices', dev)}: unknown device type {dev!r}; valid: {', '.join(DEVICES)}")
         out.append((dev, _parse_device(dev, body, where)))
-    for pattern, first, second in _module_policy.duplicate_scope_keys(text):
-        raise PolicyError(f"{source}, line {second}, key 'modules.{pattern}': scope {pattern!r} is "
-                          f"written twice (lines {first} and {second}); two scopes on one glob "
-                          "conflict: merge their rules into one")
     modules = _module_policy.parse_scopes(data.get("modules"), where)
     return Policy(name=name, devices=tuple(sorted(out, key=lambda x: x[0])), description=desc.strip(),
                   source=source, modules=modules)

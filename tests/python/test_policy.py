@@ -303,3 +303,11 @@ def test_drift_check_tells_a_missing_kernel_from_drift(monkeypatch):
     out = io.StringIO()
     assert drift.check("cpu", ops=["linear", "mm"], out=out) == 0
     assert "linear" in out.getvalue() and "no oracle" in out.getvalue()
+
+
+def test_a_key_written_twice_anywhere_is_refused_with_both_lines():
+    """YAML keeps the last of two equal keys silently; the loader refuses them instead."""
+    text = ampkit.load_policy("torch_default").to_yaml().replace(
+        "  cpu:\n", "  cpu:\n    fp32: [linear]\n", 1)
+    with pytest.raises(ampkit.PolicyError, match=r"line \d+, key 'devices\.cpu\.fp32': written twice \(lines \d+ and \d+\)"):
+        parse_policy(text, "dup.yaml")
