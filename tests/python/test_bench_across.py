@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -23,28 +22,27 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
-END_TO_END_LIMIT_S = 60
+# The bound on one end-to-end launch (subprocess timeout): a hang fails the test, a slow
+# machine does not (timings gate no test; about 25-45 s on the 2-core VM)
+END_TO_END_TIMEOUT_S = 180
 FSDP2_ON_CPU = pytest.mark.skipif(
     tuple(int(v) for v in __import__("torch").__version__.split("+")[0].split(".")[:2]) < (2, 5),
     reason="FSDP2 (fully_shard) runs on CUDA only in torch < 2.5 (the runner says so and stops)")
 
 
-def _run_py(*args, timeout=2 * END_TO_END_LIMIT_S):
+def _run_py(*args, timeout=END_TO_END_TIMEOUT_S):
     return subprocess.run([sys.executable, str(REPO / "benchmarks" / "run.py"), *args], capture_output=True,
                           text=True, cwd=REPO, timeout=timeout)
 
 
 @FSDP2_ON_CPU
 def test_two_gloo_processes_write_schema_records_checks_and_the_report_section(tmp_path):
-    t0 = time.perf_counter()
     # ampkit_amp left out to keep it short: its loop is torch_amp's with ampkit's region and scaler
     p = _run_py("--device", "cpu", "--gpus", "2", "--profile", "tiny", "--cases", "text_classifier",
                 "--variants", "torch_amp,ampkit_step",
                 "--ddp-options", "default", "--ddp-options", "gradient_as_bucket_view=true", "--check",
                 "--out", str(tmp_path))
-    wall = time.perf_counter() - t0
     assert p.returncode == 0, p.stderr[-3000:]
-    assert wall < END_TO_END_LIMIT_S, "took %.0f s" % wall
     doc = bench.read_document(tmp_path / "results.json")  # validated against the schema
     recs = doc["records"]
     got = {(r["engine"], json.dumps(r["engine_options"]), r["variant"], r["world_size"]): r for r in recs}
