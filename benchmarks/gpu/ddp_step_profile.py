@@ -24,6 +24,7 @@ import argparse
 import collections
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -74,7 +75,7 @@ def epoch(step, built):
     return (time.perf_counter() - t0) * 1e3 / built.num_batches
 
 
-def kernel_table(step, built, steps, rank, title):
+def kernel_table(step, built, steps, rank, title, trace=None):
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if built.device == "cuda" else [])
     with profile(activities=acts) as prof:
         bench.synchronize(built.device)
@@ -83,6 +84,9 @@ def kernel_table(step, built, steps, rank, title):
             step(*built.batches[i % built.num_batches])
         bench.synchronize(built.device)
         wall = (time.perf_counter() - t0) * 1e6 / steps
+    if trace and rank == 0:  # the timeline (chrome trace, gzipped) of the profiled steps
+        prof.export_chrome_trace(trace)
+        subprocess.run(["gzip", "-f", trace], check=False)
     per = collections.defaultdict(lambda: [0, 0.0])
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
@@ -108,6 +112,8 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--prof-steps", type=int, default=5)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--trace-dir", default=None,
+                    help="write rank 0's chrome traces of the profiled steps here (gzipped)")
     a = ap.parse_args(argv)
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
     import torch.distributed as dist
@@ -148,7 +154,10 @@ def main(argv=None):
                       f"ratio {base / m:.3f}  captured={cap}", flush=True)
         for n in ("torch_amp", "ampkit_step"):
             if n in steps:
-                kernel_table(steps[n], built, a.prof_steps, rank, f"{engine.label()} / {n}")
+                trace = None if not a.trace_dir else os.path.join(
+                    a.trace_dir, "trace-%s-%s-x%d.json" % ("_".join(f"{k}" for k, _ in engine.options) or "default",
+                                                        n, world))
+                kernel_table(steps[n], built, a.prof_steps, rank, f"{engine.label()} / {n}", trace)
         del steps
         if a.device == "cuda":
             torch.cuda.empty_cache()
