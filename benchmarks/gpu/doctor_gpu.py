@@ -78,14 +78,16 @@ def overhead(quick):
         cases = [("seed_mlp", "tiny")]
     out = []
     for case, profile in cases:
-        recs = doctor_overhead.measure(case, profile, DEVICE, steps=10 if quick or case == "transformer" else 20,
-                                       repeats=2 if quick else 3, everies=(1, 100), dtype=torch.float16 if DEVICE == "cuda" else torch.bfloat16)
+        recs = doctor_overhead.measure(case, profile, DEVICE, steps=10 if quick else (20 if case == "transformer" else 40),
+                                       repeats=2 if quick else 7, everies=(1, 100), dtype=torch.float16 if DEVICE == "cuda" else torch.bfloat16)
         for r in recs:
             r.pop("samples", None)
             if r["ok"]:
                 log(f"  {case} {r['variant']}: off {r['seconds_per_step']['off'] * 1e3:.3f} ms/step, "
                     f"armed every=1 x{r['ratio_every=1']['median']:.3f}, every=100 "
-                    f"x{r['ratio_every=100']['median']:.3f}, captured {r['captured']}")
+                    f"x{r['ratio_every=100']['median']:.3f} [{r['ratio_every=100']['q1']:.3f}, "
+                    f"{r['ratio_every=100']['q3']:.3f}], amortized every=100 x{r['amortized_every=100']:.3f}, "
+                    f"captured {r['captured']}")
             else:
                 log(f"  {case} {r['variant']}: FAILED {r['error']}")
         out += recs

@@ -53,7 +53,9 @@ import threading
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from ampkit import _doctor_step as _step_watch
+from torch.utils._python_dispatch import (TorchDispatchMode, _get_current_dispatch_mode_stack, _pop_mode,
+                                          _push_mode)
 from torch.utils._pytree import tree_leaves
 
 _LOW = (torch.float16, torch.bfloat16)
@@ -80,6 +82,8 @@ class Finding:
     step: int  # 0-based index of the model's forward calls since arming
     input_absmax: float  # max |x| over the op's floating inputs
     output_absmax: float  # inf or nan
+    weights: str = "step"  # the weights the op ran with: "step" (that step's), or "current"
+    # (a replay with the weights at the time of reading, see ampkit.doctor's keep_weights)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -92,6 +96,16 @@ def _check_every(every):
     return every
 
 
+_REPLAYING = [None]  # the step a doctor is replaying now (see replaying())
+
+
+def replaying():
+    """The index of the step a doctor is replaying right now, else None. A replay runs a
+    recorded step's forward and backward again under the op-level watch; a fault injector
+    (``ampkit.faults.inject``) that models a fault of that step fires in the replay too."""
+    return _REPLAYING[0]
+
+
 class doctor:
     """Arm the numerics doctor on ``model``.
 
@@ -99,33 +113,42 @@ class doctor:
       model: the ``torch.nn.Module`` to watch (its forward, and the backward of the graph
         its forward builds).
       every: sample per-module statistics every ``every`` steps (a positive int, default
-        100: a sampled step costs a few reductions per op more); the
-        first non-finite op is watched on every step.
+        100: a sampled step watches every op, at a few reductions per op); the step 0 is
+        sampled. Every step is checked for non-finite values; the op is named by a replay.
       policy: the cast policy the run uses (an ``ampkit.Policy``, a shipped name or a
         path); :meth:`suggest` changes it. Default ``"torch_default"``.
+      keep_weights: keep the weights each step began with, so that the replay of the
+        first bad step runs that step's weights even when later steps changed them (one
+        more pass over the weights per step, two copies of them in memory). Off (the
+        default), the replay runs the weights of the time of reading: the same weights
+        when nothing stepped since (the scaler skipped the bad step and you read then, as
+        ``on_skip`` does); the finding's ``weights`` says which.
 
     A model has at most one armed doctor: arming a second raises ``RuntimeError`` (close the
     first). Nothing is installed when an argument is bad.
     """
 
-    def __init__(self, model, every: int = 100, *, policy=None):
+    def __init__(self, model, every: int = 100, *, policy=None, keep_weights: bool = False):
         from ampkit._policy import load_policy
 
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"ampkit.doctor: model must be a torch.nn.Module, got {type(model).__name__}")
         self.every = _check_every(every)
+        if not isinstance(keep_weights, bool):
+            raise ValueError(f"ampkit.doctor: keep_weights must be True or False, got {keep_weights!r}")
+        self.keep_weights = keep_weights
         self.policy = load_policy("torch_default" if policy is None else policy)
         if model in _ARMED:
             raise RuntimeError(
                 f"ampkit.doctor: a doctor is already armed on this {type(model).__name__}; "
                 "call .close() on it (or leave its `with` block) before arming another")
+        state = _step_watch.state_of(model)  # (a non-contiguous parameter raises: nothing armed)
         self.model = model
         self.names = {m: n for n, m in model.named_modules()}
         self._sites: dict = {}  # (op, module, phase, dtype) -> int
         self._site_list: list = []
-        self._records: dict = {}  # device -> float32 tensor [found, site, step, in_absmax, out_absmax]
-        self._steps: dict = {}  # device -> float32 scalar, the step index (root pre-hook adds 1)
-        self._step = -1  # host copy for eager sampling decisions
+        self._records: dict = {}  # device -> float32 [found, site, step, in_absmax, out_absmax] (sampled steps)
+        self._step = -1  # host count of steps (the device's count goes on in graph replays)
         self._sampling = False
         self._acc: dict = {}  # module -> float32 tensor [absmax, grad_absmax, under, over, n_cast, n_low]
         self._rows: list = []  # (step, module, tensor) of sampled steps
@@ -134,21 +157,25 @@ class doctor:
         self._slot_state: dict = {}  # device -> _Slots
         self._thread = threading.get_ident()
         self._handles = []
-        self._mode = _Mode(self)
-        # the record and the step counter exist before any step, so that a CUDA graph
-        # captured later writes into them rather than allocating (and zeroing) its own
-        for dev in {p.device for p in model.parameters()} or {torch.device("cpu")}:
+        self._inner: list = []  # the op-level watch's module hooks while it is on
+        self._mode = None  # the op-level watch's mode while it is on
+        self._bw_queued = False
+        self._out_grads: list = []
+        self._history: list = []  # (host step, layouts, region config, cuda rng) where they change
+        self._replayed: dict = {}  # step -> Finding
+        # the op-level watch's mode goes where the stack ends now: above the modes entered
+        # before arming (a fault injector), below those entered later
+        self._depth = len(_get_current_dispatch_mode_stack())
+        if not state:
+            state = {torch.device("cpu"): []}
+        # the record, step counters and replay buffers exist before any step, so that a CUDA
+        # graph captured later writes into them rather than allocating its own
+        self._watches = {dev: _step_watch.StepWatch(dev, ts, keep_weights) for dev, ts in state.items()}
+        self._scaler_seen = False  # an ampkit.GradScaler checks the gradients: its flag is used
+        for dev in self._watches:
             self._records[dev] = torch.zeros(5, device=dev)
-            self._steps[dev] = torch.full((), -1.0, device=dev)
-        try:
-            for m, n in self.names.items():
-                self._handles.append(m.register_forward_pre_hook(self._pre(n, m is model)))
-                self._handles.append(m.register_forward_hook(self._post(n, m is model), always_call=True))
-            self._mode.__enter__()
-        except BaseException:
-            for h in self._handles:
-                h.remove()
-            raise
+        self._handles.append(model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
+        self._handles.append(model.register_forward_hook(self._root_post, always_call=True))
         _ARMED[model] = self
         self.armed = True
 
@@ -163,43 +190,140 @@ class doctor:
         return False
 
     def close(self):
-        """Disarm: remove the hooks and pop the mode (records stay readable)."""
+        """Disarm: remove the hooks (and the op-level watch's mode; records stay readable)."""
         if not self.armed:
             return
         if threading.get_ident() != self._thread:
             raise RuntimeError("ampkit.doctor.close(): close the doctor in the thread that armed it")
-        stack = _get_current_dispatch_mode_stack()
-        if not stack or stack[-1] is not self._mode:
-            raise RuntimeError(
-                "ampkit.doctor.close(): a dispatch mode entered after the doctor is still active; "
-                "exit it first (close in the reverse order of entering); nothing changed")
+        self._fold_sampled()
+        self._ops_off()
         for h in self._handles:
             h.remove()
         self._handles = []
-        self._mode.__exit__(None, None, None)
         _ARMED.pop(self.model, None)
         self.armed = False
 
+    # -- the op-level watch: on for sampled steps and replays ----------------------------
+    def _ops_on(self):
+        for m, n in self.names.items():
+            if m is not self.model:
+                self._inner.append(m.register_forward_pre_hook(self._pre(n)))
+                self._inner.append(m.register_forward_hook(self._post(n), always_call=True))
+        self._mode = _Mode(self)
+        _insert_mode(self._mode, self._depth)
+
+    def _ops_off(self):
+        """Turn the op-level watch off (its mode leaves the stack wherever it sits in it)."""
+        if self._mode is not None:
+            _remove_mode(self._mode)
+            self._mode = None
+        for h in self._inner:
+            h.remove()
+        self._inner = []
+        self._stack = []
+        return True
+
+    def _fold_sampled(self, restart=True):
+        for sl in self._slot_state.values():
+            sl.fold(self._record(sl.dev))
+            if restart:
+                sl.restart()
+
     # -- hooks ----------------------------------------------------------------------
-    def _pre(self, name, root):
+    def _root_pre(self, module, args, kwargs):
+        if _REPLAYING[0] is None and not self._stack:
+            self._new_step(args, kwargs)
+        if self._mode is not None:
+            self._enter_forward("", args)
+        return None
+
+    def _root_post(self, module, args, output):
+        if self._mode is not None:
+            self._leave_forward("", output)
+        if _REPLAYING[0] is not None or self._stack:
+            return None
+        outs = _step_watch.leaves_requiring_grad(output) if torch.is_grad_enabled() else []
+        for w in self._watches.values():
+            mine = [o for o in tree_leaves(output) if isinstance(o, torch.Tensor) and o.device == w.dev]
+            w.pending = [weakref.ref(o) for o in mine] or None
+        self._bw_queued = False
+        self._out_grads = []
+        for o in outs:
+            w = self._watches.get(o.device)
+            if w is None:
+                continue
+            slot = w.output_grad_slot(o)
+            o.register_hook(self._grad_hook(w, slot))
+        self._remember()
+        return None
+
+    def _grad_hook(self, w, slot):
+        def hook(grad):
+            w.keep_grad(slot, grad)
+            self._out_grads.append(grad)
+            if not self._bw_queued:
+                self._bw_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+            return None
+
+        return hook
+
+    def _backward_end(self):
+        grads = self._out_grads
+        self._out_grads = []
+        for w in self._watches.values():
+            w.pending = None
+            if self._scaler_seen:  # the scaler's own check of the gradients will record the step
+                continue
+            w.check([t.grad for t in w.state if isinstance(t, torch.nn.Parameter)]
+                    + [g for g in grads if g.device == w.dev])
+
+    def _scaler_report(self, found_per_device):
+        """An ``ampkit.GradScaler`` checked the gradients: its flags (1.0 = inf or NaN) are
+        this step's check, with no pass of the doctor's own over the gradients."""
+        self._scaler_seen = True
+        for dev, found in found_per_device.items():
+            w = self._watches.get(dev)
+            if w is not None and w.layout is not None:
+                w.record(found == 0)
+
+    def _remember(self):
+        """What a replay of this step needs from the host: the layouts of its inputs, the
+        autocast regions and the CUDA generator's state (kept where they change)."""
+        layouts = tuple(w.layout for w in self._watches.values())
+        cfg = _step_watch.region_config()
+        rng = tuple(_step_watch.cuda_rng_state(d) for d in self._watches)
+        if self._history:
+            _, l0, c0, r0 = self._history[-1]
+            same = c0 == cfg and all(_step_watch.same_layout(a, b) for a, b in zip(l0, layouts))
+            if same and all(r is None for r in rng):
+                return
+            if same and r0 == rng:
+                return
+        self._history.append((self._step, layouts, cfg, rng))
+
+    def _pre(self, name):
         def pre(module, args):
-            if root and not self._stack:
-                self._new_step(module)
-            stops = {t.grad_fn for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.grad_fn is not None}
-            self._stack.append((name, stops))
+            self._enter_forward(name, args)
 
         return pre
 
-    def _post(self, name, root):
+    def _post(self, name):
         def post(module, args, output):
-            if not self._stack or self._stack[-1][0] != name:
-                return None
-            _, stops = self._stack.pop()
-            if torch.is_grad_enabled():
-                self._tag(output, name, stops)
-            return None
+            self._leave_forward(name, output)
 
         return post
+
+    def _enter_forward(self, name, args):
+        stops = {t.grad_fn for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+        self._stack.append((name, stops))
+
+    def _leave_forward(self, name, output):
+        if not self._stack or self._stack[-1][0] != name:
+            return
+        _, stops = self._stack.pop()
+        if torch.is_grad_enabled():
+            self._tag(output, name, stops)
 
     def _tag(self, output, name, stops):
         """Tag the autograd nodes this module's forward created (those not tagged by an inner
@@ -216,16 +340,19 @@ class doctor:
                 md[_TAG] = name
             todo.extend(nf for nf, _ in node.next_functions if nf is not None)
 
-    def _new_step(self, root):
-        for sl in self._slot_state.values():  # the previous step's slots into the record
-            sl.fold(self._records[sl.dev] if sl.dev in self._records else self._record(sl.dev))
-            sl.restart()
+    def _new_step(self, args, kwargs):
+        if self._mode is not None or self._inner:  # the last sampled step ends here
+            self._fold_sampled()
+            self._ops_off()
+        for w in self._watches.values():
+            w.check_pending()
+            w.begin(args, kwargs)
         self._step += 1
         self._sampling = self._step % self.every == 0 and not _capturing()
-        for st in self._steps.values():
-            st.add_(1)
         self._acc = {}
         self._abs = {}
+        if self._sampling:
+            self._ops_on()
 
     # -- the per-op record (called by the mode) --------------------------------------
     def _site(self, key) -> int:
@@ -236,11 +363,13 @@ class doctor:
         return s
 
     def _step_on(self, dev):
-        st = self._steps.get(dev)
-        if st is None:
-            base = next(iter(self._steps.values()))
-            st = self._steps[dev] = base.to(dev)
-        return st
+        k = _REPLAYING[0]
+        if k is not None:  # a replay's slots name the replayed step
+            return torch.full((), float(k), dtype=torch.float64, device=dev)
+        w = self._watches.get(dev)
+        if w is not None:
+            return w.step
+        return next(iter(self._watches.values())).step.to(dev)
 
     # -- the slots: one absmax per watched op and leaf this step, on the device ----------
     def _slots(self, dev):
@@ -339,17 +468,113 @@ class doctor:
         return rec
 
     def first_nonfinite(self):
-        """The first non-finite value since arming, as a :class:`Finding`, or None (one read)."""
-        for sl in self._slot_state.values():  # this step's slots so far (folding is idempotent)
-            sl.fold(self._record(sl.dev))
+        """The first non-finite value since arming, as a :class:`Finding`, or None.
+
+        Reads the device's record (one read per device). A sampled step's finding is read
+        as it is; the first bad step otherwise is replayed once (see the module's doc)."""
+        if _REPLAYING[0] is not None:
+            return None
+        self._fold_sampled(restart=False)  # this step's slots so far (folding is idempotent)
+        bads = []
+        for dev, w in self._watches.items():
+            w.check_pending()
+            k = w.bad()
+            if k is not None:
+                bads.append((k, dev))
+        sampled = self._sampled_finding()
+        if not bads:
+            return sampled
+        k, dev = min(bads, key=lambda b: b[0])
+        if sampled is not None and sampled.step <= k:
+            return sampled
+        if k not in self._replayed:
+            self._replayed[k] = self._replay(k, dev)
+        return self._replayed[k]
+
+    def _sampled_finding(self):
         found = [rec.tolist() for rec in self._records.values()]
         hits = [r for r in found if r[0] == 1.0]
         if not hits:
             return None
-        r = min(hits, key=lambda r: r[2])  # several devices: the earliest step
+        return self._finding(min(hits, key=lambda r: r[2]))  # several devices: the earliest step
+
+    def _finding(self, r):
         op, module, phase, dtype = self._site_list[int(r[1])]
         return Finding(op=op, module=module, phase=phase, dtype=dtype, step=int(r[2]),
                        input_absmax=float(r[3]), output_absmax=float(r[4]))
+
+    def _history_at(self, k):
+        entry = self._history[0] if self._history else None
+        for h in self._history:
+            if h[0] <= k:
+                entry = h
+        return entry
+
+    def _replay(self, k, dev):
+        """Run step ``k`` again from its frozen bytes under the op-level watch; put back the
+        parameters, buffers, gradients and the random state afterwards."""
+        nan = float("nan")
+        w = self._watches[dev]
+        entry = self._history_at(k)
+        if entry is None:
+            return Finding("<not reproduced>", "<unknown>", "forward", "", k, nan, nan)
+        self._ops_off()  # (a sampled step still running is not watched further)
+        _, layouts, cfg, rngs = entry
+        i = list(self._watches).index(dev)
+        layout = layouts[i]
+        args, kwargs, grads, cpu_rng = w.frozen_io(layout)
+        rng = ("cpu", cpu_rng) if cpu_rng is not None else rngs[i]
+        params = [t for t in w.state if isinstance(t, torch.nn.Parameter)]
+        saved = [t.detach().clone() for t in w.state]
+        saved_grads = [p.grad for p in params]
+        kept = (self._slot_state, self._stack, self._abs, self._sampling, self._acc)
+        self._slot_state, self._stack, self._abs, self._sampling, self._acc = {}, [], {}, False, {}
+        f = None
+        try:
+            if self.keep_weights:
+                with torch.no_grad():
+                    for t, v in zip(w.state, w.frozen_state()):
+                        t.copy_(v)
+            for p in params:
+                p.grad = None
+            _REPLAYING[0] = k
+            self._ops_on()
+            try:
+                with _step_watch.replay_rng(rng), _step_watch.enter_region(cfg), torch.enable_grad():
+                    out = self.model(*args, **kwargs)
+                f = self._replay_finding()
+                if f is None and grads:
+                    bad = [g for g in grads if not bool(torch.isfinite(g).all())]
+                    if bad:  # the gradient arrived non-finite: made outside the model (the loss)
+                        g = bad[0]
+                        f = Finding("<output gradient>", _OUTSIDE, "backward", str(g.dtype).replace("torch.", ""),
+                                    k, nan, float(_amax1(g)))
+                    else:
+                        outs = _step_watch.leaves_requiring_grad(out)
+                        if len(outs) == len(grads):
+                            torch.autograd.backward(outs, grads)
+                        f = self._replay_finding()
+            finally:
+                _REPLAYING[0] = None
+                self._ops_off()
+        finally:
+            with torch.no_grad():
+                for t, v in zip(w.state, saved):
+                    t.copy_(v)
+            for p, g in zip(params, saved_grads):
+                p.grad = g
+            self._slot_state, self._stack, self._abs, self._sampling, self._acc = kept
+        if f is None:
+            f = Finding("<not reproduced>", "<unknown>", "backward" if grads else "forward", "", k, nan, nan)
+        return f if self.keep_weights else dataclasses.replace(f, weights="current")
+
+    def _replay_finding(self):
+        recs = {}
+        for sl in self._slot_state.values():
+            rec = recs.setdefault(sl.dev, torch.zeros(5, device=sl.dev))
+            sl.fold(rec)
+        hits = [r for r in (rec.tolist() for rec in recs.values()) if r[0] == 1.0]
+        return self._finding(min(hits, key=lambda r: r[2])) if hits else None
 
     def on_skip(self, scaler):
         """The finding when ``scaler`` (an ``ampkit.GradScaler``) skipped a step, else None."""
@@ -379,6 +604,9 @@ class doctor:
             sl.restart()
         for rec in self._records.values():
             rec.zero_()
+        for w in self._watches.values():
+            w.reset()
+        self._replayed = {}
         self._rows = []
 
     def suggest(self, *, underflow: float = 0.01, policy=None):
@@ -537,10 +765,35 @@ class _Slots:
         # back to the host)
         j = (bad.to(torch.uint8).argmax() + 1).view(1)
         iabs = self.buf.index_select(0, self.ins.index_select(0, j).view(-1)).amax().view(1)
-        row = torch.cat([self._one.view(1), self.sites.index_select(0, j).float(), self.step.view(1),
+        row = torch.cat([self._one.view(1), self.sites.index_select(0, j).float(), self.step.view(1).float(),
                          iabs, self.buf.index_select(0, j)])
         new = bad.any() & (rec[0] == 0)
         rec.copy_(torch.where(new, row, rec))
+
+
+def _insert_mode(mode, depth):
+    """Push ``mode`` at ``depth`` of this thread's dispatch mode stack (or on top of a
+    shallower stack): the modes above it are taken off and put back over it."""
+    above = []
+    while len(_get_current_dispatch_mode_stack()) > depth:
+        above.append(_pop_mode())
+    _push_mode(mode)
+    for m in reversed(above):
+        _push_mode(m)
+
+
+def _remove_mode(mode):
+    """Take ``mode`` out of this thread's dispatch mode stack, wherever it is."""
+    if not any(m is mode for m in _get_current_dispatch_mode_stack()):
+        return
+    above = []
+    while True:
+        m = _pop_mode()
+        if m is mode:
+            break
+        above.append(m)
+    for m in reversed(above):
+        _push_mode(m)
 
 
 def _capturing() -> bool:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from . import _doctor
 from ._distributed import InfFlagSync, local_shards, reduce_over
 
 __all__ = ["GradScaler", "OptState", "ScalerStats", "cuda_amp_grad_scaler", "HISTORY_SIZE"]
@@ -659,6 +660,9 @@ class GradScaler:
                     torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
         if mesh_groups:
             reduce_over(list(found_per_device.values()), mesh_groups)
+        if _doctor._ARMED:  # an armed doctor takes this check as its step's (no pass of its own)
+            for doc in list(_doctor._ARMED.values()):
+                doc._scaler_report(found_per_device)
         return found_per_device
 
     def _one(self, device: torch.device) -> torch.Tensor:

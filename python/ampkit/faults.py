@@ -20,6 +20,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+from ampkit._doctor import replaying
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -44,16 +45,21 @@ class inject(TorchDispatchMode):
     """A context manager that corrupts the ``occurrence``-th (0-based) call of aten op ``op``
     (its overload packet name: ``addmm``, ``mm``, ``native_layer_norm`` ...) run by module
     ``module`` (a qualified name of ``model.named_modules()``, a leaf) in ``phase`` of the
-    ``step``-th forward of ``model`` (and the backward that follows it). The first element of
-    the op's first floating output becomes ``inf`` or ``nan``. ``fired_at_step`` is the step
+    ``step``-th forward of ``model`` (and the backward that follows it). The op's first
+    floating output becomes ``inf`` or ``nan``: all of it (``elements="all"``, an overflow
+    that reaches the step's gradients), or its first element only (``elements="first"``,
+    which a ReLU after it may mask before any gradient sees it). ``fired_at_step`` is the step
     it fired at (None if it never did). With ``record=True`` nothing is corrupted: ``seen``
     lists ``(phase, op)`` of the module's injectable ops at ``step``: all of its forward, and
     the first of its backward (the later ones may belong to another module's backward,
     which autograd may run in between)."""
 
     def __init__(self, model, module, op=None, phase="forward", kind="inf", step=0, occurrence=0,
-                 record=False):
+                 record=False, elements="all"):
         super().__init__()
+        if elements not in ("all", "first"):
+            raise ValueError(f"faults.inject: elements must be 'all' or 'first', got {elements!r}")
+        self.elements = elements
         if phase not in PHASES:
             raise ValueError(f"faults.inject: phase must be one of {PHASES}, got {phase!r}")
         if kind not in KINDS:
@@ -79,8 +85,16 @@ class inject(TorchDispatchMode):
             self.target.register_full_backward_pre_hook(self._bw_pre),
         ]
 
+    def _now(self):
+        """The step running now: a doctor's replay of step k runs step k again (and this
+        fault, modelling an overflow of that step's values, fires there again)."""
+        k = replaying()
+        return self._step if k is None else k
+
     def _root_pre(self, m, args):
-        self._step += 1
+        if replaying() is None:
+            self._step += 1
+        self._count = 0
 
     def _pre(self, m, args):
         self._fwd += 1
@@ -89,7 +103,7 @@ class inject(TorchDispatchMode):
         self._fwd -= 1
 
     def _bw_pre(self, m, grad_out):
-        if self._step == self.step:
+        if self._now() == self.step:
             self._bw_window = True
         return None
 
@@ -102,7 +116,7 @@ class inject(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if self._step != self.step or self.fired_at_step is not None:
+        if self._now() != self.step or self.fired_at_step is not None and replaying() is None:
             return out
         backward = torch._C._current_autograd_node() is not None
         if backward:
@@ -127,10 +141,14 @@ class inject(TorchDispatchMode):
         if self._count < self.occurrence:
             self._count += 1
             return out
-        self.fired_at_step = self._step
+        self.fired_at_step = self._now()
         self._bw_window = False
         bad = outs[0].clone()
-        bad.view(-1)[0] = float("inf") if self.kind == "inf" else float("nan")
+        value = float("inf") if self.kind == "inf" else float("nan")
+        if self.elements == "all":
+            bad.fill_(value)
+        else:
+            bad.view(-1)[0] = value
         if isinstance(out, torch.Tensor):
             return bad
         leaves = list(out)
@@ -221,9 +239,11 @@ def plan(cases=CASES, dtypes=DTYPES, modes=MODES, device="cpu", per_combo=4, see
     return faults
 
 
-def run_fault(fault, device="cpu", step=1, every=1):
+def run_fault(fault, device="cpu", step=1, every=100, elements="all"):
     """Inject ``fault`` (a dict of :func:`plan`) at ``step`` of a fresh seeded run of its
-    case, with a doctor armed; returns ``(finding, fired_at_step)``."""
+    case, with a doctor armed; returns ``(finding, fired_at_step)``. With ``every`` > ``step``
+    the faulty step is not a sampled one: the doctor finds it by its per-step check and
+    names it by a replay; ``every=1`` samples every step (the op-level watch sees it)."""
     import ampkit
     from ampkit.bench import build_case
 
@@ -233,14 +253,14 @@ def run_fault(fault, device="cpu", step=1, every=1):
     with warnings.catch_warnings():
         # the injector's backward pre-hook on a module whose inputs need no grad (the first layer)
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
-        return _run_fault(model, run, fault, step, every)
+        return _run_fault(model, run, fault, step, every, elements)
 
 
-def _run_fault(model, run, fault, step, every):
+def _run_fault(model, run, fault, step, every, elements="all"):
     import ampkit
 
     with inject(model, fault["module"], fault["op"], fault["phase"], fault["kind"], step=step,
-                occurrence=fault["occurrence"]) as inj:
+                occurrence=fault["occurrence"], elements=elements) as inj:
         with ampkit.doctor(model, every=every) as doc:  # above the injector: it sees the fault
             for i in range(step + 1):
                 run(i)

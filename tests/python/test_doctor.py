@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 import ampkit
 from ampkit import faults
+from conftest import bits_equal
 
 pytestmark = [pytest.mark.usefixtures("ampkit_quiet"), pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -124,9 +125,21 @@ def test_no_host_read_per_step(every):
 def test_off_costs_nothing():
     model = _mlp()
     before = len(_get_current_dispatch_mode_stack())
-    with ampkit.doctor(model):
-        assert len(_get_current_dispatch_mode_stack()) == before + 1
-        assert all(m._forward_pre_hooks for m in model.modules())
+    seen = {}
+
+    class Probe(torch.nn.Module):  # what is installed while a sampled and an unsampled step run
+        def forward(self, x):
+            seen.setdefault("modes", []).append(len(_get_current_dispatch_mode_stack()))
+            return x
+
+    model.append(Probe())
+    with ampkit.doctor(model, every=2):
+        # armed: the root's two hooks, no mode (the op-level watch is on in sampled steps only)
+        assert len(_get_current_dispatch_mode_stack()) == before
+        assert [len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()] == [2, 0, 0, 0, 0]
+        for _ in range(2):
+            model(torch.randn(2, 8))
+    assert seen["modes"] == [before + 1, before]  # step 0 sampled, step 1 not
     assert len(_get_current_dispatch_mode_stack()) == before
     assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
 
@@ -148,10 +161,11 @@ def test_backward_finding_names_the_module_and_the_step():
             scaler.update()
             assert (doc.on_skip(scaler) is None) == (i < 2)
     f = doc.first_nonfinite()
-    # the fp32 grad 1e5 is cast back to float16 (the backward of the output's cast), outside
-    # the model; that cast is the first op to make an inf
-    assert (f.op, f.phase, f.step, f.dtype) == ("_to_copy", "backward", 2, "float16")
-    assert f.input_absmax == pytest.approx(1e5)
+    # the fp32 grad 1e5 is cast back to float16 (the backward of the output's cast) outside
+    # the model: the gradient arrives at the model's output already inf
+    assert (f.op, f.module, f.phase, f.step, f.dtype) == ("<output gradient>", "<outside model>", "backward", 2,
+                                                          "float16")
+    assert f.output_absmax == float("inf")
 
 
 # -- statistics -------------------------------------------------------------------------------
@@ -221,11 +235,11 @@ def test_armed_twice_raises_and_changes_nothing():
     model = _mlp()
     modes = len(_get_current_dispatch_mode_stack())
     with ampkit.doctor(model):
-        hooks = [len(m._forward_pre_hooks) for m in model.modules()]
+        hooks = [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in model.modules()]
         with pytest.raises(RuntimeError, match="already armed on this Sequential"):
             ampkit.doctor(model)
-        assert [len(m._forward_pre_hooks) for m in model.modules()] == hooks
-        assert len(_get_current_dispatch_mode_stack()) == modes + 1
+        assert [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in model.modules()] == hooks
+        assert len(_get_current_dispatch_mode_stack()) == modes
     with ampkit.doctor(model):  # closed: armed again
         pass
 
@@ -245,15 +259,17 @@ def test_heatmap_writes_a_png(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_close_out_of_order_raises_and_changes_nothing():
+def test_a_mode_entered_in_a_sampled_step_keeps_its_place():
+    # the op-level watch's mode sits where the stack ended at arming: a mode the user enters
+    # around a step (a FLOP counter, say) is above it, and leaving that mode pops that mode
     model = _mlp()
-    doc = ampkit.doctor(model)
+    doc = ampkit.doctor(model, every=1)
     counter = _CountHostReads()
-    counter.__enter__()
-    with pytest.raises(RuntimeError, match="still active"):
-        doc.close()
-    assert doc.armed and all(m._forward_pre_hooks for m in model.modules())
-    counter.__exit__(None, None, None)
+    with counter:
+        model(torch.randn(2, 8)).sum().backward()
+        assert _get_current_dispatch_mode_stack()[-1] is counter
+    stack = _get_current_dispatch_mode_stack()
+    assert len(stack) == 1 and isinstance(stack[0], type(doc._mode))
     doc.close()
     assert not doc.armed and len(_get_current_dispatch_mode_stack()) == 0
 
@@ -286,3 +302,145 @@ def test_suggest_pins_a_module_whose_casts_underflow():
     assert doc.first_nonfinite() is None
     assert [(m.pattern, m.pin) for m in doc.suggest().modules] == [("0", "float32")]
     assert doc.suggest(underflow=0.5).modules == ()
+
+
+# -- the replay: a bad step that was not sampled ------------------------------------------
+def test_an_unsampled_bad_step_is_replayed_with_its_inputs_weights_and_dropout():
+    # step 1 of a run armed with every=100 (only step 0 is sampled) overflows after a
+    # dropout: the replay must run step 1's weights, batch and dropout mask again to name
+    # the op and give its input's absmax, which the oracle computes from the same state
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 2))
+    with torch.no_grad():
+        model[2].weight.mul_(50.0)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = ampkit.GradScaler("cpu", init_scale=1.0)
+    xs = [torch.randn(4, 8), torch.randn(4, 8) * 5e3]  # step 1's batch overflows in layer 2
+    with ampkit.doctor(model) as doc:
+        for i, x in enumerate(xs):
+            if i == 1:
+                rng, weights = torch.get_rng_state(), {k: v.clone() for k, v in model.state_dict().items()}
+            opt.zero_grad()
+            with ampkit.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().sum()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        after = {k: v.clone() for k, v in model.state_dict().items()}
+        grads = [p.grad.clone() for p in model.parameters()]
+        rng_after = torch.get_rng_state()
+        f = doc.first_nonfinite()
+        # reading put everything back: weights, gradients, the random state
+        assert all(torch.equal(after[k], v) for k, v in model.state_dict().items())
+        assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+        assert torch.equal(rng_after, torch.get_rng_state())
+    oracle = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 2))
+    oracle.load_state_dict(weights)
+    torch.set_rng_state(rng)
+    with torch.autocast("cpu", dtype=torch.float16):
+        h = oracle[1](oracle[0](xs[1]))
+        y = oracle[2](h)
+    assert torch.isfinite(h).all() and not torch.isfinite(y).all()
+    want_in = max(h.abs().max().item(), oracle[2].weight.abs().max().item(), oracle[2].bias.abs().max().item())
+    assert (f.op, f.module, f.phase, f.dtype, f.step) == ("addmm", "2", "forward", "float16", 1)
+    assert f.input_absmax == pytest.approx(want_in)
+    assert f.output_absmax == float("inf")
+
+
+def test_reading_mid_run_changes_nothing_in_the_run():
+    def run(read):
+        torch.manual_seed(3)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 2))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        scaler = ampkit.GradScaler("cpu", init_scale=2.0**20)  # overflows early: skips, backs off
+        out = []
+        with ampkit.doctor(model, every=3) as doc:
+            for i in range(6):
+                opt.zero_grad()
+                with ampkit.autocast("cpu", dtype=torch.float16):
+                    loss = model(torch.randn(4, 8) * 100).float().pow(2).sum()
+                scaler.scale(loss).backward()
+                if read:
+                    doc.first_nonfinite()
+                scaler.step(opt)
+                scaler.update()
+                out.append(loss.detach())
+            f = doc.first_nonfinite()
+        return torch.stack(out), [p.detach().clone() for p in model.parameters()], f
+
+    a, pa, fa = run(False)
+    b, pb, fb = run(True)
+    assert fa is not None and fa == fb
+    assert bits_equal(a, b) and all(bits_equal(x, y) for x, y in zip(pa, pb))
+
+
+@pytest.mark.parametrize("i", range(0, N_FAULTS, 4))
+def test_a_sampled_step_names_a_single_element_fault(i):
+    # every=1: the op-level watch runs in the faulty step itself and sees a fault that a
+    # ReLU masks before any gradient (elements="first"), which the per-step check cannot
+    f = _plan()[i]
+    finding, fired = faults.run_fault(f, step=1, every=1, elements="first")
+    assert fired == 1
+    assert (finding.op, finding.module, finding.phase, finding.step) == (f["op"], f["module"], f["phase"], 1)
+
+
+def test_a_fault_that_dies_inside_the_step_is_not_a_finding_of_an_unsampled_step():
+    # the per-step check looks at what reaches the gradients and the outputs: an inf that
+    # a ReLU masks in the backward does no harm, and an unsampled step does not report it
+    f = next(f for f in _plan() if (f["case"], f["mode"], f["phase"], f["module"], f["op"])
+             == ("seed_mlp", "eager", "backward", "4", "mm"))
+    finding, fired = faults.run_fault(f, step=1, every=100, elements="first")
+    assert fired == 1 and finding is None
+    finding, _ = faults.run_fault(f, step=1, every=100, elements="all")
+    assert (finding.op, finding.module, finding.phase) == ("mm", "4", "backward")
+
+
+def test_inject_refuses_a_bad_elements_value():
+    with pytest.raises(ValueError, match="elements must be 'all' or 'first', got 'some'"):
+        faults.inject(_mlp(), "0", "addmm", elements="some")
+
+
+@pytest.mark.parametrize("keep_weights", [True, False])
+def test_keep_weights_replays_the_bad_steps_own_weights_after_later_steps(keep_weights):
+    # step 1 overflows in layer 2; each step's update scales layer 2's weights (nothing skips). The finding's
+    # input absmax (layer 2's input and weights) is derived by hand from step 1's weights
+    # (keep_weights) or from the weights at reading (the default), which the finding says
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    with torch.no_grad():
+        model[2].weight.mul_(2000.0)
+    xs = [torch.randn(4, 8), torch.randn(4, 8) * 300, torch.randn(4, 8), torch.randn(4, 8)]
+
+    def want(weights):
+        oracle = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        oracle.load_state_dict(weights)
+        with torch.autocast("cpu", dtype=torch.float16):
+            h = oracle[1](oracle[0](xs[1]))
+            assert torch.isfinite(h).all() and not torch.isfinite(oracle[2](h)).all()
+        # addmm reads the float16 casts of layer 2's weight and bias
+        return max(h.abs().max().item(), oracle[2].weight.half().abs().max().item(),
+                   oracle[2].bias.half().abs().max().item())
+
+    with ampkit.doctor(model, keep_weights=keep_weights) as doc:
+        for i, x in enumerate(xs):
+            if i == 1:
+                step1 = {k: v.clone() for k, v in model.state_dict().items()}
+            model.zero_grad()
+            with ampkit.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().sum()
+            loss.backward()
+            with torch.no_grad():  # an update that steps on (only the doctor's check saw the inf)
+                model[2].weight.mul_(1.5)
+        now = {k: v.clone() for k, v in model.state_dict().items()}
+        f = doc.first_nonfinite()
+    assert (f.op, f.module, f.phase, f.step) == ("addmm", "2", "forward", 1)
+    assert f.weights == ("step" if keep_weights else "current")
+    assert want(step1) != pytest.approx(want(now))  # the later steps did change what the op saw
+    assert f.input_absmax == pytest.approx(want(step1 if keep_weights else now))
+
+
+def test_keep_weights_must_be_a_bool():
+    model = _mlp()
+    with pytest.raises(ValueError, match="keep_weights must be True or False, got 1"):
+        ampkit.doctor(model, keep_weights=1)
+    assert all(not m._forward_pre_hooks for m in model.modules())

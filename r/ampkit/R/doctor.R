@@ -15,6 +15,11 @@
 #' @param ... Must be empty.
 #' @param policy The cast policy the run uses (for `$suggest()`): `NULL` for
 #'   `"torch_default"`, a name, a path or an [amp_policy()].
+#' @param keep_weights `TRUE` to keep the weights each step began with, so that
+#'   the replay of the first bad step runs that step's weights even when later
+#'   steps changed them (one more pass over the weights per step, two copies in
+#'   memory). `FALSE` (the default): the replay runs the weights of the time of
+#'   reading; the finding's `weights` column says which.
 #' @return An object of class `ampkit_doctor`, a list of functions:
 #'   * `$first_nonfinite()`: `NULL`, or a one-row data.frame with columns
 #'     `op`, `module`, `phase`, `dtype`, `step`, `input_absmax`,
@@ -39,15 +44,19 @@
 #'   doc$first_nonfinite()
 #'   doc$close()
 #' }
-amp_doctor <- function(model, every = 100, ..., policy = NULL) {
+amp_doctor <- function(model, every = 100, ..., policy = NULL, keep_weights = FALSE) {
   if (...length()) {
     check_dots_empty_(..., .hint = "Name the options after `model`, e.g. amp_doctor(model, every = 10).")
   }
   check_class(model, "torch.nn.modules.module.Module", "model", "a torch module (nn_linear(), nn_sequential(), ...)")
   every <- as_py_int(every, "every", min = 1)
+  if (!is.logical(keep_weights) || length(keep_weights) != 1 || is.na(keep_weights)) {
+    abort(sprintf("`keep_weights` must be TRUE or FALSE, not %s.", describe(keep_weights)),
+          class = "ampkit_bad_argument")
+  }
   py_ready()
   pol <- if (inherits(policy, "ampkit_policy")) policy$py else policy
-  doc <- py_try(py_ampkit$doctor(model, every = every, policy = pol), "amp_doctor()")
+  doc <- py_try(py_ampkit$doctor(model, every = every, policy = pol, keep_weights = keep_weights), "amp_doctor()")
   structure(list(
     py = doc,
     first_nonfinite = function() {
