@@ -172,6 +172,7 @@ class doctor:
         # graph captured later writes into them rather than allocating its own
         self._watches = {dev: _step_watch.StepWatch(dev, ts, keep_weights) for dev, ts in state.items()}
         self._scaler_seen = False  # an ampkit.GradScaler checks the gradients: its flag is used
+        self._rng_at_start = ()
         for dev in self._watches:
             self._records[dev] = torch.zeros(5, device=dev)
         self._handles.append(model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
@@ -248,12 +249,10 @@ class doctor:
             w.pending = [weakref.ref(o) for o in mine] or None
         self._bw_queued = False
         self._out_grads = []
-        for o in outs:
-            w = self._watches.get(o.device)
-            if w is None:
-                continue
-            slot = w.output_grad_slot(o)
-            o.register_hook(self._grad_hook(w, slot))
+        for dev, w in self._watches.items():
+            mine = [o for o in outs if o.device == dev]
+            for o, slot in zip(mine, w.hold_output_grads(mine)):
+                o.register_hook(self._grad_hook(w, slot))
         self._remember()
         return None
 
@@ -288,17 +287,16 @@ class doctor:
                 w.record(found == 0)
 
     def _remember(self):
-        """What a replay of this step needs from the host: the layouts of its inputs, the
-        autocast regions and the CUDA generator's state (kept where they change)."""
-        layouts = tuple(w.layout for w in self._watches.values())
+        """What a replay of this step needs from the host: the layouts of its inputs and
+        output gradients, the autocast regions and the CUDA generator's state (kept where
+        they change)."""
+        layouts = tuple((w.layout, w.grad_layout) for w in self._watches.values())
         cfg = _step_watch.region_config()
-        rng = tuple(_step_watch.cuda_rng_state(d) for d in self._watches)
+        rng = self._rng_at_start
         if self._history:
             _, l0, c0, r0 = self._history[-1]
-            same = c0 == cfg and all(_step_watch.same_layout(a, b) for a, b in zip(l0, layouts))
-            if same and all(r is None for r in rng):
-                return
-            if same and r0 == rng:
+            if (c0 == cfg and all(a[0] is b[0] and a[1] == b[1] for a, b in zip(l0, layouts))
+                    and (r0 == rng or all(r is None for r in rng))):
                 return
         self._history.append((self._step, layouts, cfg, rng))
 
@@ -347,6 +345,7 @@ class doctor:
         for w in self._watches.values():
             w.check_pending()
             w.begin(args, kwargs)
+        self._rng_at_start = tuple(_step_watch.cuda_rng_state(d) for d in self._watches)
         self._step += 1
         self._sampling = self._step % self.every == 0 and not _capturing()
         self._acc = {}
@@ -521,8 +520,7 @@ class doctor:
         self._ops_off()  # (a sampled step still running is not watched further)
         _, layouts, cfg, rngs = entry
         i = list(self._watches).index(dev)
-        layout = layouts[i]
-        args, kwargs, grads, cpu_rng = w.frozen_io(layout)
+        args, kwargs, grads, cpu_rng = w.frozen_io(*layouts[i])
         rng = ("cpu", cpu_rng) if cpu_rng is not None else rngs[i]
         params = [t for t in w.state if isinstance(t, torch.nn.Parameter)]
         saved = [t.detach().clone() for t in w.state]

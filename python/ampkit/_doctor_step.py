@@ -7,19 +7,21 @@ eagerly). So the doctor splits the work:
 * **every step** (this module), on the device, no host read: after the backward (an
   autograd callback queued by a hook on the model's output gradient), one check of the
   parameters' gradients and of the gradient that arrived at the model's output
-  (``_foreach_norm(inf)``, a few kernels). The first step whose check fails is recorded.
-  A step without a backward is checked at its outputs, when the next step starts or when
-  the record is read. Beside the check, the step's *replay data* is kept: the bytes of
-  the parameters and buffers as the step began, of the model's tensor inputs and of the
-  output gradient. They are copied into ``cur`` each step and frozen into ``frozen`` by
-  one ``where`` when the step is the first bad one (a byte copy: NaN-proof). On CUDA the
-  copies run on a side stream, beside the forward and the optimizer.
-* **on demand** (``_doctor.doctor.first_nonfinite``): the frozen step is replayed with the
-  op-level watch (``_doctor_ops``): the parameters and buffers set to the frozen bytes,
-  the same inputs, the same autocast regions, the same random state, the forward, then
-  the backward from the frozen output gradient; then everything is put back.
+  (``_foreach_norm(inf)``, a few kernels), or an ``ampkit.GradScaler``'s own check of
+  the gradients when one runs. The first step whose check fails is recorded. A step
+  without a backward is checked at its outputs, when the next step starts or when the
+  record is read. The step's *replay data* is held, not copied: its tensor inputs, the
+  output gradient, the CPU generator's state (and with ``keep_weights`` the weights'
+  bytes). After the verdict one conditional copy per held tensor puts them into the
+  frozen bytes only if the step is the first bad one: on CUDA a Triton kernel whose
+  blocks return at once otherwise (no pass over the bytes), elsewhere ``torch.where``.
+* **on demand** (``_doctor.doctor.first_nonfinite``): the frozen step is replayed under
+  the op-level watch of ``_doctor``: the same inputs, autocast regions and random state
+  (and with ``keep_weights`` the step's own weights), the forward, then the backward from
+  the frozen output gradient; then everything is put back.
 
-Arming costs two copies of the parameters' bytes in memory (``cur`` and ``frozen``).
+Memory: the frozen inputs and output gradients (one step's), and with ``keep_weights``
+one copy of the weights; a step's output gradient is held until its verdict.
 """
 
 from __future__ import annotations
@@ -46,66 +48,115 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _Layout:
-    """Where a step's tensor inputs and output gradients sit in the ``io`` bytes."""
+    """Where a step's tensor inputs sit in the frozen input bytes (one object per distinct
+    layout: steps alike share it)."""
 
     spec: object  # the pytree spec of (args, kwargs)
     leaves: list  # the non-tensor leaves (tensor leaves are None)
-    tensors: list  # (index into leaves, offset, shape, dtype) of the tensor inputs
-    grads: list  # (offset, shape, dtype) of the output gradients (filled at the forward's end)
-    size: int  # bytes used
+    tensors: list  # (index into leaves, or -1 for the CPU generator's state; offset, shape, dtype)
+    size: int  # bytes
+
+
+_COND_COPY = []  # the Triton kernel, once built (CUDA)
+
+
+def _cond_copy_kernel():
+    if not _COND_COPY:
+        try:
+            import triton
+            import triton.language as tl
+
+            @triton.jit
+            def cond_copy(flag, src, dst, n, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                if tl.load(flag) != 0:  # the step is the first bad one: copy this chunk
+                    base = tl.program_id(0).to(tl.int64) * CHUNK
+                    for i in range(0, CHUNK, BLOCK):
+                        offs = base + i + tl.arange(0, BLOCK)
+                        m = offs < n
+                        tl.store(dst + offs, tl.load(src + offs, mask=m), mask=m)
+
+            _COND_COPY.append(cond_copy)
+        except Exception:  # no Triton: torch.where, which reads and writes every byte
+            _COND_COPY.append(None)
+    return _COND_COPY[0]
+
+
+def cond_copy(flag, src, dst):
+    """``dst[:] = src`` where the device bool ``flag`` is True, else nothing; both flat uint8.
+    On CUDA with Triton one kernel whose blocks return at once when ``flag`` is False (no
+    pass over the bytes, no host read); elsewhere ``torch.where``."""
+    n = src.numel()
+    if n == 0:
+        return
+    k = _cond_copy_kernel() if src.device.type == "cuda" else None
+    if k is None:
+        torch.where(flag, src, dst, out=dst)
+        return
+    chunk = 1 << 16
+    k[((n + chunk - 1) // chunk,)](flag, src, dst, n, CHUNK=chunk, BLOCK=4096)
 
 
 class StepWatch:
-    """The per-step check and replay data of one device's parameters and buffers."""
+    """The per-step check and replay data of one device's parameters and buffers.
+
+    Per step: ``begin`` counts the step and holds its inputs; the output gradients are held
+    as they arrive; ``record`` (after the backward, given the check's verdict) copies what
+    it holds into the frozen bytes only if the step is the first bad one, and lets go."""
 
     def __init__(self, dev, state, keep_weights=False):
         self.dev = dev
         self.state = state  # parameters and buffers on this device (contiguous)
         self.keep_weights = keep_weights
-        self.src = [_bytes(t) for t in state] if keep_weights else []
-        n = sum(s.numel() for s in self.src)
-        self.cur = torch.empty(n, dtype=_U8, device=dev)
+        self.weights = [_bytes(t) for t in state] if keep_weights else []
+        n = sum(b.numel() for b in self.weights)
         self.frozen = torch.zeros(n, dtype=_U8, device=dev)
-        self.frozen_at = None
-        self.views = list(torch.split(self.cur, [s.numel() for s in self.src])) if self.src else []
-        self.io_cur = torch.empty(0, dtype=_U8, device=dev)
-        self.io_frozen = torch.empty(0, dtype=_U8, device=dev)
+        self.frozen_w = list(torch.split(self.frozen, [b.numel() for b in self.weights])) if self.weights else []
+        self.io_frozen = torch.zeros(0, dtype=_U8, device=dev)  # the inputs (and CPU generator)
+        self.g_frozen = torch.zeros(0, dtype=_U8, device=dev)  # the output gradients
         self.step = torch.full((), -1.0, dtype=torch.float64, device=dev)  # the device's step count
         self.looking = torch.ones((), dtype=torch.bool, device=dev)  # no bad step recorded yet
         self.bad_step = torch.full((), -1.0, dtype=torch.float64, device=dev)
         self.layout = None  # this step's _Layout
+        self.grad_layout = ()  # this step's output gradients: ((offset, shape, dtype), ...)
         self.pending = None  # outputs of a forward whose backward has not been checked
-        self.side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
-        self.keep = ()  # tensors the side stream still reads
+        self.held = []  # (bytes, destination) this step holds until its verdict
+        self._key = None
+        if dev.type == "cuda":  # build the kernel now, not inside a graph capture later
+            cond_copy(torch.zeros((), dtype=torch.bool, device=dev), self.looking.view(_U8).view(1),
+                      torch.zeros(1, dtype=_U8, device=dev))
 
     # -- every step ------------------------------------------------------------------
-    def _stream(self):
-        if self.side is None or _capturing():
-            return contextlib.nullcontext()
-        self.side.wait_stream(torch.cuda.current_stream(self.dev))
-        return torch.cuda.stream(self.side)
-
-    def _join(self):
-        if self.side is not None and not _capturing():
-            torch.cuda.current_stream(self.dev).wait_stream(self.side)
-
     def begin(self, args, kwargs):
-        """The step starts: count it, keep its parameters' and inputs' bytes."""
+        """The step starts: count it, hold its inputs (no copy)."""
         self.step.add_(1)
+        self.held = []
+        if not kwargs and all(type(a) is torch.Tensor and a.device == self.dev for a in args):
+            key = tuple((a.dtype, a.shape, a.is_contiguous()) for a in args)  # the usual call
+            if key != self._key or self.dev.type == "cpu":
+                self._key = key
+                self._layout(args, kwargs)
+            else:
+                for (_, off, shape, dtype), a in zip(self.layout.tensors, args):
+                    self._hold(a, self.io_frozen, off)
+            return
+        self._key = None
+        self._layout(args, kwargs)
+
+    def _hold(self, t, frozen, off):
+        b = _bytes(t if t.is_contiguous() else t.contiguous())
+        self.held.append((b, frozen[off: off + b.numel()]))
+
+    def _layout(self, args, kwargs):
         flat, spec = tree_flatten((args, kwargs))
-        leaves, tensors, off = [], [], 0
-        ins = []
+        leaves, tensors, off, ins = [], [], 0, []
         for i, a in enumerate(flat):
             if isinstance(a, torch.Tensor) and a.device == self.dev:
                 a = a.detach()
-                if not a.is_contiguous():
-                    a = a.contiguous()
-                b = _bytes(a)
                 tensors.append((i, off, a.shape, a.dtype))
-                ins.append(b)
-                off += b.numel()
+                ins.append(a)
+                off += a.numel() * a.element_size()
                 leaves.append(None)
             else:  # (a tensor on another device is not kept: the replay runs without it)
                 leaves.append(None if isinstance(a, torch.Tensor) else a)
@@ -114,50 +165,33 @@ class StepWatch:
             ins.append(rng)
             tensors.append((-1, off, rng.shape, rng.dtype))
             off += rng.numel()
-        self.layout = _Layout(spec, leaves, tensors, [], off)
-        self._reserve(off)
-        with self._stream():
-            if self.views:
-                torch._foreach_copy_(self.views, self.src)
-            if ins:
-                dst = [self.io_cur[o: o + b.numel()] for (_, o, _, _), b in zip(tensors, ins)]
-                torch._foreach_copy_(dst, ins)
-                if self.side is not None and not _capturing():
-                    for b in ins:
-                        b.record_stream(self.side)
+        lay = _Layout(spec, leaves, tensors, off)
+        if not same_layout(lay, self.layout):
+            self.layout = lay
+        self.io_frozen = _grown(self.io_frozen, off)
+        for (_, o, _, _), a in zip(self.layout.tensors, ins):
+            self._hold(a, self.io_frozen, o)
 
-    def _reserve(self, size):
-        if size <= self.io_cur.numel():
-            return
-        cap = max(size, 2 * self.io_cur.numel())
-        self._join()  # the side stream may still read the old buffers
-        cur = torch.empty(cap, dtype=_U8, device=self.dev)
-        frozen = torch.zeros(cap, dtype=_U8, device=self.dev)
-        frozen[: self.io_frozen.numel()].copy_(self.io_frozen)
-        cur[: self.io_cur.numel()].copy_(self.io_cur)
-        self.io_cur, self.io_frozen = cur, frozen
-
-    def output_grad_slot(self, t):
-        """A place in ``io`` for the gradient of output ``t``: (offset, shape, dtype)."""
-        lay = self.layout
-        nbytes = t.numel() * t.element_size()
-        slot = (lay.size, t.shape, t.dtype)
-        lay.grads.append(slot)
-        lay.size += nbytes
-        self._reserve(lay.size)
-        return slot
+    def hold_output_grads(self, outs):
+        """The forward ended: where each output's gradient will go in the frozen bytes."""
+        slots, off = [], 0
+        for t in outs:
+            slots.append((off, t.shape, t.dtype))
+            off += t.numel() * t.element_size()
+        slots = tuple(slots)
+        if slots != self.grad_layout:
+            self.grad_layout = slots
+        self.g_frozen = _grown(self.g_frozen, off)
+        return slots
 
     def keep_grad(self, slot, grad):
         off, shape, dtype = slot
-        if grad.dtype != dtype or grad.shape != shape:
-            return
-        self._join()  # the side stream's freeze of the last step reads io_cur
-        self.io_cur[off: off + grad.numel() * grad.element_size()].copy_(_bytes(grad.contiguous()))
+        if grad.dtype == dtype and grad.shape == shape:
+            self._hold(grad.detach(), self.g_frozen, off)
 
     def check(self, tensors):
         """After the step's backward (or for a forward without one): record the step if any
-        of ``tensors`` holds a non-finite value and no bad step is recorded yet, and freeze
-        its replay data. A few kernels, no host read."""
+        of ``tensors`` holds a non-finite value. A few kernels, no host read."""
         ts = [t.detach() for t in tensors if t is not None and t.is_floating_point() and t.numel()]
         if ts:
             norms = torch._foreach_norm(ts, _INF)
@@ -168,20 +202,16 @@ class StepWatch:
 
     def record(self, fine):
         """Record this step as the first bad one if ``fine`` (a device bool) is False and no
-        bad step is recorded yet, freezing its replay data (idempotent within a step)."""
-        self._join()
+        bad step is recorded yet: its step index, and the bytes it holds, copied into the
+        frozen ones on the device only then. Lets go of what it held."""
         new = self.looking > fine  # looking and not fine
         torch.where(new, self.step, self.bad_step, out=self.bad_step)
         torch.logical_and(self.looking, fine, out=self.looking)
-        n = self.layout.size if self.layout is not None else 0
-        with self._stream():
-            if self.src:
-                torch.where(new, self.cur, self.frozen, out=self.frozen)
-            if n:
-                torch.where(new, self.io_cur[:n], self.io_frozen[:n], out=self.io_frozen[:n])
-        if self.side is not None and not _capturing():
-            new.record_stream(self.side)
-        self.keep = (new,)
+        for src, dst in self.held:
+            cond_copy(new, src, dst)
+        for src, dst in zip(self.weights, self.frozen_w):
+            cond_copy(new, src, dst)
+        self.held = []
 
     def check_pending(self):
         """A forward whose outputs got no backward: check them now (if they are alive)."""
@@ -192,50 +222,54 @@ class StepWatch:
                 self.check(outs)
 
     def reset(self):
-        self._join()
         self.looking.fill_(True)
         self.bad_step.fill_(-1.0)
 
     # -- reading -------------------------------------------------------------------
     def bad(self):
         """The first bad step's index, or None (one host read)."""
-        self._join()
         s = int(self.bad_step.item())
         return None if s < 0 else s
 
     def frozen_state(self):
         """The frozen parameters and buffers, as tensors shaped like ``state``."""
-        out, off = [], 0
-        for t in self.state:
-            n = t.numel() * t.element_size()
-            out.append(self.frozen[off: off + n].view(t.dtype).view(t.shape))
-            off += n
-        return out
+        return [f.view(t.dtype).view(t.shape) for t, f in zip(self.state, self.frozen_w)]
 
-    def frozen_io(self, layout):
+    def frozen_io(self, layout, grad_layout):
         """The frozen step's args, kwargs, output gradients and (CPU) random state."""
         leaves = list(layout.leaves)
         rng = None
         for i, off, shape, dtype in layout.tensors:
-            n = shape.numel() * torch.empty((), dtype=dtype).element_size()
-            t = self.io_frozen[off: off + n].view(dtype).view(shape).clone()
+            t = _typed(self.io_frozen, off, shape, dtype)
             if i < 0:
                 rng = t
             else:
                 leaves[i] = t
         args, kwargs = tree_unflatten(leaves, layout.spec)
-        grads = []
-        for off, shape, dtype in layout.grads:
-            n = shape.numel() * torch.empty((), dtype=dtype).element_size()
-            grads.append(self.io_frozen[off: off + n].view(dtype).view(shape).clone())
+        grads = [_typed(self.g_frozen, off, shape, dtype) for off, shape, dtype in grad_layout]
         return args, kwargs, grads, rng
+
+
+def _typed(buf, off, shape, dtype):
+    n = shape.numel() * torch.empty((), dtype=dtype).element_size()
+    return buf[off: off + n].view(dtype).view(shape).clone()
+
+
+def _grown(buf, size):
+    """``buf``, or a larger copy of it when ``size`` bytes do not fit (the frozen bytes
+    already there stay where they are)."""
+    if size <= buf.numel():
+        return buf
+    new = torch.zeros(max(size, 2 * buf.numel()), dtype=_U8, device=buf.device)
+    new[: buf.numel()].copy_(buf)
+    return new
 
 
 def same_layout(a, b) -> bool:
     """Whether two steps' inputs sit alike (then one record serves both)."""
     if a is None or b is None:
         return a is b
-    if a.spec != b.spec or a.tensors != b.tensors or a.grads != b.grads or len(a.leaves) != len(b.leaves):
+    if a.spec != b.spec or a.tensors != b.tensors or len(a.leaves) != len(b.leaves):
         return False
     for x, y in zip(a.leaves, b.leaves):
         if x is y:
