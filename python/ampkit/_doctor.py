@@ -106,6 +106,14 @@ def replaying():
     return _REPLAYING[0]
 
 
+def scaler_checked(found_per_device):
+    """An ``ampkit.GradScaler`` checked the gradients (``{device: flag}``, 1.0 = an inf or
+    a NaN): each armed doctor takes it as its step's check, with no pass of its own."""
+    if _ARMED:
+        for doc in list(_ARMED.values()):
+            doc._scaler_report(found_per_device)
+
+
 class doctor:
     """Arm the numerics doctor on ``model``.
 
@@ -284,7 +292,7 @@ class doctor:
         for dev, found in found_per_device.items():
             w = self._watches.get(dev)
             if w is not None and w.layout is not None:
-                w.record(found == 0)
+                w.record(found)
 
     def _remember(self):
         """What a replay of this step needs from the host: the layouts of its inputs and

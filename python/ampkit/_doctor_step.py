@@ -195,18 +195,20 @@ class StepWatch:
         ts = [t.detach() for t in tensors if t is not None and t.is_floating_point() and t.numel()]
         if ts:
             norms = torch._foreach_norm(ts, _INF)
-            fine = (torch.stack([n.float() for n in norms]) if len(norms) > 1 else norms[0].float()).amax().isfinite()
+            bad = (torch.stack([n.float() for n in norms]) if len(norms) > 1 else norms[0].float()).amax()
+            bad = bad.isfinite().logical_not_()
         else:
-            fine = torch.ones((), dtype=torch.bool, device=self.dev)
-        self.record(fine)
+            bad = torch.zeros((), dtype=torch.bool, device=self.dev)
+        self.record(bad)
 
-    def record(self, fine):
-        """Record this step as the first bad one if ``fine`` (a device bool) is False and no
-        bad step is recorded yet: its step index, and the bytes it holds, copied into the
-        frozen ones on the device only then. Lets go of what it held."""
-        new = self.looking > fine  # looking and not fine
+    def record(self, bad):
+        """Record this step as the first bad one if ``bad`` (a device flag: a bool, or the
+        scaler's float 1.0/0.0) is set and no bad step is recorded yet: its step index, and
+        the bytes it holds, copied into the frozen ones on the device only then. Lets go of
+        what it held. Three small kernels and one conditional copy per held tensor."""
+        new = torch.logical_and(self.looking, bad)
         torch.where(new, self.step, self.bad_step, out=self.bad_step)
-        torch.logical_and(self.looking, fine, out=self.looking)
+        torch.gt(self.looking, new, out=self.looking)  # looking and not new
         for src, dst in self.held:
             cond_copy(new, src, dst)
         for src, dst in zip(self.weights, self.frozen_w):

@@ -660,9 +660,7 @@ class GradScaler:
                     torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
         if mesh_groups:
             reduce_over(list(found_per_device.values()), mesh_groups)
-        if _doctor._ARMED:  # an armed doctor takes this check as its step's (no pass of its own)
-            for doc in list(_doctor._ARMED.values()):
-                doc._scaler_report(found_per_device)
+        _doctor.scaler_checked(found_per_device)  # an armed doctor takes it as its step's check
         return found_per_device
 
     def _one(self, device: torch.device) -> torch.Tensor:

@@ -269,7 +269,7 @@ def test_a_mode_entered_in_a_sampled_step_keeps_its_place():
         model(torch.randn(2, 8)).sum().backward()
         assert _get_current_dispatch_mode_stack()[-1] is counter
     stack = _get_current_dispatch_mode_stack()
-    assert len(stack) == 1 and isinstance(stack[0], type(doc._mode))
+    assert len(stack) == 1 and type(stack[0]).__module__ == "ampkit._doctor"  # the doctor's own
     doc.close()
     assert not doc.armed and len(_get_current_dispatch_mode_stack()) == 0
 
