@@ -180,8 +180,8 @@ class _Engine:
     Per nesting level (one tuple of ``levels``, the root first): its frame, its table kind
     (REFERENCE inside reference(), else KERNELS or DELTA; the trace overrides them while it
     records), per device the torch checkpoint the region setting that device was entered
-    in (see _refuse_plain_checkpoint), the kernels its region holds (_kernels.acquire
-    keys) and whether its region pushed the mode. One tuple, not parallel lists: a region
+    in (see _refuse_plain_checkpoint), the kernels its region holds (_kernels.acquire's
+    records) and whether its region pushed the mode. One tuple, not parallel lists: a region
     is entered and left with one append and one pop."""
 
     def __init__(self):
@@ -193,7 +193,7 @@ class _Engine:
         self.active_clones = set()
         self.mode = _Mode(self)
         self.mode_pushed = False
-        self.kernel_acts = _NO_KERNELS  # {(overload, device_type): action} of the innermost frame
+        self.kernel_acts = _NO_KERNELS  # {(id(overload), device_type): action} of the innermost frame
 
     @property
     def depth(self):
@@ -253,7 +253,7 @@ class _Engine:
         table = tables.get(kind)
         if table is None:
             table = tables[kind] = _compile(self, frame.devs, DELTA if kind == KERNELS else kind, kernels=kind == KERNELS)
-        self.kernel_acts = table.kernels  # ({} but for a KERNELS table)
+        self.kernel_acts = table.kernel_acts  # ({} but for a KERNELS table)
         if self.trace is not None and kind != REFERENCE:  # every listed op goes to the recorder
             table = tables.get(TRACE)
             if table is None:
@@ -482,7 +482,7 @@ def _native_off(device_type):
     is_enabled = torch.is_autocast_enabled
 
     def call(func, args, kwargs):
-        if torch.compiler.is_compiling():  # dynamo traces the context manager
+        if _is_compiling():  # dynamo traces the context manager
             with torch.autocast(device_type, enabled=False):
                 return func(*args, **kwargs)
         prev = is_enabled(device_type)
@@ -696,6 +696,9 @@ def _compile(engine, devs, kind, kernels=False) -> dict:
     table.changes = changes  # entries that change native's result (0: no mode needed)
     table.frozen = dict(table)  # what traced code reads: never grows (dynamo guards on its size)
     table.kernels = by_kernel
+    # what a kernel looks up on every call: keyed by id() (an OpOverload hashes in Python;
+    # overloads live as long as torch.ops)
+    table.kernel_acts = {(id(op), d): act for (op, d), act in by_kernel.items()} if by_kernel else _NO_KERNELS
     return table
 
 
@@ -711,16 +714,20 @@ def _kernel_ops(name, category, device_type) -> tuple:
 def _kernel(op, device_type, name):
     """The kernel at torch's Autocast key of ``device_type`` for ``op`` (policy op ``name``):
     the innermost ampkit frame's action for it, else native autocast's handling of it."""
-    key = (op, device_type)
+    key = (id(op), device_type)
     native = _native_handling(op, device_type, name)
     note = _kernels.note_if_traced
+    call = getattr(op, "_op", op)  # the C function OpOverload.__call__ calls: one Python frame less
 
     def kernel(*args, **kwargs):
         act = _engine().kernel_acts.get(key)
         if act is None:
             return native(args, kwargs)
-        note(args)
-        return act(op, args, kwargs)
+        for a in args:
+            if type(a) is not Tensor and isinstance(a, Tensor):  # a fake tensor: a compile traces
+                note(args)
+                break
+        return act(call, args, kwargs)
 
     return kernel
 
@@ -735,7 +742,8 @@ def _native_handling(op, device_type, name):
         msg = rules.ban_message(name) if cat == "banned" else None
         rule = _rule(_engine(), name, cat, device_type, False, msg)
         get_dtype = torch.get_autocast_dtype
-        return lambda args, kwargs: rule(op, args, kwargs, get_dtype(device_type))
+        call = getattr(op, "_op", op)  # the C function OpOverload.__call__ calls
+        return lambda args, kwargs: rule(call, args, kwargs, get_dtype(device_type))
     after = torch._C._dispatch_keyset_full_after(getattr(torch._C.DispatchKey, _kernels.KEYS[device_type]))
     keys_of = torch._C._dispatch_keys
 
@@ -765,7 +773,7 @@ def _checkpoint_token():
     Non-reentrant: its saved-tensor pack hook (a new function per checkpoint call);
     reentrant (forward without grad): the frame of CheckpointFunction.forward; torch 2.4
     (no hooks query): the frame of checkpoint() itself."""
-    if torch.compiler.is_compiling():
+    if _is_compiling():
         return None
     if _TOP_HOOKS is None:
         return _frame_on_stack((_CHECKPOINT_CODE, _REENTRANT_CODE))

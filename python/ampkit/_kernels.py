@@ -124,7 +124,8 @@ def native_has_kernel(op, device_type: str) -> bool:
 def acquire(acts, make_kernel) -> tuple:
     """Register (or count one more holder of) the kernel of each (overload, device_type) of
     ``acts`` ({key: action}); ``make_kernel(op, device_type, name)`` builds one, ``name``
-    being the policy's op name (the action's ``op``)."""
+    being the policy's op name (the action's ``op``). Returns what to give ``release``:
+    the holders' records themselves (an OpOverload hashes in Python)."""
     done = []
     with _lock:
         try:
@@ -133,7 +134,7 @@ def acquire(acts, make_kernel) -> tuple:
                 if held is None:
                     held = _held[key] = [_register(key, act.op, make_kernel), 0]
                 held[1] += 1
-                done.append(key)
+                done.append(held)
         except BaseException:
             _release_locked(done)
             raise
@@ -162,19 +163,20 @@ def _register(key, name, make_kernel):
     return lib
 
 
-def release(keys) -> None:
-    if keys:
+def release(records) -> None:
+    """Count one holder less of each kernel ``acquire`` returned."""
+    if records:
         with _lock:
-            _release_locked(keys)
+            _release_locked(records)
 
 
-def _release_locked(keys) -> None:
+def _release_locked(records) -> None:
     # A kernel no region holds stays registered (idle), doing native's handling: dropping
     # and registering it again each step cost about 100 us a step on the development VM
     # (an MLP step of 0.87 ms: 0.98 ms; 0.88 ms with the kernel kept), far more than the
     # registration itself, the dispatcher's caches being rebuilt after each change.
-    for key in keys:
-        _held[key][1] -= 1
+    for held in records:
+        held[1] -= 1
 
 
 def held() -> dict:
