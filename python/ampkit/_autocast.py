@@ -202,7 +202,8 @@ class _Engine:
     def push(self, device_type, enabled, dtype, policy, cache_enabled):
         top = self.levels[-1]
         parent = top[0]
-        policy = _canonical(policy)
+        hit = _CANONICAL_BY_ID.get(id(policy))  # _canonical(policy), its common case inline
+        policy = hit[1] if hit is not None and hit[0] is policy else _canonical(policy)
         key = (device_type, enabled, dtype, id(policy), cache_enabled, _ops.VERSION[0])
         frame = parent.children.get(key) or parent.child(key, policy)
         if self.reference:
@@ -1078,7 +1079,7 @@ class autocast(torch.amp.autocast):
     """
 
     def __new__(cls, device_type, dtype=None, enabled=True, cache_enabled=None, *, policy=None):
-        if torch.compiler.is_compiling():
+        if _is_compiling():
             # Made inside code that torch.compile traces: a torch.autocast (which every dynamo
             # release knows) and, for a changed policy, a handler over a table built once at
             # trace time (_compiled_region). __init__ does not run: the object is not an
