@@ -138,48 +138,74 @@ class _Frame:
     def __init__(self, devs):
         # devs: {device_type: (enabled, dtype, policy, cache_enabled)}
         self.devs = devs
-        self.children = {}  # (device_type, enabled, dtype, policy, cache, registry version) -> _Frame
+        # (device_type, enabled, dtype, id(policy), cache, registry version) -> _Frame: keyed
+        # by id() (a Policy hashes in Python); the child holds its policy, so the id is not
+        # reused while the entry lives
+        self.children = {}
         self.tables = {}  # kind -> {func: action}
 
-    def child(self, key):
+    def child(self, key, policy):
         frame = self.children.get(key)
         if frame is None:
             if len(self.children) > 64:  # e.g. a fresh policy built every step
                 self.children.clear()
             devs = dict(self.devs)
-            devs[key[0]] = key[1:5]
+            devs[key[0]] = (key[1], key[2], policy, key[4])
             frame = self.children[key] = _Frame(devs)
         return frame
+
+
+_CANONICAL: dict = {}  # Policy -> the first Policy seen equal to it
+_CANONICAL_BY_ID: dict = {}  # id(Policy) -> (Policy, its canonical Policy)
+
+
+def _canonical(policy):
+    """The first policy seen equal to ``policy``: equal policies share frames and their
+    compiled tables (a policy rebuilt every step compiles nothing again), and frames key
+    it by id() (a Policy hashes in Python; the entry holds it, so the id is not reused)."""
+    hit = _CANONICAL_BY_ID.get(id(policy))
+    if hit is not None and hit[0] is policy:
+        return hit[1]
+    if len(_CANONICAL_BY_ID) > 64:  # e.g. a fresh policy built every step
+        _CANONICAL_BY_ID.clear()
+        _CANONICAL.clear()
+    canon = _CANONICAL.setdefault(policy, policy)
+    _CANONICAL_BY_ID[id(policy)] = (policy, canon)
+    return canon
 
 
 class _Engine:
     """The state of one thread: frames, the mode, compiled tables, the cast cache.
 
-    Per pushed frame (parallel lists): whether its region pushed the mode, its table kind
-    (REFERENCE inside reference(), else DELTA; the trace overrides DELTA while it records),
-    and, per device, the torch checkpoint the region setting that device was entered in
-    (see _refuse_plain_checkpoint)."""
+    Per nesting level (one tuple of ``levels``, the root first): its frame, its table kind
+    (REFERENCE inside reference(), else KERNELS or DELTA; the trace overrides them while it
+    records), per device the torch checkpoint the region setting that device was entered
+    in (see _refuse_plain_checkpoint), the kernels its region holds (_kernels.acquire's
+    records) and whether its region pushed the mode. One tuple, not parallel lists: a region
+    is entered and left with one append and one pop."""
 
     def __init__(self):
-        self.frames = [_Frame({})]
-        self.owners = [False]
-        self.kinds = [DELTA]
-        self.tokens = [{}]
+        self.levels = [(_Frame({}), DELTA, {}, (), False)]
+        self.tokens = {}  # the innermost level's checkpoint tokens (read by every delta action)
         self.cache = {}  # (id(fp32 leaf), dtype) -> (leaf, cast)
         self.trace = None
         self.reference = 0  # > 0 inside reference(): regions entered there use REFERENCE
         self.active_clones = set()
         self.mode = _Mode(self)
         self.mode_pushed = False
-        self.held = [()]  # per frame: the kernels (_kernels.acquire keys) its region holds
-        self.kernel_acts = _NO_KERNELS  # {(overload, device_type): action} of the innermost frame
+        self.kernel_acts = _NO_KERNELS  # {(id(overload), device_type): action} of the innermost frame
 
     @property
     def depth(self):
-        return len(self.frames) - 1
+        return len(self.levels) - 1
 
     def push(self, device_type, enabled, dtype, policy, cache_enabled):
-        frame = self.frames[-1].child((device_type, enabled, dtype, policy, cache_enabled, _ops.VERSION[0]))
+        top = self.levels[-1]
+        parent = top[0]
+        hit = _CANONICAL_BY_ID.get(id(policy))  # _canonical(policy), its common case inline
+        policy = hit[1] if hit is not None and hit[0] is policy else _canonical(policy)
+        key = (device_type, enabled, dtype, id(policy), cache_enabled, _ops.VERSION[0])
+        frame = parent.children.get(key) or parent.child(key, policy)
         if self.reference:
             kind = REFERENCE
         else:
@@ -192,37 +218,35 @@ class _Engine:
         try:
             held = _kernels.acquire(table.kernels, _kernel) if table.kernels else ()
         except BaseException:
-            self._use(self.frames[-1], self.kinds[-1])
+            self._use(parent, top[1])
             raise
         changes = table.changes or table.kernels
-        tokens = self.tokens[-1]
+        tokens = top[2]
         if changes or device_type in tokens:
             tokens = dict(tokens)
             tokens[device_type] = _checkpoint_token() if changes else None
-        self.frames.append(frame)
-        self.kinds.append(kind)
-        self.tokens.append(tokens)
-        self.held.append(held)
-        owns = not self.mode_pushed and (self.mode.real_size or self.trace is not None)
+        owns = not self.mode_pushed and bool(self.mode.real_size or self.trace is not None)
+        self.levels.append((frame, kind, tokens, held, owns))
+        self.tokens = tokens
         if owns:
             self.mode.__enter__()
             self.mode_pushed = True
-        self.owners.append(owns)
 
     def pop(self):
-        self.frames.pop()
-        self.kinds.pop()
-        self.tokens.pop()
-        held = self.held.pop()
-        if self.owners.pop():
+        levels = self.levels
+        held, owns = levels.pop()[3:]
+        if owns:
             self.mode_pushed = False
             self.mode.__exit__(None, None, None)
-        if len(self.frames) == 1:
+        top = levels[-1]
+        self.tokens = top[2]
+        outermost = len(levels) == 1
+        if outermost:
             self.cache.clear()
-        self._use(self.frames[-1], self.kinds[-1])
+        self._use(top[0], top[1])
         if held:
             _kernels.release(held)
-        if len(self.frames) == 1:
+        if outermost:
             _kernels.forget_compiled_if_traced()
 
     def _use(self, frame, kind):
@@ -230,7 +254,7 @@ class _Engine:
         table = tables.get(kind)
         if table is None:
             table = tables[kind] = _compile(self, frame.devs, DELTA if kind == KERNELS else kind, kernels=kind == KERNELS)
-        self.kernel_acts = table.kernels  # ({} but for a KERNELS table)
+        self.kernel_acts = table.kernel_acts  # ({} but for a KERNELS table)
         if self.trace is not None and kind != REFERENCE:  # every listed op goes to the recorder
             table = tables.get(TRACE)
             if table is None:
@@ -245,12 +269,13 @@ class _Engine:
     def set_trace(self, tr):
         """Start or stop recording; returns whether the mode was pushed for it."""
         prev, self.trace = self.trace, tr
+        top = self.levels[-1]
         try:
-            self._use(self.frames[-1], self.kinds[-1])
+            self._use(top[0], top[1])
         except BaseException:
             self.trace = prev
             raise
-        if tr is not None and not self.mode_pushed and len(self.frames) > 1:
+        if tr is not None and not self.mode_pushed and len(self.levels) > 1:
             self.mode.__enter__()
             self.mode_pushed = True
             return True
@@ -261,7 +286,7 @@ class _Engine:
         self.mode.__exit__(None, None, None)
 
     def state(self, device_type):
-        return self.frames[-1].devs.get(device_type)
+        return self.levels[-1][0].devs.get(device_type)
 
 
 _tls = threading.local()
@@ -342,6 +367,15 @@ class _Recording(dict):
 
 
 _is_compiling = torch.compiler.is_compiling
+# torch's autocast state, read and set by a region's entry and exit (C functions: looked up once)
+_is_enabled, _set_enabled = torch.is_autocast_enabled, torch.set_autocast_enabled
+_get_dtype, _set_dtype = torch.get_autocast_dtype, torch.set_autocast_dtype
+_is_cache_enabled, _set_cache_enabled = torch.is_autocast_cache_enabled, torch.set_autocast_cache_enabled
+_increment_nesting, _decrement_nesting = torch.autocast_increment_nesting, torch.autocast_decrement_nesting
+_clear_cache = torch.clear_autocast_cache
+_function_mode_on = torch._C._is_torch_function_mode_enabled
+_backend_name = torch._C._get_privateuse1_backend_name
+_thread_id = threading.get_ident
 _COMPILE_TABLE = [{}]  # the table of the last region entered eagerly (read by traced code)
 _COMPILED_TABLES: list = []  # tables of regions entered inside torch.compile'd code
 _COMPILED_INDEX: dict = {}
@@ -449,7 +483,7 @@ def _native_off(device_type):
     is_enabled = torch.is_autocast_enabled
 
     def call(func, args, kwargs):
-        if torch.compiler.is_compiling():  # dynamo traces the context manager
+        if _is_compiling():  # dynamo traces the context manager
             with torch.autocast(device_type, enabled=False):
                 return func(*args, **kwargs)
         prev = is_enabled(device_type)
@@ -552,7 +586,6 @@ def _action(engine, name, category, device_type, cache_enabled, message, kind):
         is_enabled = torch.is_autocast_enabled
         live = kind != REFERENCE  # native's switch is the region's (a nested torch.autocast counts)
         guard = kind == DELTA  # a change from native that a plain checkpoint would not replay
-        tokens = engine.tokens
 
         def act(func, args, kwargs):
             t = _first_tensor(args, kwargs)
@@ -561,7 +594,7 @@ def _action(engine, name, category, device_type, cache_enabled, message, kind):
             if live and not is_enabled(device_type):
                 return func(*args, **kwargs)
             if guard:
-                _refuse_plain_checkpoint(name, tokens[-1].get(device_type))
+                _refuse_plain_checkpoint(name, engine.tokens.get(device_type))
             return rule(func, args, kwargs, get_dtype(device_type))
 
     act.rule = category or "none"
@@ -664,6 +697,9 @@ def _compile(engine, devs, kind, kernels=False) -> dict:
     table.changes = changes  # entries that change native's result (0: no mode needed)
     table.frozen = dict(table)  # what traced code reads: never grows (dynamo guards on its size)
     table.kernels = by_kernel
+    # what a kernel looks up on every call: keyed by id() (an OpOverload hashes in Python;
+    # overloads live as long as torch.ops)
+    table.kernel_acts = {(id(op), d): act for (op, d), act in by_kernel.items()} if by_kernel else _NO_KERNELS
     return table
 
 
@@ -679,16 +715,20 @@ def _kernel_ops(name, category, device_type) -> tuple:
 def _kernel(op, device_type, name):
     """The kernel at torch's Autocast key of ``device_type`` for ``op`` (policy op ``name``):
     the innermost ampkit frame's action for it, else native autocast's handling of it."""
-    key = (op, device_type)
+    key = (id(op), device_type)
     native = _native_handling(op, device_type, name)
     note = _kernels.note_if_traced
+    call = getattr(op, "_op", op)  # the C function OpOverload.__call__ calls: one Python frame less
 
     def kernel(*args, **kwargs):
         act = _engine().kernel_acts.get(key)
         if act is None:
             return native(args, kwargs)
-        note(args)
-        return act(op, args, kwargs)
+        for a in args:
+            if type(a) is not Tensor and isinstance(a, Tensor):  # a fake tensor: a compile traces
+                note(args)
+                break
+        return act(call, args, kwargs)
 
     return kernel
 
@@ -703,7 +743,8 @@ def _native_handling(op, device_type, name):
         msg = rules.ban_message(name) if cat == "banned" else None
         rule = _rule(_engine(), name, cat, device_type, False, msg)
         get_dtype = torch.get_autocast_dtype
-        return lambda args, kwargs: rule(op, args, kwargs, get_dtype(device_type))
+        call = getattr(op, "_op", op)  # the C function OpOverload.__call__ calls
+        return lambda args, kwargs: rule(call, args, kwargs, get_dtype(device_type))
     after = torch._C._dispatch_keyset_full_after(getattr(torch._C.DispatchKey, _kernels.KEYS[device_type]))
     keys_of = torch._C._dispatch_keys
 
@@ -733,7 +774,7 @@ def _checkpoint_token():
     Non-reentrant: its saved-tensor pack hook (a new function per checkpoint call);
     reentrant (forward without grad): the frame of CheckpointFunction.forward; torch 2.4
     (no hooks query): the frame of checkpoint() itself."""
-    if torch.compiler.is_compiling():
+    if _is_compiling():
         return None
     if _TOP_HOOKS is None:
         return _frame_on_stack((_CHECKPOINT_CODE, _REENTRANT_CODE))
@@ -793,7 +834,7 @@ def checkpoint(function, *args, use_reentrant=None, **kwargs):
         raise TypeError(f"ampkit.checkpoint: function must be callable, got {function!r}")
     if use_reentrant is not None and not isinstance(use_reentrant, bool):
         raise TypeError(f"ampkit.checkpoint: use_reentrant must be True, False or None, got {use_reentrant!r}")
-    saved = list(_engine().frames[-1].devs.items())
+    saved = list(_engine().levels[-1][0].devs.items())
 
     def under_policy(*a, **k):
         # ampkit's frames only: torch's autocast state is the one torch's checkpoint restores
@@ -932,8 +973,33 @@ def _default_policy() -> Policy:
 _DEFAULT = load_policy("torch_default")
 
 
+# (device_type, dtype argument, id(policy argument)) -> (policy argument, Policy, its
+# lower-precision dtype for the device), for arguments that passed _region_args once: a
+# region entered again skips the checks. Only a Policy object or None (the default) is
+# kept (a name or a path is read again: the file may have changed); the entry holds the
+# object, so its id() is not reused while the entry lives (a Policy hashes in Python).
+_VALID: dict = {}
+
+
 def _region_args(device_type, dtype, enabled, cache_enabled, policy):
     """Validated region arguments: (device_type, dtype, enabled, cache_enabled, Policy)."""
+    if type(device_type) is str and (policy is None or type(policy) is Policy):
+        try:
+            hit = _VALID.get((device_type, dtype, id(policy)))
+        except TypeError:  # an unhashable dtype: the checks below name it
+            hit = None
+        if hit is not None and (enabled is True or enabled is False) and (
+                cache_enabled is None or cache_enabled is True or cache_enabled is False):
+            if dtype is None:
+                dtype = _get_dtype(device_type) if _is_enabled(device_type) else hit[2]
+            return device_type, dtype, enabled, cache_enabled, hit[1]
+    return _check_region_args(device_type, dtype, enabled, cache_enabled, policy, remember=True)
+
+
+def _check_region_args(device_type, dtype, enabled, cache_enabled, policy, remember=False):
+    """_region_args without the memo (``remember``: keep valid arguments in it). Code that
+    torch.compile traces calls this: dynamo would guard on the memo's contents."""
+    dtype_arg = dtype
     if not isinstance(device_type, str):
         raise ValueError(f"ampkit.autocast: device_type must be a string such as 'cpu' or 'cuda', got {device_type!r}")
     if device_type not in DEVICES:
@@ -960,6 +1026,10 @@ def _region_args(device_type, dtype, enabled, cache_enabled, policy):
         raise ValueError(f"ampkit.autocast: enabled must be True or False, got {enabled!r}")
     if cache_enabled is not None and not isinstance(cache_enabled, bool):
         raise ValueError(f"ampkit.autocast: cache_enabled must be True, False or None, got {cache_enabled!r}")
+    if remember and type(device_type) is str and (policy is None or type(policy) is Policy):
+        if len(_VALID) > 64:  # e.g. a fresh policy built every step
+            _VALID.clear()
+        _VALID[(device_type, dtype_arg, id(policy))] = (policy, pol, rules.lower_precision_dtype)
     return device_type, dtype, enabled, cache_enabled, pol
 
 
@@ -1009,12 +1079,12 @@ class autocast(torch.amp.autocast):
     """
 
     def __new__(cls, device_type, dtype=None, enabled=True, cache_enabled=None, *, policy=None):
-        if torch.compiler.is_compiling():
+        if _is_compiling():
             # Made inside code that torch.compile traces: a torch.autocast (which every dynamo
             # release knows) and, for a changed policy, a handler over a table built once at
             # trace time (_compiled_region). __init__ does not run: the object is not an
             # ampkit.autocast.
-            dev, dtype, enabled, cache_enabled, pol = _region_args(device_type, dtype, enabled, cache_enabled, policy)
+            dev, dtype, enabled, cache_enabled, pol = _check_region_args(device_type, dtype, enabled, cache_enabled, policy)
             cache = torch.is_autocast_cache_enabled() if cache_enabled is None else cache_enabled
             index = _compiled_table(dev, enabled, dtype, id(pol), cache)
             return _compiled_region(dev, dtype, enabled, cache_enabled, index)
@@ -1022,7 +1092,16 @@ class autocast(torch.amp.autocast):
 
     def __init__(self, device_type, dtype=None, enabled=True, cache_enabled=None, *, policy=None):
         dev, dtype, enabled, cache_enabled, pol = _region_args(device_type, dtype, enabled, cache_enabled, policy)
-        super().__init__(dev, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+        if dev == "cpu":
+            # torch.autocast.__init__ for "cpu" and a dtype _region_args accepted (always
+            # available, no warning, nothing to disable): its attributes, set directly
+            self.fast_dtype = dtype
+            self.device = dev
+            self.custom_backend_name = _backend_name()
+            self._cache_enabled = _is_cache_enabled() if cache_enabled is None else cache_enabled
+            self._enabled = enabled
+        else:  # cuda: torch checks the card (bf16 support, CUDA available)
+            super().__init__(dev, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
         self.device_type = dev
         self.enabled = enabled
         self.cache_enabled = cache_enabled
@@ -1041,20 +1120,30 @@ class autocast(torch.amp.autocast):
             self._ampkit_native = torch.autocast(self.device, dtype=self.fast_dtype, enabled=False,
                                                  cache_enabled=self._cache_enabled)
             self._ampkit_native.__enter__()
-        else:
+        elif _function_mode_on():  # torch.export's pre-dispatch mode is told by torch's __enter__
             self._ampkit_native = None
             super().__enter__()
+        else:  # torch.autocast.__enter__ without a mode to tell: its calls, made directly
+            self._ampkit_native = None
+            dev = self.device
+            self.prev_cache_enabled = _is_cache_enabled()
+            self.prev = _is_enabled(dev)
+            self.prev_fastdtype = _get_dtype(dev)
+            _set_enabled(dev, self._enabled)
+            _set_dtype(dev, self.fast_dtype)
+            _increment_nesting()
+            _set_cache_enabled(self._cache_enabled)
         try:
             eng.push(self.device_type, self.enabled, self.fast_dtype, self.policy, self._cache_enabled)
         except BaseException:
             self._native_exit()
             raise
-        self._ampkit_entered_in = threading.get_ident()
+        self._ampkit_entered_in = _thread_id()
         return self
 
     def __exit__(self, exc_type, exc_val, exc_tb):
         entered_in = getattr(self, "_ampkit_entered_in", None)
-        if entered_in != threading.get_ident():  # checked before anything changes
+        if entered_in != _thread_id():  # checked before anything changes
             where = "was never entered" if entered_in is None else "was entered in another thread"
             raise RuntimeError(
                 f"{self!r}.__exit__() called, but this region {where}; exit a region in "
@@ -1069,8 +1158,15 @@ class autocast(torch.amp.autocast):
     def _native_exit(self):
         if self._ampkit_native is not None:
             self._ampkit_native.__exit__(None, None, None)
-        else:
+        elif _function_mode_on():
             super().__exit__(None, None, None)
+        else:  # torch.autocast.__exit__'s calls, made directly
+            if _decrement_nesting() == 0:
+                _clear_cache()
+            dev = self.device
+            _set_enabled(dev, self.prev)
+            _set_dtype(dev, self.prev_fastdtype)
+            _set_cache_enabled(self.prev_cache_enabled)
 
     def __call__(self, func):
         if not callable(func):

@@ -67,9 +67,15 @@ STRAIGHT = frozenset({
 CATEGORIES = frozenset({"lower_precision_fp", "fp32", "promote", "banned", None})
 
 _lock = threading.RLock()
-_held: dict = {}  # (overload, device_type) -> [C++ library object, regions holding it]
+# (id(overload), device_type) -> [C++ library object, [one item per region holding it],
+# (overload, device_type)]; keyed by id() (an OpOverload hashes in Python; overloads live
+# as long as torch.ops)
+_held: dict = {}
 _kernels: dict = {}  # (overload, device_type) -> its kernel (built once: it holds no region)
 _overloads: dict = {}  # op name -> tuple of OpOverloads ((): not a kernel op)
+# id(acts) -> (acts, the records acquire returned for it): a region entered again with the
+# same table finds its kernels' records without a lookup per op (drop_idle clears it)
+_kept: dict = {}
 _traced = [False]  # a kernel ran on fake tensors (a compile) since the last reset
 
 
@@ -124,20 +130,35 @@ def native_has_kernel(op, device_type: str) -> bool:
 def acquire(acts, make_kernel) -> tuple:
     """Register (or count one more holder of) the kernel of each (overload, device_type) of
     ``acts`` ({key: action}); ``make_kernel(op, device_type, name)`` builds one, ``name``
-    being the policy's op name (the action's ``op``)."""
+    being the policy's op name (the action's ``op``). Returns what to give ``release``:
+    the holders' records themselves (an OpOverload hashes in Python).
+
+    A table seen before takes no lock: a holder is one item of the record's list (append
+    and pop are atomic), and the table's records are still registered if ``_kept`` still
+    has them after the append (drop_idle empties ``_kept`` before it counts holders)."""
+    kept = _kept.get(id(acts))
+    if kept is not None and kept[0] is acts:
+        for held in kept[1]:
+            held[1].append(None)
+        if _kept.get(id(acts)) is kept:
+            return kept[1]
+        release(kept[1])  # drop_idle ran meanwhile: take the locked way
     done = []
     with _lock:
         try:
             for key, act in acts.items():
-                held = _held.get(key)
+                held = _held.get((id(key[0]), key[1]))
                 if held is None:
-                    held = _held[key] = [_register(key, act.op, make_kernel), 0]
-                held[1] += 1
-                done.append(key)
+                    held = _held[(id(key[0]), key[1])] = [_register(key, act.op, make_kernel), [], key]
+                held[1].append(None)
+                done.append(held)
         except BaseException:
-            _release_locked(done)
+            release(done)
             raise
-    return tuple(done)
+        if len(_kept) > 256:  # e.g. a fresh policy built every step
+            _kept.clear()
+        records = _kept[id(acts)] = (acts, tuple(done))
+    return records[1]
 
 
 _warned = [False]
@@ -162,36 +183,33 @@ def _register(key, name, make_kernel):
     return lib
 
 
-def release(keys) -> None:
-    if keys:
-        with _lock:
-            _release_locked(keys)
+def release(records) -> None:
+    """Count one holder less of each kernel ``acquire`` returned.
 
-
-def _release_locked(keys) -> None:
-    # A kernel no region holds stays registered (idle), doing native's handling: dropping
-    # and registering it again each step cost about 100 us a step on the development VM
-    # (an MLP step of 0.87 ms: 0.98 ms; 0.88 ms with the kernel kept), far more than the
-    # registration itself, the dispatcher's caches being rebuilt after each change.
-    for key in keys:
-        _held[key][1] -= 1
+    A kernel no region holds stays registered (idle), doing native's handling: dropping
+    and registering it again each step cost about 100 us a step on the development VM
+    (an MLP step of 0.87 ms: 0.98 ms; 0.88 ms with the kernel kept), far more than the
+    registration itself, the dispatcher's caches being rebuilt after each change."""
+    for held in records:
+        held[1].pop()
 
 
 def held() -> dict:
     """{(overload, device_type): regions holding its kernel now} (for tests)."""
     with _lock:
-        return {k: v[1] for k, v in _held.items() if v[1]}
+        return {v[2]: len(v[1]) for v in _held.values() if v[1]}
 
 
 def registered() -> frozenset:
     """The (overload, device_type) keys whose kernel is registered, held or idle."""
     with _lock:
-        return frozenset(_held)
+        return frozenset(v[2] for v in _held.values())
 
 
 def drop_idle() -> None:
     """Unregister the kernels no region holds: torch's own autocast kernels are back."""
     with _lock:
+        _kept.clear()
         for key in [k for k, v in _held.items() if not v[1]]:
             _held.pop(key)[0].reset()
 

@@ -127,6 +127,11 @@ def test_kernels_are_held_while_regions_need_them_then_idle_with_natives_handlin
     assert kernels.registered() == frozenset()
     with torch.autocast("cpu"):
         assert same(lin(x), native)  # torch's own kernel is back
+    with ampkit.autocast("cpu", policy=policy):  # the same region again registers it again
+        assert holders() == 1 and lin(x).dtype == torch.float32
+        kernels.drop_idle()  # a held kernel stays
+        assert holders() == 1 and lin(x).dtype == torch.float32
+    assert holders() == 0 and key in kernels.registered()
 
 
 def test_an_idle_kernel_gives_torch_autocast_its_values_but_not_its_cast_cache():

@@ -15,6 +15,7 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 import ampkit
 from ampkit import _autocast
@@ -81,6 +82,38 @@ def test_one_mode_for_a_changed_policy_however_deep_and_none_after():
                 assert modes() == base + 1 and lin().dtype == BF16
         assert modes() == base
     assert modes() == base
+
+
+def _torch_state():
+    nesting = torch.autocast_increment_nesting()
+    torch.autocast_decrement_nesting()
+    return torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), torch.is_autocast_cache_enabled(), nesting
+
+
+class _PassThrough(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("under_a_mode", [False, True], ids=["plain", "under-a-torch-function-mode"])
+def test_entry_and_exit_set_torchs_state_as_torch_autocast_does(under_a_mode):
+    """Enabled, dtype, cast-cache flag and nesting count, inside, nested and after, also
+    while a torch-function mode is active (torch's own __enter__/__exit__ run then)."""
+    seen = {}
+    for name, region in (("torch", torch.autocast), ("ampkit", ampkit.autocast)):
+        with _PassThrough() if under_a_mode else contextlib.nullcontext():
+            states = [_torch_state()]
+            with region("cpu", dtype=F16, cache_enabled=False):
+                states.append(_torch_state())
+                with region("cpu", enabled=False):
+                    states.append(_torch_state())
+                with pytest.raises(KeyError), region("cpu", dtype=BF16):
+                    states.append(_torch_state())
+                    raise KeyError("inside")
+                states.append(_torch_state())
+            states.append(_torch_state())
+        seen[name] = states
+    assert seen["ampkit"] == seen["torch"]
 
 
 def test_the_state_is_torchs():
@@ -491,6 +524,27 @@ def test_bad_arguments(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         ampkit.autocast(**kwargs)
     assert modes() == 0 or not ampkit.is_autocast_enabled("cpu")
+
+
+@pytest.mark.parametrize("bad", [dict(enabled="yes"), dict(enabled=1), dict(cache_enabled=1), dict(cache_enabled="no")])
+def test_bad_arguments_are_refused_after_the_same_region_was_entered(bad):
+    """A region entered again skips the checks its arguments passed: not those of another."""
+    for policy in (None, ampkit.load_policy("torch_default")):
+        with ampkit.autocast("cpu", policy=policy):
+            pass
+        with pytest.raises(ValueError, match="must be True(,| or) False"):
+            ampkit.autocast("cpu", policy=policy, **bad)
+
+
+def test_a_region_keeps_the_policy_object_it_was_given():
+    policy = ampkit.load_policy("torch_default").with_ops("cpu", fp32=["mm"])
+    twin = ampkit.load_policy("torch_default").with_ops("cpu", fp32=["mm"])
+    assert twin == policy and twin is not policy
+    for p in (policy, twin, policy):
+        region = ampkit.autocast("cpu", policy=p)
+        with region:
+            assert torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype == F32
+        assert region.policy is p
 
 
 def test_bad_custom_fwd_device():
