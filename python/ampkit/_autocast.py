@@ -288,6 +288,10 @@ class _Engine:
     def state(self, device_type):
         return self.levels[-1][0].devs.get(device_type)
 
+    def devs(self) -> dict:
+        """{device_type: (enabled, dtype, policy, cache_enabled)} of the innermost region."""
+        return self.levels[-1][0].devs
+
 
 _tls = threading.local()
 

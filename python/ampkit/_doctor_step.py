@@ -304,7 +304,7 @@ def region_config():
     """The autocast regions in force (ampkit's and torch's), to enter again in a replay."""
     from ampkit._autocast import thread_engine
 
-    devs = dict(thread_engine().frames[-1].devs)  # {device_type: (enabled, dtype, policy, cache)}
+    devs = dict(thread_engine().devs())  # {device_type: (enabled, dtype, policy, cache)}
     plain = {}
     for dt in ("cpu", "cuda"):
         if dt not in devs and torch.is_autocast_enabled(dt):
