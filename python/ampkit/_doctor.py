@@ -251,22 +251,23 @@ class doctor:
             self._leave_forward("", output)
         if _REPLAYING[0] is not None or self._stack:
             return None
-        outs = _step_watch.leaves_requiring_grad(output) if torch.is_grad_enabled() else []
-        for w in self._watches.values():
-            mine = [o for o in tree_leaves(output) if isinstance(o, torch.Tensor) and o.device == w.dev]
-            w.pending = [weakref.ref(o) for o in mine] or None
+        every = [output] if type(output) is torch.Tensor else \
+            [o for o in tree_leaves(output) if isinstance(o, torch.Tensor)]
+        grad = torch.is_grad_enabled()
         self._bw_queued = False
         self._out_grads = []
         for dev, w in self._watches.items():
-            mine = [o for o in outs if o.device == dev]
-            for o, slot in zip(mine, w.hold_output_grads(mine)):
-                o.register_hook(self._grad_hook(w, slot))
+            mine = [o for o in every if o.device == dev]
+            w.pending = [weakref.ref(o) for o in mine] or None
+            mine = [o for o in mine if grad and o.requires_grad and o.is_floating_point()]
+            for o, dst in zip(mine, w.hold_output_grads(mine)):
+                o.register_hook(self._grad_hook(w, dst))
         self._remember()
         return None
 
-    def _grad_hook(self, w, slot):
+    def _grad_hook(self, w, dst):
         def hook(grad):
-            w.keep_grad(slot, grad)
+            w.keep_grad(dst, grad)
             self._out_grads.append(grad)
             if not self._bw_queued:
                 self._bw_queued = True
@@ -350,15 +351,17 @@ class doctor:
         if self._mode is not None or self._inner:  # the last sampled step ends here
             self._fold_sampled()
             self._ops_off()
+        self._step += 1
         for w in self._watches.values():
             w.check_pending()
-            w.begin(args, kwargs)
+            w.begin(args, kwargs, self._step)
         self._rng_at_start = tuple(_step_watch.cuda_rng_state(d) for d in self._watches)
-        self._step += 1
         self._sampling = self._step % self.every == 0 and not _capturing()
         self._acc = {}
         self._abs = {}
         if self._sampling:
+            for sl in self._slot_state.values():  # the slots record this step's index
+                sl.step = self._step_on(sl.dev)
             self._ops_on()
 
     # -- the per-op record (called by the mode) --------------------------------------
@@ -370,13 +373,10 @@ class doctor:
         return s
 
     def _step_on(self, dev):
+        """The step index the op-level slots record: the replayed step in a replay, else this
+        (sampled, eager) step's host count, as a device scalar."""
         k = _REPLAYING[0]
-        if k is not None:  # a replay's slots name the replayed step
-            return torch.full((), float(k), dtype=torch.float64, device=dev)
-        w = self._watches.get(dev)
-        if w is not None:
-            return w.step
-        return next(iter(self._watches.values())).step.to(dev)
+        return torch.full((), float(self._step if k is None else k), dtype=torch.float64, device=dev)
 
     # -- the slots: one absmax per watched op and leaf this step, on the device ----------
     def _slots(self, dev):

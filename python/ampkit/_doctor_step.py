@@ -57,96 +57,114 @@ class _Layout:
     leaves: list  # the non-tensor leaves (tensor leaves are None)
     tensors: list  # (index into leaves, or -1 for the CPU generator's state; offset, shape, dtype)
     size: int  # bytes
+    dst: list = None  # per tensor, its typed view of the frozen bytes
 
 
-_COND_COPY = []  # the Triton kernel, once built (CUDA)
+_RECORD = []  # the Triton kernel, once built (CUDA)
+_SLOTS = 4  # tensors one launch of the kernel copies
 
 
-def _cond_copy_kernel():
-    if not _COND_COPY:
+def _record_kernel():
+    if not _RECORD:
         try:
             import triton
             import triton.language as tl
 
             @triton.jit
-            def cond_copy(flag, src, dst, n, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-                if tl.load(flag) != 0:  # the step is the first bad one: copy this chunk
-                    base = tl.program_id(0).to(tl.int64) * CHUNK
-                    for i in range(0, CHUNK, BLOCK):
-                        offs = base + i + tl.arange(0, BLOCK)
-                        m = offs < n
-                        tl.store(dst + offs, tl.load(src + offs, mask=m), mask=m)
+            def _copy_chunk(src, dst, n, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                base = tl.program_id(0).to(tl.int64) * CHUNK
+                for i in range(0, CHUNK, BLOCK):
+                    offs = base + i + tl.arange(0, BLOCK)
+                    m = offs < n
+                    tl.store(dst + offs, tl.load(src + offs, mask=m), mask=m)
 
-            _COND_COPY.append(cond_copy)
-        except Exception:  # no Triton: torch.where, which reads and writes every byte
-            _COND_COPY.append(None)
-    return _COND_COPY[0]
+            @triton.jit(do_not_specialize=["host_step", "n0", "n1", "n2", "n3"])
+            def record(bad, step_ptr, bad_step, host_step, s0, d0, n0, s1, d1, n1, s2, d2, n2, s3, d3, n3,
+                       USE_HOST: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                # every program decides alike whatever the order they run in: the step is new
+                # when it is bad and no other step is recorded (bad_step < 0, or already this one)
+                if USE_HOST:
+                    step = host_step.to(tl.float64)
+                else:
+                    step = tl.load(step_ptr)
+                cur = tl.load(bad_step)
+                new = (tl.load(bad) != 0) & ((cur < 0) | (cur == step))
+                first = (tl.program_id(0) == 0) & (tl.program_id(1) == 0)
+                if first:
+                    if USE_HOST:
+                        tl.store(step_ptr, step)
+                    if new:
+                        tl.store(bad_step, step)
+                if new:
+                    slot = tl.program_id(1)
+                    if slot == 0:
+                        _copy_chunk(s0, d0, n0, CHUNK, BLOCK)
+                    if slot == 1:
+                        _copy_chunk(s1, d1, n1, CHUNK, BLOCK)
+                    if slot == 2:
+                        _copy_chunk(s2, d2, n2, CHUNK, BLOCK)
+                    if slot == 3:
+                        _copy_chunk(s3, d3, n3, CHUNK, BLOCK)
+
+            _RECORD.append(record)
+        except Exception:  # no Triton: torch ops, whose where reads and writes every byte
+            _RECORD.append(None)
+    return _RECORD[0]
 
 
-def cond_copy(flag, src, dst):
-    """``dst[:] = src`` where the device bool ``flag`` is True, else nothing; both flat uint8.
-    On CUDA with Triton one kernel whose blocks return at once when ``flag`` is False (no
-    pass over the bytes, no host read); elsewhere ``torch.where``."""
-    n = src.numel()
-    if n == 0:
-        return
-    k = _cond_copy_kernel() if src.device.type == "cuda" else None
-    if k is None:
-        torch.where(flag, src, dst, out=dst)
-        return
-    chunk = 1 << 16
-    k[((n + chunk - 1) // chunk,)](flag, src, dst, n, CHUNK=chunk, BLOCK=4096)
+_CHUNK = 1 << 16
 
 
 class StepWatch:
     """The per-step check and replay data of one device's parameters and buffers.
 
-    Per step: ``begin`` counts the step and holds its inputs; the output gradients are held
-    as they arrive; ``record`` (after the backward, given the check's verdict) copies what
-    it holds into the frozen bytes only if the step is the first bad one, and lets go."""
+    Per step: ``begin`` holds the step's inputs; the output gradients are held as they
+    arrive; ``record`` (after the backward, given the check's verdict) copies what it holds
+    into the frozen bytes only if the step is the first bad one, and lets go. On CUDA with
+    Triton ``record`` is one kernel launch (its blocks return at once unless the step is
+    the first bad one: no pass over the bytes); elsewhere a few torch ops."""
 
     def __init__(self, dev, state, keep_weights=False):
         self.dev = dev
         self.state = state  # parameters and buffers on this device (contiguous)
         self.keep_weights = keep_weights
-        self.weights = [_bytes(t) for t in state] if keep_weights else []
-        n = sum(b.numel() for b in self.weights)
+        n = sum(t.numel() * t.element_size() for t in state) if keep_weights else 0
         self.frozen = torch.zeros(n, dtype=_U8, device=dev)
-        self.frozen_w = list(torch.split(self.frozen, [b.numel() for b in self.weights])) if self.weights else []
+        self.weights = [(t.detach(), v) for t, v in zip(state, _typed_views(self.frozen, state))] \
+            if keep_weights else []
         self.io_frozen = torch.zeros(0, dtype=_U8, device=dev)  # the inputs (and CPU generator)
         self.g_frozen = torch.zeros(0, dtype=_U8, device=dev)  # the output gradients
-        self.step = torch.full((), -1.0, dtype=torch.float64, device=dev)  # the device's step count
-        self.looking = torch.ones((), dtype=torch.bool, device=dev)  # no bad step recorded yet
+        # the step count: in eager steps the host's, written by record(); a captured step
+        # counts itself (the graph's replays run no Python)
+        self.step = torch.full((), -1.0, dtype=torch.float64, device=dev)
+        self.host_step = -1
         self.bad_step = torch.full((), -1.0, dtype=torch.float64, device=dev)
         self.layout = None  # this step's _Layout
         self.grad_layout = ()  # this step's output gradients: ((offset, shape, dtype), ...)
+        self._grad_dst = ()
         self.pending = None  # outputs of a forward whose backward has not been checked
-        self.held = []  # (bytes, destination) this step holds until its verdict
+        self.held = []  # (tensor, frozen view) this step holds until its verdict
         self._key = None
-        if dev.type == "cuda":  # build the kernel now, not inside a graph capture later
-            cond_copy(torch.zeros((), dtype=torch.bool, device=dev), self.looking.view(_U8).view(1),
-                      torch.zeros(1, dtype=_U8, device=dev))
+        self._kernel = _record_kernel() if dev.type == "cuda" else None
+        if self._kernel is not None:  # built now (both kinds), not inside a graph capture later
+            no = torch.zeros((), dtype=torch.bool, device=dev)
+            self._launch(no, [], use_host=True)
+            self._launch(no, [], use_host=False)
 
     # -- every step ------------------------------------------------------------------
-    def begin(self, args, kwargs):
+    def begin(self, args, kwargs, host_step):
         """The step starts: count it, hold its inputs (no copy)."""
-        self.step.add_(1)
-        self.held = []
-        if not kwargs and all(type(a) is torch.Tensor and a.device == self.dev for a in args):
-            key = tuple((a.dtype, a.shape, a.is_contiguous()) for a in args)  # the usual call
-            if key != self._key or self.dev.type == "cpu":
-                self._key = key
-                self._layout(args, kwargs)
-            else:
-                for (_, off, shape, dtype), a in zip(self.layout.tensors, args):
-                    self._hold(a, self.io_frozen, off)
-            return
-        self._key = None
+        self.host_step = host_step
+        if _capturing():
+            self.step.add_(1)
+        if not kwargs and self.dev.type != "cpu":
+            key = tuple((a.dtype, a.shape, a.device, a.is_contiguous()) if type(a) is torch.Tensor else None
+                        for a in args)
+            if key == self._key:  # the usual call: the layout of the last step
+                self.held = [(a, v) for a, v in zip(args, self.layout.dst)]
+                return
+            self._key = key if None not in key and all(k[2] == self.dev for k in key) else None
         self._layout(args, kwargs)
-
-    def _hold(self, t, frozen, off):
-        b = _bytes(t if t.is_contiguous() else t.contiguous())
-        self.held.append((b, frozen[off: off + b.numel()]))
 
     def _layout(self, args, kwargs):
         flat, spec = tree_flatten((args, kwargs))
@@ -155,7 +173,7 @@ class StepWatch:
             if isinstance(a, torch.Tensor) and a.device == self.dev:
                 a = a.detach()
                 tensors.append((i, off, a.shape, a.dtype))
-                ins.append(a)
+                ins.append(a if a.is_contiguous() else a.contiguous())
                 off += a.numel() * a.element_size()
                 leaves.append(None)
             else:  # (a tensor on another device is not kept: the replay runs without it)
@@ -166,11 +184,12 @@ class StepWatch:
             tensors.append((-1, off, rng.shape, rng.dtype))
             off += rng.numel()
         lay = _Layout(spec, leaves, tensors, off)
-        if not same_layout(lay, self.layout):
+        grown = _grown(self.io_frozen, off)
+        if grown is not self.io_frozen or not same_layout(lay, self.layout):
+            self.io_frozen = grown
+            lay.dst = [_typed_view(grown, o, shape, dtype) for _, o, shape, dtype in tensors]
             self.layout = lay
-        self.io_frozen = _grown(self.io_frozen, off)
-        for (_, o, _, _), a in zip(self.layout.tensors, ins):
-            self._hold(a, self.io_frozen, o)
+        self.held = list(zip(ins, self.layout.dst))
 
     def hold_output_grads(self, outs):
         """The forward ended: where each output's gradient will go in the frozen bytes."""
@@ -179,15 +198,16 @@ class StepWatch:
             slots.append((off, t.shape, t.dtype))
             off += t.numel() * t.element_size()
         slots = tuple(slots)
-        if slots != self.grad_layout:
+        grown = _grown(self.g_frozen, off)
+        if slots != self.grad_layout or grown is not self.g_frozen:
+            self.g_frozen = grown
             self.grad_layout = slots
-        self.g_frozen = _grown(self.g_frozen, off)
-        return slots
+            self._grad_dst = tuple(_typed_view(grown, o, shape, dtype) for o, shape, dtype in slots)
+        return self._grad_dst
 
-    def keep_grad(self, slot, grad):
-        off, shape, dtype = slot
-        if grad.dtype == dtype and grad.shape == shape:
-            self._hold(grad.detach(), self.g_frozen, off)
+    def keep_grad(self, dst, grad):
+        if grad.dtype == dst.dtype and grad.shape == dst.shape:
+            self.held.append((grad if grad.is_contiguous() else grad.contiguous(), dst))
 
     def check(self, tensors):
         """After the step's backward (or for a forward without one): record the step if any
@@ -203,17 +223,33 @@ class StepWatch:
 
     def record(self, bad):
         """Record this step as the first bad one if ``bad`` (a device flag: a bool, or the
-        scaler's float 1.0/0.0) is set and no bad step is recorded yet: its step index, and
-        the bytes it holds, copied into the frozen ones on the device only then. Lets go of
-        what it held. Three small kernels and one conditional copy per held tensor."""
-        new = torch.logical_and(self.looking, bad)
-        torch.where(new, self.step, self.bad_step, out=self.bad_step)
-        torch.gt(self.looking, new, out=self.looking)  # looking and not new
-        for src, dst in self.held:
-            cond_copy(new, src, dst)
-        for src, dst in zip(self.weights, self.frozen_w):
-            cond_copy(new, src, dst)
+        scaler's float 1.0/0.0) is set and no other step is recorded: its index, and the
+        tensors it holds, copied into the frozen bytes on the device only then. Lets go of
+        what it held. Idempotent within a step."""
+        held = self.held + self.weights
         self.held = []
+        if self._kernel is not None:
+            self._launch(bad, held)
+            return
+        step = self.step if _capturing() else self.step.fill_(float(self.host_step))
+        new = torch.logical_and(bad, (self.bad_step < 0) | (self.bad_step == step))
+        torch.where(new, step, self.bad_step, out=self.bad_step)
+        for src, dst in held:
+            torch.where(new, src, dst, out=dst)
+
+    def _launch(self, bad, held, use_host=None):
+        if use_host is None:
+            use_host = not _capturing()
+        for i in range(0, max(len(held), 1), _SLOTS):
+            part = held[i: i + _SLOTS]
+            args = []
+            chunks = 1
+            for src, dst in part:
+                args += [src, dst, src.numel()]
+                chunks = max(chunks, -(-src.numel() // _CHUNK))
+            args += [self.bad_step, self.bad_step, 0] * (_SLOTS - len(part))
+            self._kernel[(chunks, _SLOTS)](bad, self.step, self.bad_step, self.host_step, *args,
+                                           USE_HOST=use_host, CHUNK=_CHUNK, BLOCK=4096)
 
     def check_pending(self):
         """A forward whose outputs got no backward: check them now (if they are alive)."""
@@ -224,7 +260,6 @@ class StepWatch:
                 self.check(outs)
 
     def reset(self):
-        self.looking.fill_(True)
         self.bad_step.fill_(-1.0)
 
     # -- reading -------------------------------------------------------------------
@@ -235,7 +270,7 @@ class StepWatch:
 
     def frozen_state(self):
         """The frozen parameters and buffers, as tensors shaped like ``state``."""
-        return [f.view(t.dtype).view(t.shape) for t, f in zip(self.state, self.frozen_w)]
+        return [v for _, v in self.weights]
 
     def frozen_io(self, layout, grad_layout):
         """The frozen step's args, kwargs, output gradients and (CPU) random state."""
@@ -252,9 +287,21 @@ class StepWatch:
         return args, kwargs, grads, rng
 
 
-def _typed(buf, off, shape, dtype):
+def _typed_view(buf, off, shape, dtype):
     n = shape.numel() * torch.empty((), dtype=dtype).element_size()
-    return buf[off: off + n].view(dtype).view(shape).clone()
+    return buf[off: off + n].view(dtype).view(shape)
+
+
+def _typed_views(buf, ts):
+    out, off = [], 0
+    for t in ts:
+        out.append(_typed_view(buf, off, t.shape, t.dtype))
+        off += t.numel() * t.element_size()
+    return out
+
+
+def _typed(buf, off, shape, dtype):
+    return _typed_view(buf, off, shape, dtype).clone()
 
 
 def _grown(buf, size):
