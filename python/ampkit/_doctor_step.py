@@ -351,7 +351,7 @@ def region_config():
     """The autocast regions in force (ampkit's and torch's), to enter again in a replay."""
     from ampkit._autocast import thread_engine
 
-    devs = dict(thread_engine().devs())  # {device_type: (enabled, dtype, policy, cache)}
+    devs = thread_engine().devs()  # {device_type: (enabled, dtype, policy, cache)}: one object per region, never changed
     plain = {}
     for dt in ("cpu", "cuda"):
         if dt not in devs and torch.is_autocast_enabled(dt):
@@ -374,12 +374,18 @@ def enter_region(config):
         yield
 
 
+_GENERATORS: dict = {}
+
+
 def cuda_rng_state(dev):
     """The CUDA generator's state a replay of a step on ``dev`` needs (host side, no device
     read; None under a graph capture, whose replays advance it on the device)."""
     if dev.type != "cuda" or _capturing():
         return None
-    g = torch.cuda.default_generators[dev.index if dev.index is not None else torch.cuda.current_device()]
+    g = _GENERATORS.get(dev)
+    if g is None:
+        g = _GENERATORS[dev] = torch.cuda.default_generators[
+            dev.index if dev.index is not None else torch.cuda.current_device()]
     return ("cuda", g, g.initial_seed(), g.get_offset())
 
 
