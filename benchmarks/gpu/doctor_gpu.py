@@ -78,8 +78,8 @@ def overhead(quick):
         cases = [("seed_mlp", "tiny")]
     out = []
     for case, profile in cases:
-        recs = doctor_overhead.measure(case, profile, DEVICE, steps=10 if quick else (20 if case == "transformer" else 40),
-                                       repeats=2 if quick else 7, everies=(1, 100), dtype=torch.float16 if DEVICE == "cuda" else torch.bfloat16)
+        recs = doctor_overhead.measure(case, profile, DEVICE, steps=10 if quick else (20 if case == "transformer" else 150),
+                                       repeats=2 if quick else 9, everies=(1, 100), dtype=torch.float16 if DEVICE == "cuda" else torch.bfloat16)
         for r in recs:
             r.pop("samples", None)
             if r["ok"]:

@@ -44,7 +44,7 @@ for owner, name in [(_doctor.doctor, "_root_pre"), (_doctor.doctor, "_root_post"
                     (_doctor.doctor, "_backward_end"), (_doctor, "scaler_checked"),
                     (_doctor_step.StepWatch, "record"), (_doctor_step.StepWatch, "begin"),
                     (_doctor_step.StepWatch, "keep_grad"), (_doctor.doctor, "_remember"),
-                    (_doctor_step, "cond_copy")]:
+                    (_doctor_step.StepWatch, "_launch")]:
     wrap(owner, name, f"{getattr(owner, '__name__', owner)}.{name}")
 
 built = build_case("seed_mlp", a.profile, device=dev)
@@ -83,7 +83,8 @@ x = torch.zeros((), device=dev)
 flag = torch.zeros((), dtype=torch.bool, device=dev)
 src = torch.zeros(1 << 20, dtype=torch.uint8, device=dev)
 dst = torch.zeros_like(src)
-for label, fn in [("x.add_(1)", lambda: x.add_(1)), ("cond_copy 1 MiB, flag off", lambda: _doctor_step.cond_copy(flag, src, dst)),
+w = _doctor_step.StepWatch(torch.device(dev), [])
+for label, fn in [("x.add_(1)", lambda: x.add_(1)), ("record, 1 tensor of 1 MiB held", lambda: (setattr(w, "held", [(src, dst)]), w.record(flag))),
                   ("torch.where 1 MiB", lambda: torch.where(flag, src, dst, out=dst))]:
     for _ in range(20):
         fn()
