@@ -802,8 +802,7 @@ def _remove_mode(mode):
         _push_mode(m)
 
 
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+_capturing = _step_watch.capturing
 
 
 class _Mode(TorchDispatchMode):

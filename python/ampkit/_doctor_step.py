@@ -44,8 +44,11 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(_U8)
 
 
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+_CUDA = torch.cuda.is_available()
+
+
+def capturing() -> bool:
+    return _CUDA and torch.cuda.is_current_streamcapturing()
 
 
 @dataclasses.dataclass(eq=False)
@@ -113,6 +116,7 @@ def _record_kernel():
 
 
 _CHUNK = 1 << 16
+_BIG = 32 << 20  # bytes: a held tensor this large is copied by the Triton kernel
 
 
 class StepWatch:
@@ -120,9 +124,10 @@ class StepWatch:
 
     Per step: ``begin`` holds the step's inputs; the output gradients are held as they
     arrive; ``record`` (after the backward, given the check's verdict) copies what it holds
-    into the frozen bytes only if the step is the first bad one, and lets go. On CUDA with
-    Triton ``record`` is one kernel launch (its blocks return at once unless the step is
-    the first bad one: no pass over the bytes); elsewhere a few torch ops."""
+    into the frozen bytes only if the step is the first bad one, and lets go. Where it holds
+    a tensor over 32 MiB (a language model's output gradient), on CUDA with Triton,
+    ``record`` is one kernel launch whose blocks return at once unless the step is the
+    first bad one (no pass over the bytes); otherwise a few torch ops (``where``)."""
 
     def __init__(self, dev, state, keep_weights=False):
         self.dev = dev
@@ -155,7 +160,7 @@ class StepWatch:
     def begin(self, args, kwargs, host_step):
         """The step starts: count it, hold its inputs (no copy)."""
         self.host_step = host_step
-        if _capturing():
+        if capturing():
             self.step.add_(1)
         if not kwargs and self.dev.type != "cpu":
             key = tuple((a.dtype, a.shape, a.device, a.is_contiguous()) if type(a) is torch.Tensor else None
@@ -228,18 +233,19 @@ class StepWatch:
         what it held. Idempotent within a step."""
         held = self.held + self.weights
         self.held = []
-        if self._kernel is not None:
-            self._launch(bad, held)
+        if self._kernel is not None and any(s.numel() * s.element_size() > _BIG for s, _ in held):
+            self._launch(bad, held)  # one launch, no pass over the held bytes
             return
-        step = self.step if _capturing() else self.step.fill_(float(self.host_step))
-        new = torch.logical_and(bad, (self.bad_step < 0) | (self.bad_step == step))
+        # small tensors: torch ops (a Triton launch costs more host time than a few of them)
+        step = self.step if capturing() else self.step.fill_(float(self.host_step))
+        new = torch.logical_and(bad, self.bad_step < 0)  # (a second record in a step: no-op)
         torch.where(new, step, self.bad_step, out=self.bad_step)
         for src, dst in held:
             torch.where(new, src, dst, out=dst)
 
     def _launch(self, bad, held, use_host=None):
         if use_host is None:
-            use_host = not _capturing()
+            use_host = not capturing()
         for i in range(0, max(len(held), 1), _SLOTS):
             part = held[i: i + _SLOTS]
             args = []
@@ -380,7 +386,7 @@ _GENERATORS: dict = {}
 def cuda_rng_state(dev):
     """The CUDA generator's state a replay of a step on ``dev`` needs (host side, no device
     read; None under a graph capture, whose replays advance it on the device)."""
-    if dev.type != "cuda" or _capturing():
+    if dev.type != "cuda" or capturing():
         return None
     g = _GENERATORS.get(dev)
     if g is None:
