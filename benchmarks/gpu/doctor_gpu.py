@@ -57,7 +57,7 @@ def check(name):
             rec["seconds"] = round(time.perf_counter() - t, 2)
             RESULTS.append(rec)
             log(f"[{'ok' if rec['ok'] else 'FAILED'}] {name} ({rec['seconds']} s)"
-                + ("" if rec["ok"] else f": {rec['error']}"))
+                + ("" if rec["ok"] else f": {rec.get('error', 'a record failed, see above')}"))
             return rec
         return run
     return wrap

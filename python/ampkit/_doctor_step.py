@@ -48,7 +48,7 @@ _CUDA = torch.cuda.is_available()
 
 
 def capturing() -> bool:
-    return _CUDA and torch.cuda.is_current_streamcapturing()
+    return _CUDA and torch.cuda.is_current_stream_capturing()
 
 
 @dataclasses.dataclass(eq=False)
