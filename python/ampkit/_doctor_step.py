@@ -125,9 +125,10 @@ class StepWatch:
     Per step: ``begin`` holds the step's inputs; the output gradients are held as they
     arrive; ``record`` (after the backward, given the check's verdict) copies what it holds
     into the frozen bytes only if the step is the first bad one, and lets go. Where it holds
-    a tensor over 32 MiB (a language model's output gradient), on CUDA with Triton,
-    ``record`` is one kernel launch whose blocks return at once unless the step is the
-    first bad one (no pass over the bytes); otherwise a few torch ops (``where``)."""
+    a tensor over 32 MiB (a language model's output gradient), or inside a CUDA graph
+    capture, on CUDA with Triton, ``record`` is one kernel launch whose blocks return at
+    once unless the step is the first bad one (no pass over the bytes); otherwise a few
+    torch ops (``where``)."""
 
     def __init__(self, dev, state, keep_weights=False):
         self.dev = dev
@@ -233,10 +234,10 @@ class StepWatch:
         what it held. Idempotent within a step."""
         held = self.held + self.weights
         self.held = []
-        if self._kernel is not None and any(s.numel() * s.element_size() > _BIG for s, _ in held):
-            self._launch(bad, held)  # one launch, no pass over the held bytes
+        if self._kernel is not None and (capturing() or any(s.numel() * s.element_size() > _BIG for s, _ in held)):
+            self._launch(bad, held)  # one launch (one node of a graph), no pass over the held bytes
             return
-        # small tensors: torch ops (a Triton launch costs more host time than a few of them)
+        # eager, small tensors: torch ops (a Triton launch costs more host time than a few)
         step = self.step if capturing() else self.step.fill_(float(self.host_step))
         new = torch.logical_and(bad, self.bad_step < 0)  # (a second record in a step: no-op)
         torch.where(new, step, self.bad_step, out=self.bad_step)
