@@ -33,6 +33,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import ampkit
 import ampkit.bench as bench
+from eager_vs_torch import epoch  # (this folder: the same timed epoch as the eager loops)
 
 DTYPE = {"cuda": torch.float16, "cpu": torch.bfloat16}  # (the CPU: a smoke test with gloo)
 VARIANTS = ("torch_amp", "torch_amp_fused", "ampkit_step", "ampkit_step_nocheck", "ampkit_step_plain")
@@ -64,15 +65,6 @@ def build(name, built, engine, device):
     return ampkit.make_train_step(model, built.loss_fn, opt, scaler=scaler,
                                   autocast=dict(device_type=device, dtype=DTYPE[device]),
                                   warmup=bench.Placement(engine, device).train_step_warmup())
-
-
-def epoch(step, built):
-    bench.synchronize(built.device)
-    t0 = time.perf_counter()
-    for x, y in built.batches:
-        step(x, y)
-    bench.synchronize(built.device)
-    return (time.perf_counter() - t0) * 1e3 / built.num_batches
 
 
 def kernel_table(step, built, steps, rank, title, trace=None):
