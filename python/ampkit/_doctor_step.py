@@ -369,13 +369,12 @@ def region_config():
 @contextlib.contextmanager
 def enter_region(config):
     """Enter the regions ``region_config()`` described."""
-    import ampkit
+    from ampkit._autocast import autocast
 
     devs, plain = config
     with contextlib.ExitStack() as stack:
         for dt, (enabled, dtype, policy, cache) in devs.items():
-            stack.enter_context(ampkit.autocast(dt, dtype=dtype, enabled=enabled, cache_enabled=cache,
-                                                policy=policy))
+            stack.enter_context(autocast(dt, dtype=dtype, enabled=enabled, cache_enabled=cache, policy=policy))
         for dt, dtype in plain.items():
             stack.enter_context(torch.autocast(dt, dtype=dtype))
         yield
