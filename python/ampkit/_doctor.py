@@ -150,7 +150,7 @@ class doctor:
             raise RuntimeError(
                 f"ampkit.doctor: a doctor is already armed on this {type(model).__name__}; "
                 "call .close() on it (or leave its `with` block) before arming another")
-        state = _step_watch.state_of(model)  # (a non-contiguous parameter raises: nothing armed)
+        state = _step_watch.state_of(model, keep_weights)  # (may raise: nothing is armed then)
         self.model = model
         self.names = {m: n for n, m in model.named_modules()}
         self._sites: dict = {}  # (op, module, phase, dtype) -> int

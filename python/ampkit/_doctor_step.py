@@ -338,18 +338,20 @@ def same_layout(a, b) -> bool:
     return True
 
 
-def state_of(model):
-    """The model's parameters and buffers, each once, grouped by device."""
+def state_of(model, keep_weights=False):
+    """The model's parameters and buffers, each once, grouped by device (with
+    ``keep_weights`` each must be contiguous: their bytes are kept)."""
     seen, by_dev = set(), {}
     for t in list(model.parameters()) + list(model.buffers()):
         if id(t) in seen:
             continue
         seen.add(id(t))
-        if not t.is_contiguous():
+        if keep_weights and not t.is_contiguous():
             raise ValueError(
-                "ampkit.doctor: the model has a non-contiguous parameter or buffer (shape "
-                f"{tuple(t.shape)}, strides {t.stride()}); the doctor keeps their bytes for its "
-                "replay. Make it contiguous (`p.data = p.data.contiguous()`) before arming")
+                "ampkit.doctor: keep_weights=True, and the model has a non-contiguous parameter or "
+                f"buffer (shape {tuple(t.shape)}, strides {t.stride()}), whose bytes the doctor would "
+                "keep for its replay. Make it contiguous (`p.data = p.data.contiguous()`) before "
+                "arming, or arm without keep_weights")
         by_dev.setdefault(t.device, []).append(t)
     return by_dev
 

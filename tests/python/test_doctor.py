@@ -444,3 +444,14 @@ def test_keep_weights_must_be_a_bool():
     with pytest.raises(ValueError, match="keep_weights must be True or False, got 1"):
         ampkit.doctor(model, keep_weights=1)
     assert all(not m._forward_pre_hooks for m in model.modules())
+
+
+def test_a_non_contiguous_parameter_is_refused_only_when_its_bytes_are_kept():
+    model = _mlp()
+    model[0].weight.data = model[0].weight.data.t().contiguous().t()  # same values, transposed strides
+    with pytest.raises(ValueError, match="keep_weights=True, and the model has a non-contiguous parameter"):
+        ampkit.doctor(model, keep_weights=True)
+    assert all(not m._forward_pre_hooks for m in model.modules())
+    with ampkit.doctor(model) as doc, ampkit.autocast("cpu", dtype=torch.float16):
+        model(torch.full((2, 8), 1e6))  # the input's cast overflows
+    assert doc.first_nonfinite().op == "_to_copy"
