@@ -234,6 +234,10 @@ class StepWatch:
         what it held. Idempotent within a step."""
         held = self.held + self.weights
         self.held = []
+        with torch.no_grad():  # (a held input may require grad; where's out= refuses those)
+            self._record(bad, held)
+
+    def _record(self, bad, held):
         if self._kernel is not None and (capturing() or any(s.numel() * s.element_size() > _BIG for s, _ in held)):
             self._launch(bad, held)  # one launch (one node of a graph), no pass over the held bytes
             return

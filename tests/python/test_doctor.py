@@ -455,3 +455,18 @@ def test_a_non_contiguous_parameter_is_refused_only_when_its_bytes_are_kept():
     with ampkit.doctor(model) as doc, ampkit.autocast("cpu", dtype=torch.float16):
         model(torch.full((2, 8), 1e6))  # the input's cast overflows
     assert doc.first_nonfinite().op == "_to_copy"
+
+
+def test_an_input_that_requires_grad_is_replayed():
+    # the step's inputs are held as they come (here one that requires grad, as an
+    # embedding fed in from outside would) and copied only for the first bad step
+    torch.manual_seed(0)
+    model = _mlp()
+    with ampkit.doctor(model) as doc:
+        for i in range(2):
+            x = torch.randn(2, 8).mul_(1e6 if i == 1 else 1.0).requires_grad_()
+            with ampkit.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().sum()
+            loss.backward()
+        f = doc.first_nonfinite()
+    assert (f.op, f.module, f.phase, f.step, f.input_absmax) == ("_to_copy", "0", "forward", 1, x.abs().max().item())
