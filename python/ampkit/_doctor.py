@@ -1,12 +1,16 @@
 """The numerics doctor: the first non-finite op of a run, forward or backward, and its module.
 
 ``doc = ampkit.doctor(model, every=N)`` arms it (also ``with ampkit.doctor(...) as doc:``);
-``doc.close()`` disarms it. Armed, it installs a forward pre/post hook on each module of
-the model and pushes one ``TorchDispatchMode`` in this thread, which sees every aten op
-of the model's forward and of the backward (the autocast casts included: they are aten
-``_to_copy`` calls). Disarmed (or never armed) nothing is installed: no cost.
+``doc.close()`` disarms it. Armed, it installs a forward pre-hook and a forward hook on the
+model itself; every step is checked on the device for an inf or a NaN that reaches the
+gradients or the outputs, and the first bad step's inputs and output gradient are kept
+(``_doctor_step``). Disarmed (or never armed) nothing is installed: no cost.
 
-What each watched op costs (the whole algorithm)::
+The op is named by the **op-level watch**, which runs only in sampled steps (every
+``every``-th, eager) and in the replay of the first bad step that ``first_nonfinite()``
+runs on demand. It installs a forward pre/post hook on each module and inserts one
+``TorchDispatchMode`` where the mode stack ended at arming; the mode sees every aten op of
+the forward and of the backward (the autocast casts included: aten ``_to_copy``)::
 
     forward op   : module = innermost module whose forward is running (the hooks' stack)
     backward op  : module = the module whose forward created the running autograd node
@@ -18,21 +22,20 @@ What each watched op costs (the whole algorithm)::
         sites[k] = site, an int naming (op, module, phase, dtype), interned in Python
         ins[k]   = the slots of its inputs (a leaf input, parameter or data, gets a slot of
                    its own, reduced once per step, site -1)
-        (sites and ins are written only where the op sequence changes: the first step)
-    per step, at the next step's start (and on read): fold the slots into the record
+    at the step's end (and on read): fold the slots into the record
         bad    = not isfinite(buf) and sites >= 0;   j = first bad slot
         record = where(any(bad) and not record.found,
                        [1, sites[j], step, max(buf[ins[j]]), buf[j]], record)
 
-No value is read back to the host per step: ``first_nonfinite()`` reads the record on
-demand (one sync). Under ``make_train_step``'s CUDA graph the Python above runs once, at
-capture; the replays run its kernels, and the step counter is a device tensor that the
-root module's pre-hook increments, so the record names the replayed step.
+No value is read back to the host per step: ``first_nonfinite()`` reads the records on
+demand, and replays the first bad step if no sampled step named it. Under
+``make_train_step``'s CUDA graph the per-step check and keeping are kernels of the graph,
+and a device step counter names the replayed step.
 
-Every ``every`` steps (eager steps; under a capture, the captured step's choice), the
-doctor also accumulates per module: the absmax of its forward outputs and gradients, the
-fraction of values cast to the low dtype that underflow (nonzero in float32, zero after
-the cast) and the fraction of low-precision values beyond the dtype's range (inf).
+In sampled steps the doctor also accumulates per module: the absmax of its forward outputs
+and gradients, the fraction of values cast to the low dtype that underflow (nonzero in
+float32, zero after the cast) and the fraction of low-precision values beyond the dtype's
+range (inf).
 
 >>> import torch, ampkit
 >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))

@@ -1,9 +1,11 @@
 #' The numerics doctor: the first non-finite op, per-module statistics, a repair
 #'
 #' `amp_doctor()` arms the core's numerics doctor on a model. While armed it
-#' records, on the device and without reading anything back per step, the
-#' first op (forward or backward) whose output holds an inf or a NaN, with
-#' the module that ran it, and every `every` steps per-module statistics:
+#' checks every step on the device, without reading anything back, for an inf
+#' or a NaN in the gradients (or the outputs), and names the first op
+#' (forward or backward) that made one, with the module that ran it, by
+#' replaying the first bad step when asked; every `every` steps it samples
+#' per-module statistics:
 #' absmax, the fraction of values cast to the low dtype that underflow to
 #' zero, and the fraction of low-precision values beyond the dtype's range.
 #' Disarmed (`$close()`), nothing of it is left installed.
@@ -23,7 +25,8 @@
 #' @return An object of class `ampkit_doctor`, a list of functions:
 #'   * `$first_nonfinite()`: `NULL`, or a one-row data.frame with columns
 #'     `op`, `module`, `phase`, `dtype`, `step`, `input_absmax`,
-#'     `output_absmax`;
+#'     `output_absmax`, `weights` (`"step"` or `"current"`: the weights
+#'     the replay ran);
 #'   * `$stats()`: a data.frame, one row per module and sampled step
 #'     (`step`, `module`, `absmax`, `grad_absmax`, `underflow`, `overflow`,
 #'     `cast_elements`, `low_elements`);
