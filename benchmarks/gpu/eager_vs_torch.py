@@ -13,6 +13,8 @@ seeded copies of the case's model with the case's optimizer and data:
 - ``ampkit_handler``:  an override that cannot run as a kernel (``norm``, a Python function
                        of torch, moved to lower_precision_fp): ampkit's handler mode is
                        pushed and sees every call
+- with ``--control``: ``torch_amp_again``, a second torch_amp loop: its ratio to torch_amp
+  is the noise floor of the ratios (identical code measured twice)
 - with ``--split``: ``ampkit_region_torch_scaler``, ampkit.autocast with torch's scaler, which
   tells the region's cost from the scaler's
 - with ``--compiled``: ``torch_compile_amp`` and ``ampkit_compile_amp``, the first two
@@ -42,6 +44,7 @@ HANDLER = ampkit.load_policy("torch_default").with_ops(lower_precision_fp=["norm
 LOOPS = ("torch_amp", "ampkit_amp", "ampkit_override", "ampkit_handler")
 COMPILED = ("torch_compile_amp", "ampkit_compile_amp")
 SPLIT = ("ampkit_region_torch_scaler",)
+CONTROL = ("torch_amp_again",)
 
 
 def make_loop(name, built):
@@ -84,6 +87,10 @@ def run_case(case, profile, device, repeats, names=LOOPS):
     out["time_vs_torch_amp"] = {
         n: statistics.median(a / t for a, t in zip(samples[n], samples["torch_amp"])) for n in names[1:]
     }
+    if repeats >= 4:  # the spread of the per-repeat ratios: their quartiles
+        out["time_vs_torch_amp_quartiles"] = {
+            n: statistics.quantiles([a / t for a, t in zip(samples[n], samples["torch_amp"])], n=4)[::2]
+            for n in names[1:]}
     if "torch_compile_amp" in names:
         out["compiled_ampkit_vs_torch"] = statistics.median(
             a / t for a, t in zip(samples["ampkit_compile_amp"], samples["torch_compile_amp"]))
@@ -98,9 +105,10 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--compiled", action="store_true", help="also the torch.compile'd loops")
     ap.add_argument("--split", action="store_true", help="also ampkit.autocast with torch's scaler")
+    ap.add_argument("--control", action="store_true", help="also torch_amp a second time (the noise floor)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    names = LOOPS + (COMPILED if a.compiled else ()) + (SPLIT if a.split else ())
+    names = LOOPS + (COMPILED if a.compiled else ()) + (SPLIT if a.split else ()) + (CONTROL if a.control else ())
     device = bench.resolve_device(a.device)
     cases = a.cases.split(",") if a.cases else list(bench.load_cases())
     card = torch.cuda.get_device_name() if device == "cuda" else "cpu"
@@ -113,6 +121,8 @@ def main(argv=None):
         line = (f"{case:<16} {m['torch_amp']:>10.3f} {m['ampkit_amp']:>11.3f} {q['ampkit_amp']:>6.3f}"
                 f" {m['ampkit_override']:>11.3f} {q['ampkit_override']:>6.3f}"
                 f" {m['ampkit_handler']:>13.3f} {q['ampkit_handler']:>6.3f}")
+        if a.control:
+            line += f"   control torch_amp again: ratio {q['torch_amp_again']:.3f}"
         if a.split:
             line += f"   ampkit region + torch scaler {m['ampkit_region_torch_scaler']:.3f} ratio {q['ampkit_region_torch_scaler']:.3f}"
         if a.compiled:
