@@ -62,3 +62,38 @@ def test_eager_step_armed_adds_no_sync():
             step()
             step()
         assert doc.first_nonfinite() is None
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_a_large_output_is_kept_by_the_conditional_copy_and_replayed(phase):
+    # a 64 MiB float16 output (over the doctor's 32 MiB line): an eager step's record is the
+    # Triton kernel, which copies the held inputs and output gradient only for the first bad
+    # step. Step 2 of 4 is bad: its batch overflows the forward, or its output gradient the
+    # backward (1e5 * a weight beyond float16); the finding is derived by hand from that step
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8192)).cuda()
+    scaler = ampkit.GradScaler("cuda", init_scale=1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    xs = [torch.randn(4096, 64, device="cuda") for _ in range(4)]
+    gs = [torch.full((4096, 8192), 1.0, device="cuda") for _ in range(4)]
+    if phase == "forward":
+        xs[2] = xs[2].mul(1e6)  # beyond float16: layer 0's input cast overflows
+    else:
+        gs[2] = gs[2].mul(1e5)  # the float32 gradient cast back to float16 overflows
+    with ampkit.doctor(model) as doc:
+        for x, g in zip(xs, gs):
+            opt.zero_grad()
+            with ampkit.autocast("cuda", dtype=torch.float16):
+                out = model(x)
+            assert out.numel() * out.element_size() > 32 << 20
+            scaler.scale((out.float() * g).sum()).backward()
+            scaler.step(opt)
+            scaler.update()
+        f = doc.first_nonfinite()
+    assert f.step == 2 and f.weights == "current"
+    if phase == "forward":
+        assert (f.op, f.module, f.phase) == ("_to_copy", "0", "forward")
+        assert f.input_absmax == pytest.approx(xs[2].abs().max().item())
+    else:  # the gradient arrives at the model's output already inf (made by the loss's cast)
+        assert (f.op, f.module, f.phase) == ("<output gradient>", "<outside model>", "backward")
+        assert f.output_absmax == float("inf")
