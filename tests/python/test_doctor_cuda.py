@@ -75,11 +75,11 @@ def test_a_large_output_is_kept_by_the_conditional_copy_and_replayed(phase):
     scaler = ampkit.GradScaler("cuda", init_scale=1.0)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     xs = [torch.randn(4096, 64, device="cuda") for _ in range(4)]
-    gs = [torch.full((4096, 8192), 1.0, device="cuda") for _ in range(4)]
+    gs = [torch.full((4096, 8192), 1e-3, device="cuda") for _ in range(4)]  # (1.0 overflows sum())
     if phase == "forward":
         xs[2] = xs[2].mul(1e6)  # beyond float16: layer 0's input cast overflows
     else:
-        gs[2] = gs[2].mul(1e5)  # the float32 gradient cast back to float16 overflows
+        gs[2] = gs[2].mul(1e8)  # 1e5: the float32 gradient cast back to float16 overflows
     with ampkit.doctor(model) as doc:
         for x, g in zip(xs, gs):
             opt.zero_grad()
