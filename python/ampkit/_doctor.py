@@ -50,6 +50,7 @@ range (inf).
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import math
 import threading
@@ -172,7 +173,11 @@ class doctor:
         self._mode = None  # the op-level watch's mode while it is on
         self._bw_queued = False
         self._out_grads: list = []
-        self._history: list = []  # (host step, layouts, region config, cuda rng) where they change
+        self._history: list = []  # (host step, layouts, region config) where they change
+        self._rng_offsets = array.array("q")  # the CUDA generator's offset at each eager step's start
+        self._rng_start = None  # the host step of _rng_offsets[0]
+        self._rng_seeds: dict = {}  # host step -> the generator's seed, where it changes
+        self._rng_gen = None
         self._replayed: dict = {}  # step -> Finding
         # the op-level watch's mode goes where the stack ends now: above the modes entered
         # before arming (a fault injector), below those entered later
@@ -183,7 +188,6 @@ class doctor:
         # graph captured later writes into them rather than allocating its own
         self._watches = {dev: _step_watch.StepWatch(dev, ts, keep_weights) for dev, ts in state.items()}
         self._scaler_seen = False  # an ampkit.GradScaler checks the gradients: its flag is used
-        self._rng_at_start = ()
         for dev in self._watches:
             self._records[dev] = torch.zeros(5, device=dev)
         self._handles.append(model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
@@ -304,13 +308,33 @@ class doctor:
         they change)."""
         layouts = tuple((w.layout, w.grad_layout) for w in self._watches.values())
         cfg = _step_watch.region_config()
-        rng = self._rng_at_start
         if self._history:
-            _, l0, c0, r0 = self._history[-1]
-            if (c0 == cfg and all(a[0] is b[0] and a[1] == b[1] for a, b in zip(l0, layouts))
-                    and (r0 == rng or all(r is None for r in rng))):
+            _, l0, c0 = self._history[-1]
+            if c0 == cfg and all(a[0] is b[0] and a[1] == b[1] for a, b in zip(l0, layouts)):
                 return
-        self._history.append((self._step, layouts, cfg, rng))
+        self._history.append((self._step, layouts, cfg))
+
+    def _log_rng(self):
+        """The CUDA generator's state at this step's start (8 bytes a step; the seed where it
+        changes), for the replay's random ops (the first CUDA device's generator)."""
+        dev = next((d for d in self._watches if d.type == "cuda"), None)
+        st = _step_watch.cuda_rng_state(dev) if dev is not None else None
+        if st is None:
+            return
+        _, g, seed, offset = st
+        if self._rng_start is None:
+            self._rng_start, self._rng_gen = self._step, g
+        if self._step - self._rng_start != len(self._rng_offsets):  # (a gap: start over)
+            self._rng_start, self._rng_offsets, self._rng_seeds = self._step, array.array("q"), {}
+        self._rng_offsets.append(offset)
+        if not self._rng_seeds or self._rng_seeds[max(self._rng_seeds)] != seed:
+            self._rng_seeds[self._step] = seed
+
+    def _rng_at(self, k):
+        if self._rng_start is None or not 0 <= k - self._rng_start < len(self._rng_offsets):
+            return None
+        seed = self._rng_seeds[max(s for s in self._rng_seeds if s <= k)]
+        return ("cuda", self._rng_gen, seed, self._rng_offsets[k - self._rng_start])
 
     def _pre(self, name):
         def pre(module, args):
@@ -358,7 +382,7 @@ class doctor:
         for w in self._watches.values():
             w.check_pending()
             w.begin(args, kwargs, self._step)
-        self._rng_at_start = tuple(_step_watch.cuda_rng_state(d) for d in self._watches)
+        self._log_rng()
         self._sampling = self._step % self.every == 0 and not _capturing()
         self._acc = {}
         self._abs = {}
@@ -529,10 +553,10 @@ class doctor:
         if entry is None:
             return Finding("<not reproduced>", "<unknown>", "forward", "", k, nan, nan)
         self._ops_off()  # (a sampled step still running is not watched further)
-        _, layouts, cfg, rngs = entry
+        _, layouts, cfg = entry
         i = list(self._watches).index(dev)
         args, kwargs, grads, cpu_rng = w.frozen_io(*layouts[i])
-        rng = ("cpu", cpu_rng) if cpu_rng is not None else rngs[i]
+        rng = ("cpu", cpu_rng) if cpu_rng is not None else self._rng_at(k)
         params = [t for t in w.state if isinstance(t, torch.nn.Parameter)]
         saved = [t.detach().clone() for t in w.state]
         saved_grads = [p.grad for p in params]
