@@ -305,44 +305,51 @@ def test_suggest_pins_a_module_whose_casts_underflow():
 
 
 # -- the replay: a bad step that was not sampled ------------------------------------------
-def test_an_unsampled_bad_step_is_replayed_with_its_inputs_weights_and_dropout():
-    # step 1 of a run armed with every=100 (only step 0 is sampled) overflows after a
-    # dropout: the replay must run step 1's weights, batch and dropout mask again to name
-    # the op and give its input's absmax, which the oracle computes from the same state
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_an_unsampled_bad_step_is_replayed_with_its_inputs_weights_and_dropout(device):
+    # the last of 5 steps of a run armed with every=100 (only step 0 is sampled) overflows
+    # after a dropout: the replay must run that step's weights, batch and dropout mask (the
+    # CPU generator's bytes, or the CUDA generator's logged offset) again to name the op and
+    # give its input's absmax, which the oracle computes from the same state
+    get_rng, set_rng = (torch.get_rng_state, torch.set_rng_state) if device == "cpu" else \
+        (torch.cuda.get_rng_state, torch.cuda.set_rng_state)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 2))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 2)).to(device)
     with torch.no_grad():
         model[2].weight.mul_(50.0)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    scaler = ampkit.GradScaler("cpu", init_scale=1.0)
-    xs = [torch.randn(4, 8), torch.randn(4, 8) * 5e3]  # step 1's batch overflows in layer 2
+    scaler = ampkit.GradScaler(device, init_scale=1.0)
+    bad = 4
+    xs = [torch.randn(4, 8, device=device) * (5e3 if i == bad else 1.0) for i in range(bad + 1)]
     with ampkit.doctor(model) as doc:
         for i, x in enumerate(xs):
-            if i == 1:
-                rng, weights = torch.get_rng_state(), {k: v.clone() for k, v in model.state_dict().items()}
+            if i == bad:
+                rng, weights = get_rng(), {k: v.clone() for k, v in model.state_dict().items()}
             opt.zero_grad()
-            with ampkit.autocast("cpu", dtype=torch.float16):
+            with ampkit.autocast(device, dtype=torch.float16):
                 loss = model(x).float().sum()
             scaler.scale(loss).backward()
             scaler.step(opt)
             scaler.update()
         after = {k: v.clone() for k, v in model.state_dict().items()}
         grads = [p.grad.clone() for p in model.parameters()]
-        rng_after = torch.get_rng_state()
+        rng_after = get_rng()
         f = doc.first_nonfinite()
         # reading put everything back: weights, gradients, the random state
         assert all(torch.equal(after[k], v) for k, v in model.state_dict().items())
         assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
-        assert torch.equal(rng_after, torch.get_rng_state())
-    oracle = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 2))
+        assert torch.equal(rng_after, get_rng())
+    oracle = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 2)).to(device)
     oracle.load_state_dict(weights)
-    torch.set_rng_state(rng)
-    with torch.autocast("cpu", dtype=torch.float16):
-        h = oracle[1](oracle[0](xs[1]))
+    set_rng(rng)
+    with torch.autocast(device, dtype=torch.float16):
+        h = oracle[1](oracle[0](xs[bad]))
         y = oracle[2](h)
     assert torch.isfinite(h).all() and not torch.isfinite(y).all()
-    want_in = max(h.abs().max().item(), oracle[2].weight.abs().max().item(), oracle[2].bias.abs().max().item())
-    assert (f.op, f.module, f.phase, f.dtype, f.step) == ("addmm", "2", "forward", "float16", 1)
+    # addmm reads the float16 casts of layer 2's weight and bias
+    want_in = max(h.abs().max().item(), oracle[2].weight.half().abs().max().item(),
+                  oracle[2].bias.half().abs().max().item())
+    assert (f.op, f.module, f.phase, f.dtype, f.step) == ("addmm", "2", "forward", "float16", bad)
     assert f.input_absmax == pytest.approx(want_in)
     assert f.output_absmax == float("inf")
 
