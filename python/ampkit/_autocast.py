@@ -286,7 +286,7 @@ class _Engine:
         self.mode.__exit__(None, None, None)
 
     def state(self, device_type):
-        return self.levels[-1][0].devs.get(device_type)
+        return self.devs().get(device_type)
 
     def devs(self) -> dict:
         """{device_type: (enabled, dtype, policy, cache_enabled)} of the innermost region."""
@@ -838,7 +838,7 @@ def checkpoint(function, *args, use_reentrant=None, **kwargs):
         raise TypeError(f"ampkit.checkpoint: function must be callable, got {function!r}")
     if use_reentrant is not None and not isinstance(use_reentrant, bool):
         raise TypeError(f"ampkit.checkpoint: use_reentrant must be True, False or None, got {use_reentrant!r}")
-    saved = list(_engine().levels[-1][0].devs.items())
+    saved = list(_engine().devs().items())
 
     def under_policy(*a, **k):
         # ampkit's frames only: torch's autocast state is the one torch's checkpoint restores

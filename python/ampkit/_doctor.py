@@ -131,7 +131,8 @@ class doctor:
         path); :meth:`suggest` changes it. Default ``"torch_default"``.
       keep_weights: keep the weights each step began with, so that the replay of the
         first bad step runs that step's weights even when later steps changed them (one
-        more pass over the weights per step, two copies of them in memory). Off (the
+        copy of them in memory; each step copies them there only if it is the first bad
+        one, with a Triton kernel on CUDA, else a ``where`` over them per step). Off (the
         default), the replay runs the weights of the time of reading: the same weights
         when nothing stepped since (the scaler skipped the bad step and you read then, as
         ``on_skip`` does); the finding's ``weights`` says which.
@@ -178,6 +179,7 @@ class doctor:
         self._rng_start = None  # the host step of _rng_offsets[0]
         self._rng_seeds: dict = {}  # host step -> the generator's seed, where it changes
         self._rng_gen = None
+        self._rng_seed = None  # the last seed logged
         self._replayed: dict = {}  # step -> Finding
         # the op-level watch's mode goes where the stack ends now: above the modes entered
         # before arming (a fault injector), below those entered later
@@ -187,6 +189,7 @@ class doctor:
         # the record, step counters and replay buffers exist before any step, so that a CUDA
         # graph captured later writes into them rather than allocating its own
         self._watches = {dev: _step_watch.StepWatch(dev, ts, keep_weights) for dev, ts in state.items()}
+        self._rng_dev = next((d for d in self._watches if d.type == "cuda"), None)  # whose generator is logged
         self._scaler_seen = False  # an ampkit.GradScaler checks the gradients: its flag is used
         for dev in self._watches:
             self._records[dev] = torch.zeros(5, device=dev)
@@ -237,7 +240,6 @@ class doctor:
             h.remove()
         self._inner = []
         self._stack = []
-        return True
 
     def _fold_sampled(self, restart=True):
         for sl in self._slot_state.values():
@@ -317,18 +319,17 @@ class doctor:
     def _log_rng(self):
         """The CUDA generator's state at this step's start (8 bytes a step; the seed where it
         changes), for the replay's random ops (the first CUDA device's generator)."""
-        dev = next((d for d in self._watches if d.type == "cuda"), None)
-        st = _step_watch.cuda_rng_state(dev) if dev is not None else None
+        st = _step_watch.cuda_rng_state(self._rng_dev) if self._rng_dev is not None else None
         if st is None:
             return
         _, g, seed, offset = st
-        if self._rng_start is None:
-            self._rng_start, self._rng_gen = self._step, g
-        if self._step - self._rng_start != len(self._rng_offsets):  # (a gap: start over)
-            self._rng_start, self._rng_offsets, self._rng_seeds = self._step, array.array("q"), {}
+        if self._rng_start is None or self._step - self._rng_start != len(self._rng_offsets):
+            # the first, or after a gap: start over
+            self._rng_start, self._rng_offsets, self._rng_seeds, self._rng_seed = self._step, array.array("q"), {}, None
+            self._rng_gen = g
         self._rng_offsets.append(offset)
-        if not self._rng_seeds or self._rng_seeds[max(self._rng_seeds)] != seed:
-            self._rng_seeds[self._step] = seed
+        if seed != self._rng_seed:
+            self._rng_seeds[self._step] = self._rng_seed = seed
 
     def _rng_at(self, k):
         if self._rng_start is None or not 0 <= k - self._rng_start < len(self._rng_offsets):
@@ -526,13 +527,15 @@ class doctor:
         return self._replayed[k]
 
     def _sampled_finding(self):
-        found = [rec.tolist() for rec in self._records.values()]
-        hits = [r for r in found if r[0] == 1.0]
+        return self._earliest(self._records.values())
+
+    def _earliest(self, records):
+        """The finding of the earliest step among records [found, site, step, in, out] (one
+        per device; one read each), or None."""
+        hits = [r for r in (rec.tolist() for rec in records) if r[0] == 1.0]
         if not hits:
             return None
-        return self._finding(min(hits, key=lambda r: r[2]))  # several devices: the earliest step
-
-    def _finding(self, r):
+        r = min(hits, key=lambda r: r[2])
         op, module, phase, dtype = self._site_list[int(r[1])]
         return Finding(op=op, module=module, phase=phase, dtype=dtype, step=int(r[2]),
                        input_absmax=float(r[3]), output_absmax=float(r[4]))
@@ -558,7 +561,10 @@ class doctor:
         args, kwargs, grads, cpu_rng = w.frozen_io(*layouts[i])
         rng = ("cpu", cpu_rng) if cpu_rng is not None else self._rng_at(k)
         params = [t for t in w.state if isinstance(t, torch.nn.Parameter)]
-        saved = [t.detach().clone() for t in w.state]
+        # what the replay may change: the buffers (a forward updates running statistics),
+        # and the parameters too when it loads the kept ones
+        changed = w.state if self.keep_weights else [t for t in w.state if not isinstance(t, torch.nn.Parameter)]
+        saved = [t.detach().clone() for t in changed]
         saved_grads = [p.grad for p in params]
         kept = (self._slot_state, self._stack, self._abs, self._sampling, self._acc)
         self._slot_state, self._stack, self._abs, self._sampling, self._acc = {}, [], {}, False, {}
@@ -592,7 +598,7 @@ class doctor:
                 self._ops_off()
         finally:
             with torch.no_grad():
-                for t, v in zip(w.state, saved):
+                for t, v in zip(changed, saved):
                     t.copy_(v)
             for p, g in zip(params, saved_grads):
                 p.grad = g
@@ -604,10 +610,8 @@ class doctor:
     def _replay_finding(self):
         recs = {}
         for sl in self._slot_state.values():
-            rec = recs.setdefault(sl.dev, torch.zeros(5, device=sl.dev))
-            sl.fold(rec)
-        hits = [r for r in (rec.tolist() for rec in recs.values()) if r[0] == 1.0]
-        return self._finding(min(hits, key=lambda r: r[2])) if hits else None
+            sl.fold(recs.setdefault(sl.dev, torch.zeros(5, device=sl.dev)))
+        return self._earliest(recs.values())
 
     def on_skip(self, scaler):
         """The finding when ``scaler`` (an ``ampkit.GradScaler``) skipped a step, else None."""
@@ -705,12 +709,6 @@ def _amax1(t):
     return torch.maximum(mx.float(), mn.float().neg())
 
 
-def _absmax(ts):
-    vals = [_amax1(t) for t in ts]
-    if len(vals) == 1:
-        return vals[0]
-    dev = vals[0].device
-    return torch.stack([v if v.device == dev else v.to(dev) for v in vals]).amax()
 
 
 class _Slots:

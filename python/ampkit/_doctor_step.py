@@ -36,14 +36,6 @@ _U8 = torch.uint8
 _INF = float("inf")
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of ``t`` as a flat uint8 view (``t`` contiguous)."""
-    t = t.detach()
-    if t.dim() == 0:
-        t = t.reshape(1)
-    return t.reshape(-1).view(_U8)
-
-
 _CUDA = torch.cuda.is_available()
 
 
@@ -59,7 +51,6 @@ class _Layout:
     spec: object  # the pytree spec of (args, kwargs)
     leaves: list  # the non-tensor leaves (tensor leaves are None)
     tensors: list  # (index into leaves, or -1 for the CPU generator's state; offset, shape, dtype)
-    size: int  # bytes
     dst: list = None  # per tensor, its typed view of the frozen bytes
 
 
@@ -189,7 +180,7 @@ class StepWatch:
             ins.append(rng)
             tensors.append((-1, off, rng.shape, rng.dtype))
             off += rng.numel()
-        lay = _Layout(spec, leaves, tensors, off)
+        lay = _Layout(spec, leaves, tensors)
         grown = _grown(self.io_frozen, off)
         if grown is not self.io_frozen or not same_layout(lay, self.layout):
             self.io_frozen = grown
@@ -403,7 +394,8 @@ def cuda_rng_state(dev):
 
 @contextlib.contextmanager
 def replay_rng(state):
-    """Run with the random state ``state`` (of :func:`rng_state`); put the current one back."""
+    """Run with the random state ``state`` (("cuda", generator, seed, offset) of
+    :func:`cuda_rng_state`, or ("cpu", the CPU generator's bytes)); put the current one back."""
     if state is None:
         yield
         return
@@ -418,7 +410,7 @@ def replay_rng(state):
             g.manual_seed(old[0])
             g.set_offset(old[1])
         return
-    old = torch.get_rng_state()  # ("cpu", the frozen generator bytes)
+    old = torch.get_rng_state()
     torch.set_rng_state(state[1])
     try:
         yield

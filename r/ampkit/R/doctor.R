@@ -19,8 +19,8 @@
 #'   `"torch_default"`, a name, a path or an [amp_policy()].
 #' @param keep_weights `TRUE` to keep the weights each step began with, so that
 #'   the replay of the first bad step runs that step's weights even when later
-#'   steps changed them (one more pass over the weights per step, two copies in
-#'   memory). `FALSE` (the default): the replay runs the weights of the time of
+#'   steps changed them (one copy of them in memory, written only for the
+#'   first bad step). `FALSE` (the default): the replay runs the weights of the time of
 #'   reading; the finding's `weights` column says which.
 #' @return An object of class `ampkit_doctor`, a list of functions:
 #'   * `$first_nonfinite()`: `NULL`, or a one-row data.frame with columns
