@@ -2,7 +2,7 @@
 CUDA by default): the doctor's hooks wrapped with perf_counter, mean microseconds per call,
 and the cost of one small torch launch and one conditional-copy launch for scale.
 
-    python benchmarks/probes/doctor_host_cost.py [--device cuda] [--steps 200]
+    python benchmarks/probes/doctor_host_cost.py [--device cuda] [--steps 200] [--cprofile]
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 ap.add_argument("--profile", default="full")
 ap.add_argument("--steps", type=int, default=200)
+ap.add_argument("--cprofile", action="store_true", help="also print cProfile's top functions of an armed run")
 a = ap.parse_args()
 dev = a.device
 acc = collections.defaultdict(float)
@@ -84,8 +85,15 @@ flag = torch.zeros((), dtype=torch.bool, device=dev)
 src = torch.zeros(1 << 20, dtype=torch.uint8, device=dev)
 dst = torch.zeros_like(src)
 w = _doctor_step.StepWatch(torch.device(dev), [])
+extra = []
+if dev == "cuda":  # what a host-side verdict would cost: a flag copied to pinned memory, an event
+    pinned = torch.zeros((), dtype=torch.bool, pin_memory=True)
+    ev = torch.cuda.Event()
+    extra = [("flag -> pinned, non_blocking", lambda: pinned.copy_(flag, non_blocking=True)),
+             ("event.record()", lambda: ev.record()), ("event.query()", lambda: ev.query()),
+             ("pinned.item()", lambda: pinned.item())]
 for label, fn in [("x.add_(1)", lambda: x.add_(1)), ("record, 1 tensor of 1 MiB held", lambda: (setattr(w, "held", [(src, dst)]), w.record(flag))),
-                  ("torch.where 1 MiB", lambda: torch.where(flag, src, dst, out=dst))]:
+                  ("torch.where 1 MiB", lambda: torch.where(flag, src, dst, out=dst))] + extra:
     for _ in range(20):
         fn()
     t = time.perf_counter()
@@ -95,3 +103,12 @@ for label, fn in [("x.add_(1)", lambda: x.add_(1)), ("record, 1 tensor of 1 MiB 
     if dev == "cuda":
         torch.cuda.synchronize()
     print(f"  launch {label}: {el * 1e6:.1f} us host")
+
+if a.cprofile:  # where the armed step's host time goes, function by function
+    import cProfile
+    import pstats
+    prof = cProfile.Profile()
+    prof.enable()
+    run(True)
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)

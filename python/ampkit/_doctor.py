@@ -54,6 +54,7 @@ import array
 import dataclasses
 import math
 import threading
+import warnings
 import weakref
 
 import torch
@@ -66,6 +67,7 @@ _LOW = (torch.float16, torch.bfloat16)
 _OUTSIDE = "<outside model>"
 _TAG = "ampkit_doctor_module"
 _ARMED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> doctor
+_DOCTORS: list = []  # weak references to the armed doctors (a plain list: the scaler reads it every step)
 _CAST_OPS = ("_to_copy",)
 _current_node = torch._C._current_autograd_node
 _aten = torch.ops.aten
@@ -110,12 +112,30 @@ def replaying():
     return _REPLAYING[0]
 
 
-def scaler_checked(found_per_device):
-    """An ``ampkit.GradScaler`` checked the gradients (``{device: flag}``, 1.0 = an inf or
-    a NaN): each armed doctor takes it as its step's check, with no pass of its own."""
-    if _ARMED:
-        for doc in list(_ARMED.values()):
-            doc._scaler_report(found_per_device)
+def _armed():
+    docs = [r() for r in _DOCTORS]
+    if None in docs:  # (a doctor collected with its model, never closed)
+        _DOCTORS[:] = [r for r in _DOCTORS if r() is not None]
+    return [d for d in docs if d is not None]
+
+
+def before_capture():
+    """A CUDA graph capture of a step is about to begin (``make_train_step``): each armed
+    doctor's device step count catches up with its host count (a captured step counts itself
+    on the device; eager steps read by the host do not write it)."""
+    for doc in _armed():
+        for w in doc._watches.values():
+            w.sync_step()
+
+
+def scaler_checked(found_per_device, optimizer):
+    """An ``ampkit.GradScaler`` checked the gradients of ``optimizer``'s parameters
+    (``{device: flag}``, 1.0 = an inf or a NaN): the doctor armed on the model they belong
+    to takes it as its step's check, with no pass of its own."""
+    if _DOCTORS:
+        for doc in _armed():
+            if doc._steps(optimizer):
+                doc._scaler_report(found_per_device)
 
 
 class doctor:
@@ -190,13 +210,25 @@ class doctor:
         # graph captured later writes into them rather than allocating its own
         self._watches = {dev: _step_watch.StepWatch(dev, ts, keep_weights) for dev, ts in state.items()}
         self._rng_dev = next((d for d in self._watches if d.type == "cuda"), None)  # whose generator is logged
+        if len(self._watches) > 1:  # a model over devices: each step's bytes placed by the device
+            for w in self._watches.values():
+                w.host_verdicts = False
         self._scaler_seen = False  # an ampkit.GradScaler checks the gradients: its flag is used
+        self._optimizers = weakref.WeakKeyDictionary()  # optimizer -> whether it steps the model
         for dev in self._watches:
             self._records[dev] = torch.zeros(5, device=dev)
         self._handles.append(model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
         self._handles.append(model.register_forward_hook(self._root_post, always_call=True))
         _ARMED[model] = self
+        _DOCTORS.append(weakref.ref(self))
         self.armed = True
+
+    @property
+    def host_verdict_steps(self) -> int:
+        """How many eager steps held their inputs as they were until the host read their
+        verdict (the usual loop, new tensors each step); the others were copied by the device
+        at once (a CUDA graph, a refilled input buffer, ``keep_weights``)."""
+        return sum(w.host_steps for w in self._watches.values())
 
     # -- arming ---------------------------------------------------------------------
     def __enter__(self):
@@ -220,6 +252,7 @@ class doctor:
             h.remove()
         self._handles = []
         _ARMED.pop(self.model, None)
+        _DOCTORS[:] = [r for r in _DOCTORS if r() is not None and r() is not self]
         self.armed = False
 
     # -- the op-level watch: on for sampled steps and replays ----------------------------
@@ -265,25 +298,45 @@ class doctor:
         grad = torch.is_grad_enabled()
         self._bw_queued = False
         self._out_grads = []
+        cfg = _step_watch.region_config()
+        placed = False
+        one = len(self._watches) == 1
         for dev, w in self._watches.items():
-            mine = [o for o in every if o.device == dev]
+            mine = every if one else [o for o in every if o.device == dev]
             w.pending = [weakref.ref(o) for o in mine] or None
             mine = [o for o in mine if grad and o.requires_grad and o.is_floating_point()]
-            for o, dst in zip(mine, w.hold_output_grads(mine)):
-                o.register_hook(self._grad_hook(w, dst))
-        self._remember()
+            dsts = w.hold_output_grads(mine)
+            for i, o in enumerate(mine):
+                self._hook_grad(o, w, None if dsts is None else dsts[i])
+            w.cfg = cfg
+            placed = placed or not w.host_mode
+        if placed:
+            self._remember(cfg)
         return None
 
-    def _grad_hook(self, w, dst):
-        def hook(grad):
+    def _hook_grad(self, out, w, dst):
+        """Take ``out``'s gradient when the backward reaches it: a pre-hook on the node that
+        made it (cheaper than a tensor hook), or a tensor hook on a leaf."""
+        def take(grad):
             w.keep_grad(dst, grad)
-            self._out_grads.append(grad)
-            if not self._bw_queued:
-                self._bw_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
-            return None
+            w.pending = None  # (the backward came: no forward-only check)
+            if not self._scaler_seen:  # else the scaler's own check records the step
+                self._out_grads.append(grad)
+                if not self._bw_queued:
+                    self._bw_queued = True
+                    torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
 
-        return hook
+        node = out.grad_fn
+        if node is None:
+            out.register_hook(take)
+            return
+        k = out.output_nr
+
+        def pre(grads):
+            if grads[k] is not None:
+                take(grads[k])
+
+        node.register_prehook(pre)
 
     def _backward_end(self):
         grads = self._out_grads
@@ -295,31 +348,40 @@ class doctor:
             w.check([t.grad for t in w.state if isinstance(t, torch.nn.Parameter)]
                     + [g for g in grads if g.device == w.dev])
 
+    def _steps(self, optimizer):
+        """Whether ``optimizer`` steps this doctor's model (some parameter of it is the
+        model's); answered once per optimizer."""
+        mine = self._optimizers.get(optimizer)
+        if mine is None:
+            ids = {id(t) for ts in self._watches.values() for t in ts.state}
+            mine = self._optimizers[optimizer] = any(
+                id(p) in ids for g in getattr(optimizer, "param_groups", ()) for p in g["params"])
+        return mine
+
     def _scaler_report(self, found_per_device):
         """An ``ampkit.GradScaler`` checked the gradients: its flags (1.0 = inf or NaN) are
         this step's check, with no pass of the doctor's own over the gradients."""
         self._scaler_seen = True
         for dev, found in found_per_device.items():
             w = self._watches.get(dev)
-            if w is not None and w.layout is not None:
+            if w is not None and w.host_step >= 0:
                 w.record(found)
 
-    def _remember(self):
-        """What a replay of this step needs from the host: the layouts of its inputs and
-        output gradients, the autocast regions and the CUDA generator's state (kept where
-        they change)."""
+    def _remember(self, cfg):
+        """What a replay of this step needs from the host, for a step whose bytes the device
+        places: the layouts of its inputs and output gradients and the autocast regions
+        ``cfg`` (kept where they change)."""
         layouts = tuple((w.layout, w.grad_layout) for w in self._watches.values())
-        cfg = _step_watch.region_config()
         if self._history:
             _, l0, c0 = self._history[-1]
             if c0 == cfg and all(a[0] is b[0] and a[1] == b[1] for a, b in zip(l0, layouts)):
                 return
         self._history.append((self._step, layouts, cfg))
 
-    def _log_rng(self):
+    def _log_rng(self, cap):
         """The CUDA generator's state at this step's start (8 bytes a step; the seed where it
         changes), for the replay's random ops (the first CUDA device's generator)."""
-        st = _step_watch.cuda_rng_state(self._rng_dev) if self._rng_dev is not None else None
+        st = _step_watch.cuda_rng_state(self._rng_dev, cap) if self._rng_dev is not None else None
         if st is None:
             return
         _, g, seed, offset = st
@@ -380,11 +442,12 @@ class doctor:
             self._fold_sampled()
             self._ops_off()
         self._step += 1
+        cap = _capturing()
         for w in self._watches.values():
-            w.check_pending()
-            w.begin(args, kwargs, self._step)
-        self._log_rng()
-        self._sampling = self._step % self.every == 0 and not _capturing()
+            w.check_pending(cap)
+            w.begin(args, kwargs, self._step, cap)
+        self._log_rng(cap)
+        self._sampling = self._step % self.every == 0 and not cap
         self._acc = {}
         self._abs = {}
         if self._sampling:
@@ -512,7 +575,7 @@ class doctor:
         self._fold_sampled(restart=False)  # this step's slots so far (folding is idempotent)
         bads = []
         for dev, w in self._watches.items():
-            w.check_pending()
+            w.check_pending(_capturing())
             k = w.bad()
             if k is not None:
                 bads.append((k, dev))
@@ -552,13 +615,23 @@ class doctor:
         parameters, buffers, gradients and the random state afterwards."""
         nan = float("nan")
         w = self._watches[dev]
-        entry = self._history_at(k)
-        if entry is None:
-            return Finding("<not reproduced>", "<unknown>", "forward", "", k, nan, nan)
+        if w.stale == k:
+            warnings.warn(
+                f"ampkit.doctor: the inputs (or output gradient) of step {k} were changed in place "
+                "after the step, before the doctor kept them; the replay runs the changed values. "
+                "Pass each step a new tensor, or refill the same buffer every step (the doctor then "
+                "keeps the bytes on the device)", RuntimeWarning, stacklevel=3)
+        meta = w.frozen_meta
+        if meta is not None and meta[0] == k:  # placed by the host after its verdict
+            _, lay, gslots, cfg = meta
+        else:
+            entry = self._history_at(k)
+            if entry is None:
+                return Finding("<not reproduced>", "<unknown>", "forward", "", k, nan, nan)
+            _, layouts, cfg = entry
+            lay, gslots = layouts[list(self._watches).index(dev)]
         self._ops_off()  # (a sampled step still running is not watched further)
-        _, layouts, cfg = entry
-        i = list(self._watches).index(dev)
-        args, kwargs, grads, cpu_rng = w.frozen_io(*layouts[i])
+        args, kwargs, grads, cpu_rng = w.frozen_io(lay, gslots)
         rng = ("cpu", cpu_rng) if cpu_rng is not None else self._rng_at(k)
         params = [t for t in w.state if isinstance(t, torch.nn.Parameter)]
         # what the replay may change: the buffers (a forward updates running statistics),

@@ -4,30 +4,41 @@ Naming the op that made an inf needs a look at every op; doing that every step c
 reduction per op (measured on an H100: 1.4x the step time inside a CUDA graph, 3-6x
 eagerly). So the doctor splits the work:
 
-* **every step** (this module), on the device, no host read: after the backward (an
-  autograd callback queued by a hook on the model's output gradient), one check of the
+* **every step** (this module), no host sync: after the backward (an autograd callback
+  queued by a pre-hook on the node that made the model's output), one check of the
   parameters' gradients and of the gradient that arrived at the model's output
   (``_foreach_norm(inf)``, a few kernels), or an ``ampkit.GradScaler``'s own check of
-  the gradients when one runs. The first step whose check fails is recorded. A step
-  without a backward is checked at its outputs, when the next step starts or when the
-  record is read. The step's *replay data* is held, not copied: its tensor inputs, the
-  output gradient, the CPU generator's state (and with ``keep_weights`` the weights'
-  bytes). After the verdict one conditional copy per held tensor puts them into the
-  frozen bytes only if the step is the first bad one: on CUDA a Triton kernel whose
-  blocks return at once otherwise (no pass over the bytes), elsewhere ``torch.where``.
+  the gradients of this model's optimizer when one runs. A step without a backward is
+  checked at its outputs, when the next step starts or when the record is read. The
+  step's *replay data* is held, not copied: its tensor inputs, the output gradient, the
+  CPU generator's state (and with ``keep_weights`` the weights' bytes). Two ways on:
+  - *the host's verdict* (eager steps whose inputs are new tensors, the usual loop): the
+    check's flag is copied, asynchronously, into a ring of pinned host memory over a
+    sentinel, and the step waits in a queue holding its tensors. A later step (or a
+    reader) sees the flag there once the device got that far: a clean step lets go, the
+    first bad one has its tensors copied into the frozen bytes then. No device op but the
+    flag's copy; the host waits only if it runs 16 steps ahead of the device.
+  - *the device's copy* (inside a CUDA graph capture, inputs that are the last step's
+    buffers refilled in place, ``keep_weights``, a model over several devices): after
+    the verdict one conditional copy per held tensor puts them into the frozen bytes only
+    if the step is the first bad one: on CUDA a Triton kernel whose blocks return at once
+    otherwise (no pass over the bytes), elsewhere ``torch.where``.
 * **on demand** (``_doctor.doctor.first_nonfinite``): the frozen step is replayed under
   the op-level watch of ``_doctor``: the same inputs, autocast regions and random state
   (and with ``keep_weights`` the step's own weights), the forward, then the backward from
   the frozen output gradient; then everything is put back.
 
 Memory: the frozen inputs and output gradients (one step's), and with ``keep_weights``
-one copy of the weights; a step's output gradient is held until its verdict.
+one copy of the weights; a step's inputs and output gradient are held until its verdict
+(a step or two later, at most 16).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import time
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
@@ -52,6 +63,7 @@ class _Layout:
     leaves: list  # the non-tensor leaves (tensor leaves are None)
     tensors: list  # (index into leaves, or -1 for the CPU generator's state; offset, shape, dtype)
     dst: list = None  # per tensor, its typed view of the frozen bytes
+    size: int = 0  # bytes
 
 
 _RECORD = []  # the Triton kernel, once built (CUDA)
@@ -108,6 +120,8 @@ def _record_kernel():
 
 _CHUNK = 1 << 16
 _BIG = 32 << 20  # bytes: a held tensor this large is copied by the Triton kernel
+_RING = 64  # host slots for the verdicts on their way
+_PENDING = 16  # eager steps whose verdicts the host may wait for, holding their tensors
 
 
 class StepWatch:
@@ -135,6 +149,7 @@ class StepWatch:
         # counts itself (the graph's replays run no Python)
         self.step = torch.full((), -1.0, dtype=torch.float64, device=dev)
         self.host_step = -1
+        self._cpu = dev.type == "cpu"
         self.bad_step = torch.full((), -1.0, dtype=torch.float64, device=dev)
         self.layout = None  # this step's _Layout
         self.grad_layout = ()  # this step's output gradients: ((offset, shape, dtype), ...)
@@ -142,6 +157,28 @@ class StepWatch:
         self.pending = None  # outputs of a forward whose backward has not been checked
         self.held = []  # (tensor, frozen view) this step holds until its verdict
         self._key = None
+        self.cap = False  # this step runs inside a CUDA graph capture
+        # Verdicts read by the host (eager steps, no keep_weights): each step's flag is copied
+        # into a ring of host memory (pinned on CUDA: an asynchronous copy, no sync) over a
+        # sentinel; a later step (or a reader) sees the verdict there once it has arrived.
+        # The step's tensors are held until then and copied only if it is the first bad one.
+        self._ring = torch.full((_RING,), -1.0, pin_memory=dev.type == "cuda")
+        self._ring_np = memoryview(self._ring.numpy())  # (Python floats, read and written in ns)
+        self._ring_slots = list(self._ring.unbind())
+        self._next = 0
+        self._pending = collections.deque()  # [host step, ring slots, held or None, versions]
+        self._first = None  # the first bad step the host has seen the verdict of
+        # a step's bytes placed by the host after its verdict (off: by the device at once,
+        # as with keep_weights, whose weights change before a verdict arrives)
+        self.host_verdicts = not keep_weights
+        self._last_in = ()  # the last step's inputs, held so that a buffer reused is recognised
+        self._last_ptrs = None  # their data pointers (None before the first step)
+        self.host_mode = False  # this step is held as it is (see begin)
+        self.args = self.ins = self.grads = self.rng = self.cfg = None  # such a step's inputs, gradients, state
+        self.frozen_meta = None  # (step, _Layout, gradient slots, regions) of a step placed by the host
+        self.stale = None  # a first bad step whose held inputs were changed in place before the copy
+        self.host_steps = 0  # eager steps whose verdict the host read (the others: device records)
+        self._counted = -1
         self._kernel = _record_kernel() if dev.type == "cuda" else None
         if self._kernel is not None:  # built now (both kinds), not inside a graph capture later
             no = torch.zeros((), dtype=torch.bool, device=dev)
@@ -149,11 +186,33 @@ class StepWatch:
             self._launch(no, [], use_host=False)
 
     # -- every step ------------------------------------------------------------------
-    def begin(self, args, kwargs, host_step):
-        """The step starts: count it, hold its inputs (no copy)."""
+    def begin(self, args, kwargs, host_step, cap):
+        """The step starts (``cap``: inside a CUDA graph capture): count it, hold its inputs
+        (no copy). New input tensors (none is the last step's) are held as they are, their
+        bytes placed only if the step turns out the first bad one (the host's verdict,
+        ``poll``); a buffer refilled in place, a capture, or ``keep_weights`` holds them
+        with their places in the frozen bytes, for the device's conditional copy."""
         self.host_step = host_step
-        if capturing():
+        self.cap = cap
+        if cap:
             self.step.add_(1)
+        elif self._pending:
+            self.poll()
+        plain = not kwargs and all(type(a) is torch.Tensor for a in args)
+        if plain and any(a.requires_grad for a in args):  # (held without the graph that made them)
+            args = tuple(a.detach() for a in args)
+        ins = args if plain else [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        last = self._last_ptrs
+        self._last_in = ins  # (held: a pointer seen again is the same buffer, not new memory)
+        self._last_ptrs = {a.data_ptr() for a in ins}
+        self.host_mode = self.host_verdicts and not cap and last is not None and not (last & self._last_ptrs)
+        if self.host_mode:
+            self.args = (args, kwargs)
+            self.ins = ins
+            self.grads = []
+            self.rng = torch.get_rng_state() if self._cpu else None
+            return
+        self.args = None
         if not kwargs and self.dev.type != "cpu":
             key = tuple((a.dtype, a.shape, a.device, a.is_contiguous()) if type(a) is torch.Tensor else None
                         for a in args)
@@ -161,9 +220,17 @@ class StepWatch:
                 self.held = [(a, v) for a, v in zip(args, self.layout.dst)]
                 return
             self._key = key if None not in key and all(k[2] == self.dev for k in key) else None
-        self._layout(args, kwargs)
+        lay, ins = self._plan(args, kwargs, torch.get_rng_state() if self.dev.type == "cpu" else None)
+        grown = _grown(self.io_frozen, lay.size)
+        if grown is not self.io_frozen or not same_layout(lay, self.layout):
+            self.io_frozen = grown
+            lay.dst = [_typed_view(grown, o, shape, dtype) for _, o, shape, dtype in lay.tensors]
+            self.layout = lay
+        self.held = list(zip(ins, self.layout.dst))
 
-    def _layout(self, args, kwargs):
+    def _plan(self, args, kwargs, rng):
+        """Where the tensor inputs on this device (and the CPU generator's bytes ``rng``) sit
+        in the frozen input bytes: (the _Layout, the tensors in its order)."""
         flat, spec = tree_flatten((args, kwargs))
         leaves, tensors, off, ins = [], [], 0, []
         for i, a in enumerate(flat):
@@ -175,26 +242,18 @@ class StepWatch:
                 leaves.append(None)
             else:  # (a tensor on another device is not kept: the replay runs without it)
                 leaves.append(None if isinstance(a, torch.Tensor) else a)
-        if self.dev.type == "cpu":  # the CPU generator's state: bytes beside the inputs
-            rng = torch.get_rng_state()
+        if rng is not None:
             ins.append(rng)
             tensors.append((-1, off, rng.shape, rng.dtype))
             off += rng.numel()
-        lay = _Layout(spec, leaves, tensors)
-        grown = _grown(self.io_frozen, off)
-        if grown is not self.io_frozen or not same_layout(lay, self.layout):
-            self.io_frozen = grown
-            lay.dst = [_typed_view(grown, o, shape, dtype) for _, o, shape, dtype in tensors]
-            self.layout = lay
-        self.held = list(zip(ins, self.layout.dst))
+        return _Layout(spec, leaves, tensors, size=off), ins
 
     def hold_output_grads(self, outs):
-        """The forward ended: where each output's gradient will go in the frozen bytes."""
-        slots, off = [], 0
-        for t in outs:
-            slots.append((off, t.shape, t.dtype))
-            off += t.numel() * t.element_size()
-        slots = tuple(slots)
+        """The forward ended: where each output's gradient will go in the frozen bytes (None
+        for a step held as it is: its gradients are placed only if it is the first bad one)."""
+        if self.host_mode:
+            return None
+        slots, off = _grad_slots(outs)
         grown = _grown(self.g_frozen, off)
         if slots != self.grad_layout or grown is not self.g_frozen:
             self.g_frozen = grown
@@ -203,7 +262,9 @@ class StepWatch:
         return self._grad_dst
 
     def keep_grad(self, dst, grad):
-        if grad.dtype == dst.dtype and grad.shape == dst.shape:
+        if self.host_mode:
+            self.grads.append(grad)
+        elif grad.dtype == dst.dtype and grad.shape == dst.shape:
             self.held.append((grad if grad.is_contiguous() else grad.contiguous(), dst))
 
     def check(self, tensors):
@@ -213,27 +274,113 @@ class StepWatch:
         if ts:
             norms = torch._foreach_norm(ts, _INF)
             bad = (torch.stack([n.float() for n in norms]) if len(norms) > 1 else norms[0].float()).amax()
-            bad = bad.isfinite().logical_not_()
+            bad = bad.isfinite().logical_not_().float()
         else:
-            bad = torch.zeros((), dtype=torch.bool, device=self.dev)
+            bad = torch.zeros((), device=self.dev)
         self.record(bad)
 
     def record(self, bad):
         """Record this step as the first bad one if ``bad`` (a device flag: a bool, or the
-        scaler's float 1.0/0.0) is set and no other step is recorded: its index, and the
-        tensors it holds, copied into the frozen bytes on the device only then. Lets go of
-        what it held. Idempotent within a step."""
-        held = self.held + self.weights
-        self.held = []
-        with torch.no_grad():  # (a held input may require grad; where's out= refuses those)
-            self._record(bad, held)
+        scaler's float 1.0/0.0) is set and no other step is recorded. A step held as it is:
+        the flag goes to the host ring and the step waits there for its verdict (``poll``);
+        otherwise the device copies what the step holds into the frozen bytes only if it is
+        the first bad one. Lets go of what it held. Idempotent within a step."""
+        if not self.host_mode:
+            held = self.held + self.weights
+            self.held = []
+            with torch.no_grad():  # (a held input may require grad; where's out= refuses those)
+                self._record(bad, held)
+            return
+        p = self._pending
+        while True:
+            if p and p[-1][0] == self.host_step:  # a second check in this step: one more flag
+                if self._enqueue(bad, p[-1][1]):
+                    return
+            elif len(p) < _PENDING:
+                slots = []
+                if self._enqueue(bad, slots):
+                    vers = [t._version for t in self.ins] + [g._version for g in self.grads]
+                    p.append([self.host_step, slots, (self.args, self.ins, self.grads, self.rng, self.cfg, vers)])
+                    if self._counted != self.host_step:
+                        self._counted = self.host_step
+                        self.host_steps += 1
+                    return
+            self._wait_oldest()  # (p is not empty: an empty one leaves every slot free)
+
+    def _enqueue(self, bad, slots):
+        """Copy the flag ``bad`` into the next free slot of the host ring (asynchronously on
+        CUDA), over the sentinel -2; False when the ring is full."""
+        i = self._next
+        if self._ring_np[i] != -1.0:  # waited for, or not read yet
+            return False
+        self._next = (i + 1) % _RING
+        self._ring_np[i] = -2.0  # (before the copy: an asynchronous copy may land at once)
+        try:
+            self._ring_slots[i].copy_(bad, non_blocking=True)
+        except BaseException:
+            self._ring_np[i] = -1.0
+            raise
+        slots.append(i)
+        return True
+
+    def _wait_oldest(self):
+        """The host is _PENDING steps ahead of the device: wait for the oldest verdict (the
+        device is the bottleneck then; the wait is a read of host memory, no CUDA call)."""
+        if not self._pending:
+            raise RuntimeError("ampkit.doctor: the verdict ring is full with no step waiting")
+        ring, slots = self._ring_np, self._pending[0][1]
+        while any(ring[i] == -2.0 for i in slots):
+            time.sleep(20e-6)
+        self.poll()
+
+    def poll(self, wait=False):
+        """Read the verdicts that have arrived, oldest first; place the first bad step's
+        held tensors in the frozen bytes (once) and let go of the rest. ``wait``: wait for
+        all (a reader's one sync)."""
+        if wait and self._pending and self.dev.type == "cuda":
+            torch.cuda.synchronize(self.dev)
+        ring = self._ring_np
+        p = self._pending
+        while p:
+            step, slots, data = p[0]
+            vals = [ring[i] for i in slots]
+            if -2.0 in vals:
+                return
+            p.popleft()
+            for i in slots:
+                ring[i] = -1.0
+            if self._first is None and max(vals) > 0:
+                self._first = step
+                self._freeze(step, *data)
+
+    def _freeze(self, step, args, ins, grads, rng, cfg, vers):
+        """Place step ``step``'s inputs (and CPU generator bytes) and output gradients in the
+        frozen bytes: it is the first bad step (the device recorded none before it)."""
+        if any(t._version != v for t, v in zip(list(ins) + grads, vers)):
+            self.stale = step
+        lay, src = self._plan(*args, rng)
+        gslots, goff = _grad_slots(grads)
+        self.io_frozen = _grown(self.io_frozen, lay.size)
+        self.g_frozen = _grown(self.g_frozen, goff)
+        self._key = self.layout = None  # (the device path places its next step afresh)
+        self.grad_layout, self._grad_dst = (), ()
+        cur = torch.cuda.current_stream(self.dev) if self.dev.type == "cuda" else None
+        pairs = [(t, _typed_view(self.io_frozen, o, shape, dtype)) for t, (_, o, shape, dtype) in zip(src, lay.tensors)]
+        pairs += [(g.detach(), _typed_view(self.g_frozen, o, shape, dtype)) for g, (o, shape, dtype) in zip(grads, gslots)]
+        with torch.no_grad():
+            for t, dst in pairs:
+                dst.copy_(t)
+                if cur is not None:  # t may be another stream's memory: not reused before the copy
+                    t.record_stream(cur)
+            self.bad_step.fill_(float(step))
+        self.frozen_meta = (step, lay, gslots, cfg)
 
     def _record(self, bad, held):
-        if self._kernel is not None and (capturing() or any(s.numel() * s.element_size() > _BIG for s, _ in held)):
+        if self._kernel is not None and (self.cap or any(s.numel() * s.element_size() > _BIG for s, _ in held)):
             self._launch(bad, held)  # one launch (one node of a graph), no pass over the held bytes
             return
         # eager, small tensors: torch ops (a Triton launch costs more host time than a few)
-        step = self.step if capturing() else self.step.fill_(float(self.host_step))
+        step = self.step if self.cap else self.step.fill_(float(self.host_step))
         new = torch.logical_and(bad, self.bad_step < 0)  # (a second record in a step: no-op)
         torch.where(new, step, self.bad_step, out=self.bad_step)
         for src, dst in held:
@@ -241,7 +388,7 @@ class StepWatch:
 
     def _launch(self, bad, held, use_host=None):
         if use_host is None:
-            use_host = not capturing()
+            use_host = not self.cap
         for i in range(0, max(len(held), 1), _SLOTS):
             part = held[i: i + _SLOTS]
             args = []
@@ -253,8 +400,9 @@ class StepWatch:
             self._kernel[(chunks, _SLOTS)](bad, self.step, self.bad_step, self.host_step, *args,
                                            USE_HOST=use_host, CHUNK=_CHUNK, BLOCK=4096)
 
-    def check_pending(self):
+    def check_pending(self, cap):
         """A forward whose outputs got no backward: check them now (if they are alive)."""
+        self.cap = cap
         p, self.pending = self.pending, None
         if p is not None:
             outs = [r() for r in p]
@@ -262,11 +410,20 @@ class StepWatch:
                 self.check(outs)
 
     def reset(self):
+        self.poll(wait=True)
         self.bad_step.fill_(-1.0)
+        self._first = None
+        self.stale = self.frozen_meta = None
+
+    def sync_step(self):
+        """Before a CUDA graph capture: the device's step count catches up with the host's
+        (eager steps whose verdict the host reads do not write it)."""
+        self.step.fill_(float(self.host_step))
 
     # -- reading -------------------------------------------------------------------
     def bad(self):
         """The first bad step's index, or None (one host read)."""
+        self.poll(wait=True)
         s = int(self.bad_step.item())
         return None if s < 0 else s
 
@@ -287,6 +444,15 @@ class StepWatch:
         args, kwargs = tree_unflatten(leaves, layout.spec)
         grads = [_typed(self.g_frozen, off, shape, dtype) for off, shape, dtype in grad_layout]
         return args, kwargs, grads, rng
+
+
+def _grad_slots(outs):
+    """Where each output gradient sits in the frozen gradient bytes: (slots, size)."""
+    slots, off = [], 0
+    for t in outs:
+        slots.append((off, t.shape, t.dtype))
+        off += t.numel() * t.element_size()
+    return tuple(slots), off
 
 
 def _typed_view(buf, off, shape, dtype):
@@ -351,14 +517,22 @@ def state_of(model, keep_weights=False):
     return by_dev
 
 
+_ENGINE = []  # ampkit._autocast.thread_engine, once imported (it imports the doctor's users)
+_NO_REGIONS: dict = {}
+
+
 def region_config():
     """The autocast regions in force (ampkit's and torch's), to enter again in a replay."""
-    from ampkit._autocast import thread_engine
+    if not _ENGINE:
+        from ampkit._autocast import thread_engine
 
-    devs = thread_engine().devs()  # {device_type: (enabled, dtype, policy, cache)}: one object per region, never changed
-    plain = {}
+        _ENGINE.append(thread_engine)
+    devs = _ENGINE[0]().devs()  # {device_type: (enabled, dtype, policy, cache)}: one object per region, never changed
+    plain = _NO_REGIONS
     for dt in ("cpu", "cuda"):
         if dt not in devs and torch.is_autocast_enabled(dt):
+            if plain is _NO_REGIONS:
+                plain = {}
             plain[dt] = torch.get_autocast_dtype(dt)
     return devs, plain
 
@@ -380,10 +554,10 @@ def enter_region(config):
 _GENERATORS: dict = {}
 
 
-def cuda_rng_state(dev):
+def cuda_rng_state(dev, cap):
     """The CUDA generator's state a replay of a step on ``dev`` needs (host side, no device
-    read; None under a graph capture, whose replays advance it on the device)."""
-    if dev.type != "cuda" or capturing():
+    read; None under a graph capture (``cap``), whose replays advance it on the device)."""
+    if dev.type != "cuda" or cap:
         return None
     g = _GENERATORS.get(dev)
     if g is None:

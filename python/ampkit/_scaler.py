@@ -660,7 +660,6 @@ class GradScaler:
                     torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
         if mesh_groups:
             reduce_over(list(found_per_device.values()), mesh_groups)
-        _doctor.scaler_checked(found_per_device)  # an armed doctor takes it as its step's check
         return found_per_device
 
     def _one(self, device: torch.device) -> torch.Tensor:
@@ -698,6 +697,7 @@ class GradScaler:
         self._check_ready_for_unscale(optimizer)
         grouped = self._collect_grads(optimizer, allow_fp16=False)
         found = self.found_inf(grouped, unscale=True)
+        _doctor.scaler_checked(found, optimizer)  # an armed doctor takes it as its step's check
         if self._sync.needed(optimizer):
             self._sync.combine(found)
         self._per_optimizer[id(optimizer)] = _OptRecord(
@@ -741,6 +741,7 @@ class GradScaler:
                 raise _NoGrads()
             # Fused: only read the gradients; the optimizer unscales them in its kernel.
             found = self.found_inf(grouped, unscale=not fused)
+            _doctor.scaler_checked(found, optimizer)  # (this rank's flags: where a replay finds the op)
             if self._sync.needed(optimizer):
                 self._sync.combine(found)
             if not fused:  # as unscale_() records it: a failing step() won't unscale twice

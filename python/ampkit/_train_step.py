@@ -53,6 +53,7 @@ from typing import Any
 
 import torch
 
+from ampkit import _doctor
 from ampkit._autocast import autocast as autocast_region
 from ampkit._policy import load_policy
 from ampkit._scaler import GradScaler
@@ -329,6 +330,7 @@ class TrainStep:
         scale_before = self.scaler.scale_tensor
         self.optimizer.zero_grad(set_to_none=True)
         graph = torch.cuda.CUDAGraph()
+        _doctor.before_capture()
         try:
             with torch.cuda.graph(graph, stream=self._side_stream()):
                 static_loss = self._body(self._static_in, self._static_tg, capturing=True)

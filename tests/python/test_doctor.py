@@ -354,6 +354,86 @@ def test_an_unsampled_bad_step_is_replayed_with_its_inputs_weights_and_dropout(d
     assert f.output_absmax == float("inf")
 
 
+def _bad_batch_run(device, feed, bad=3, steps=6, after_step=None):
+    """A 2-layer model trained in float16 on ``steps`` batches, batch ``bad`` holding 1e6
+    (its cast to float16 in layer 0 overflows): ``feed`` "new" passes each step a new
+    tensor, "refill" copies each batch into one buffer. Returns (finding, the batches, the
+    steps whose verdict the host read)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = ampkit.GradScaler(device, init_scale=1.0)
+    xs = [torch.randn(4, 8, device=device) for _ in range(steps)]
+    xs[bad][1, 2] = 1e6
+    buf = torch.empty(4, 8, device=device)
+    with ampkit.doctor(model) as doc:
+        for i, x in enumerate(xs):
+            if feed == "refill":
+                buf.copy_(x)
+                x = buf
+            opt.zero_grad()
+            with ampkit.autocast(device, dtype=torch.float16):
+                loss = model(x).float().sum()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            if after_step:
+                after_step(i, x)
+        f = doc.first_nonfinite()
+        host = doc.host_verdict_steps
+    return f, xs, host
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_the_bad_batch_is_replayed_whether_steps_get_new_tensors_or_refill_one(device):
+    # new tensors: the host reads each step's verdict a step later (or when the record is
+    # read) and copies the first bad step's batch only then; one buffer refilled in place:
+    # its bytes change before the verdict, so the device copies each step's bytes at once.
+    # Either way the replay runs the bad batch: its finding is the same, at that step, with
+    # the batch's absmax as the input's
+    new, xs, host_new = _bad_batch_run(device, "new")
+    refill, _, host_refill = _bad_batch_run(device, "refill")
+    assert host_new > 0 and host_refill == 0
+    key = (new.op, new.module, new.phase, new.dtype, new.step, new.input_absmax)
+    assert key == (refill.op, refill.module, refill.phase, refill.dtype, refill.step, refill.input_absmax)
+    assert (new.module, new.phase, new.step) == ("0", "forward", 3)
+    assert new.input_absmax == xs[3].abs().max().item()
+
+
+def test_a_batch_changed_in_place_before_its_verdict_is_named_in_a_warning():
+    # the bad step's new tensor is zeroed right after its step, before the host read the
+    # step's verdict (at the next step): the replay cannot run the bytes the step ran, and
+    # says so
+    def zero_bad(i, x):
+        if i == 3:
+            x.zero_()
+
+    with pytest.warns(RuntimeWarning, match="step 3 were changed in place"):
+        f, _, _ = _bad_batch_run("cpu", "new", after_step=zero_bad)
+    assert f.step == 3
+
+
+def test_the_scaler_of_another_model_is_not_this_doctors_check():
+    # two models, each with its own optimizer and scaler; the doctor is armed on the first,
+    # whose steps stay finite, while the second's loss is inf from step 1 on (its scaler
+    # skips those; step 0, the sampled one, watches every op until the next step): the
+    # second scaler's verdicts are not the first model's
+    torch.manual_seed(0)
+    models = [torch.nn.Linear(4, 2) for _ in range(2)]
+    opts = [torch.optim.SGD(m.parameters(), lr=1e-3) for m in models]
+    scalers = [ampkit.GradScaler("cpu", init_scale=1.0) for _ in models]
+    with ampkit.doctor(models[0]) as doc:
+        for i in range(4):
+            for k, (m, opt, sc) in enumerate(zip(models, opts, scalers)):
+                loss = m(torch.randn(3, 4)).sum() * (float("inf") if k and i else 1.0)
+                sc.scale(loss).backward()
+                sc.step(opt)
+                sc.update()
+                opt.zero_grad()
+        assert scalers[1].stats().skipped == 3 and scalers[0].stats().skipped == 0
+        assert doc.first_nonfinite() is None
+
+
 def test_reading_mid_run_changes_nothing_in_the_run():
     def run(read):
         torch.manual_seed(3)

@@ -1,0 +1,82 @@
+"""An armed doctor's cost on an eager step, measured A/B in one process: two copies of the
+case's model (same seed), one with the doctor armed (every=10**9: only its step 0, in the
+warm-up, is sampled), stepped in alternating chunks; the median step time of each and the
+median of the per-chunk ratios (armed / off). Run it once per code version to compare them.
+
+    python benchmarks/probes/doctor_ab.py [--device cuda] [--case seed_mlp] [--profile full]
+        [--chunk 50] [--chunks 40] [--json PATH] [--control]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import ampkit
+from ampkit.bench import build_case, loop_step
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+ap.add_argument("--case", default="seed_mlp")
+ap.add_argument("--profile", default="full")
+ap.add_argument("--chunk", type=int, default=50)
+ap.add_argument("--chunks", type=int, default=40)
+ap.add_argument("--json")
+ap.add_argument("--control", action="store_true",
+                help="arm nothing: both copies off, the ratio is the measurement's own noise")
+a = ap.parse_args()
+dev = a.device
+dtype = torch.float16 if dev == "cuda" else torch.bfloat16
+built = build_case(a.case, a.profile, device=dev)
+
+
+def sync():
+    if dev == "cuda":
+        torch.cuda.synchronize()
+
+
+def make():
+    model = built.new_model()
+    opt = built.new_optimizer(model, fused=dev == "cuda")
+    return model, loop_step(model, built.loss_fn, opt, lambda: ampkit.autocast(dev, dtype=dtype),
+                            ampkit.GradScaler(dev))
+
+
+off_model, off_step = make()
+on_model, on_step = make()
+doc = None if a.control else ampkit.doctor(on_model, every=10**9)
+n = len(built.batches)
+for step in (off_step, on_step):
+    for i in range(10):
+        step(*built.batches[i % n])
+sync()
+times = {"off": [], "armed": []}
+ratios = []
+for c in range(a.chunks):
+    pair = {}
+    for key, step in ((("off", off_step), ("armed", on_step)) if c % 2 == 0 else (("armed", on_step), ("off", off_step))):
+        t = time.perf_counter()
+        for i in range(a.chunk):
+            step(*built.batches[i % n])
+        sync()
+        pair[key] = (time.perf_counter() - t) / a.chunk
+        times[key].append(pair[key])
+    ratios.append(pair["armed"] / pair["off"])
+host = doc.host_verdict_steps if doc else 0
+if doc:
+    doc.close()
+q = statistics.quantiles(ratios, n=4)
+res = {"control": a.control, "case": a.case, "profile": a.profile, "device": dev,
+       "card": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
+       "off_ms": statistics.median(times["off"]) * 1e3, "armed_ms": statistics.median(times["armed"]) * 1e3,
+       "ratio": statistics.median(ratios), "ratio_q1": q[0], "ratio_q3": q[2],
+       "steps_host_verdict": host, "steps_armed": 10 + a.chunk * a.chunks}
+print(f"{'control (both off) ' if a.control else ''}{a.case}/{a.profile} {dev}: off {res['off_ms']:.3f} ms, armed {res['armed_ms']:.3f} ms, "
+      f"armed/off x{res['ratio']:.3f} [{q[0]:.3f}, {q[2]:.3f}], host verdicts {host}/{res['steps_armed']}")
+if a.json:
+    with open(a.json, "w") as f:
+        json.dump(res, f, indent=1)
