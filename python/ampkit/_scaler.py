@@ -395,9 +395,20 @@ class GradScaler:
         self._overflow_run: torch.Tensor | None = None  # int32, (): consecutive overflows
         self._counters: torch.Tensor | None = None  # int64, (steps, skipped, gap, slot)
         self._history: torch.Tensor | None = None  # float32 ring buffer, (HISTORY_SIZE,)
+        # The same counters (steps, skipped, last_skipped) and the overflow run, kept on the
+        # host while every update() since the start (or a load) knew its inf flag on the
+        # host: the plain path, which read it in step(). Then update() counts in Python and
+        # writes one history slot; the device copies lag (_device_behind) until a
+        # device-side update needs them. None from the first update() counted on the device
+        # (a fused optimizer's): a CUDA graph may replay that one, unseen by the host, so
+        # the host never takes the counting back (_device_counted).
+        self._host_counts: list[int] | None = None
+        self._device_behind = False
+        self._device_counted = False
         self._per_optimizer: dict[int, _OptRecord] = {}
         self._ones: dict[torch.device, torch.Tensor] = {}  # the fused path's dummy inv scale
         self._stat_steps: tuple | None = None  # device tables for the stats update
+        self._views: tuple | None = None  # views of the device state the update writes
 
     # ------------------------------------------------------------------ small accessors
 
@@ -530,16 +541,19 @@ class GradScaler:
         )
         self._counters = torch.tensor(_to_device_counters(p["counters"]), dtype=torch.int64, device=device)
         self._history = torch.tensor(p["history"], dtype=torch.float32, device=device)
-        # Stats step: counters = (counters + delta) % modulus, elementwise, with (delta,
-        # modulus) picked by the inf flag: steps+1, skipped+flag, gap+1 (mod 1 -> 0 on a
-        # skip), slot+1 (mod HISTORY_SIZE). Two in-place kernels, no sync.
+        # Stats step on the device: counters = (counters + delta) % modulus, elementwise,
+        # with (delta, modulus) picked by the inf flag: steps+1, skipped+flag, gap+1 (mod 1
+        # -> 0 on a skip), slot+1 (mod HISTORY_SIZE). No sync.
         big = _COUNT_LIMIT
-        table = torch.tensor(
-            [[[1, 0, 1, 1], [big, big, big, HISTORY_SIZE]], [[1, 1, 1, 1], [big, big, 1, HISTORY_SIZE]]],
-            dtype=torch.int64,
-            device=device,
-        )
-        self._stat_steps = (table[0], table[1], (table[0][0], table[0][1]), (table[1][0], table[1][1]))
+        clean, skip = ([1, 0, 1, 1], [big, big, big, HISTORY_SIZE]), ([1, 1, 1, 1], [big, big, 1, HISTORY_SIZE])
+        table = torch.tensor([clean, skip], dtype=torch.int64, device=device)
+        # (delta if clean, delta if skipped, modulus if clean, modulus if skipped)
+        self._stat_steps = (table[0, 0], table[1, 0], table[0, 1], table[1, 1])
+        # Made once: a view costs an op per step. (the slot counter, the scale as a
+        # 1-element tensor, each history slot); every write to these tensors is in place.
+        self._views = (self._counters[3:], self._scale.view(1), self._history.unbind(0))
+        self._host_counts = list(p["counters"]) + [self._hysteresis - p["hysteresis_left"]]
+        self._device_behind = False
 
     def _require_scale(self, method: str) -> torch.Tensor:
         if self._scale is None:
@@ -870,6 +884,14 @@ class GradScaler:
         scale.fill_(value)
 
     def _update_scale(self, found: torch.Tensor, host_found: bool | None) -> None:
+        if host_found is not None and self._host_counts is not None:
+            self._update_on_host(found, host_found)
+            return
+        if self._host_counts is not None:  # from now on the device counts
+            self._catch_up_device()
+            self._host_counts = None
+        if host_found is None:
+            self._device_counted = True
         scale, tracker = self._scale, self._growth_tracker
         args = (self._growth_factor, self._backoff_factor, self._growth_interval)
         found_b = None
@@ -889,15 +911,55 @@ class GradScaler:
         if self._min_scale is not None or self._max_scale is not None:
             scale.clamp_(min=self._min_scale, max=self._max_scale)
         # Stats, on the device: the scale into the ring buffer at `slot`, then the counters.
-        counters = self._counters
-        self._history.scatter_(0, counters[3:], scale.view(1))
-        clean, skip, clean_views, skip_views = self._stat_steps
+        slot, scale_row, _ = self._views
+        self._history.scatter_(0, slot, scale_row)
+        clean, skip, clean_mod, skip_mod = self._stat_steps
         if host_found is None:
-            sel = torch.where(found > 0 if found_b is None else found_b, skip, clean)
-            delta, modulus = sel[0], sel[1]
+            if found_b is None:
+                found_b = found > 0
+            delta, modulus = torch.where(found_b, skip, clean), torch.where(found_b, skip_mod, clean_mod)
         else:  # the plain path already read the flag on the host
-            delta, modulus = skip_views if host_found else clean_views
-        counters.add_(delta).remainder_(modulus)
+            delta, modulus = (skip, skip_mod) if host_found else (clean, clean_mod)
+        self._counters.add_(delta).remainder_(modulus)
+
+    def _update_on_host(self, found: torch.Tensor, host_found: bool) -> None:
+        """_update_scale when the host knows the flag and the counters: the same kernels
+        for the scale and the tracker, the counting in Python, one history write."""
+        scale, tracker = self._scale, self._growth_tracker
+        counts = self._host_counts
+        steps, skipped, last, run = counts
+        if host_found and run < self._hysteresis - 1:
+            # absorbed: the scale stays, the growth window restarts (the device path's
+            # backoff-then-restore, without the kernels)
+            tracker.zero_()
+        else:
+            torch._amp_update_scale_(scale, tracker, found, self._growth_factor,
+                                     self._backoff_factor, self._growth_interval)
+        if self._min_scale is not None or self._max_scale is not None:
+            scale.clamp_(min=self._min_scale, max=self._max_scale)
+        self._views[2][steps % HISTORY_SIZE].copy_(scale)
+        if host_found:  # the overflow run is kept only where it is read (hysteresis > 1)
+            counts[:] = ((steps + 1) % _COUNT_LIMIT, (skipped + 1) % _COUNT_LIMIT, steps,
+                         run + 1 if self._hysteresis > 1 else run)
+        else:
+            counts[:] = ((steps + 1) % _COUNT_LIMIT, skipped, last, 0 if self._hysteresis > 1 else run)
+        self._device_behind = True
+
+    def _catch_up_device(self) -> None:
+        """Write the host's counters and overflow run into their device tensors."""
+        if not self._device_behind:
+            return
+        device = self._counters.device
+        if _capturing(device):
+            raise RuntimeError(
+                "update() inside a CUDA graph capture, but the scaler's counters were last "
+                "kept on the host (its earlier steps used an optimizer that is not sync-free); "
+                "run one eager iteration with the sync-free optimizer before capturing")
+        steps, skipped, last, run = self._host_counts
+        self._counters.copy_(
+            torch.tensor(_to_device_counters([steps, skipped, last]), dtype=torch.int64).to(device))
+        self._overflow_run.fill_(run)
+        self._device_behind = False
 
     # ------------------------------------------------------------------ stats
 
@@ -924,11 +986,14 @@ class GradScaler:
             )
         ).cpu()
         ints, floats = packed[:6].tolist(), packed[6:].view(torch.float64).tolist()
+        run, counters = ints[1], _from_device_counters(ints[2:6])
+        if self._host_counts is not None:  # the device copies may lag
+            counters, run = self._host_counts[:3], self._host_counts[3]
         return {
             "scale": floats[0],
             "growth_tracker": ints[0],
-            "hysteresis_left": max(self._hysteresis - ints[1], 1),
-            "counters": _from_device_counters(ints[2:6]),
+            "hysteresis_left": max(self._hysteresis - run, 1),
+            "counters": counters,
             "history": floats[1:],
         }
 
@@ -1017,6 +1082,9 @@ class GradScaler:
             torch.tensor(_to_device_counters(new["counters"]), dtype=torch.int64).to(device)
         )
         self._history.copy_(torch.tensor(new["history"], dtype=torch.float32).to(device))
+        self._device_behind = False
+        if not self._device_counted:  # (else a captured graph may count on the device)
+            self._host_counts = list(new["counters"]) + [new["hysteresis"] - new["hysteresis_left"]]
 
     def _parse_state_dict(self, sd: Mapping[str, Any]) -> dict[str, Any]:
         missing = [k for k in _TORCH_KEYS if k not in sd]

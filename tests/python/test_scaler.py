@@ -502,6 +502,46 @@ def test_clamps_and_hysteresis_follow_the_reference(kw, flags):
         assert any(r["scale"] in (lo, hi) for r in expected)  # the clamp was actually hit
 
 
+def _toy_optimizers(kinds):
+    """The optimizer kinds a test drives one scaler with, in turn: "plain" steps read the
+    inf flag on the host (the scaler counts there), "fused" ones never do (it counts on
+    the device); a skip where fused SGD is missing."""
+    if "fused" in kinds and not _fused_supported("sgd_fused"):
+        pytest.skip("this torch has no fused CPU SGD")
+    return [{"plain": {}, "fused": {"fused": True}}[k] for k in kinds]
+
+
+@pytest.mark.parametrize("kinds", [["fused"], ["plain", "fused"], ["fused", "plain"],
+                                   ["plain", "plain", "fused", "fused", "plain"]],
+                         ids=["fused", "plain-then-fused", "fused-then-plain", "mixed"])
+@pytest.mark.parametrize("kw", [dict(), dict(hysteresis=3), dict(min_scale=8.0, max_scale=64.0, hysteresis=2)],
+                         ids=["torch", "hysteresis3", "clamps+hysteresis"])
+def test_host_and_device_counting_follow_the_reference(kinds, kw):
+    """The stats and the hysteresis are counted on the host while every update knew its
+    flag there, on the device from the first one that did not; each phase of the run
+    drives one optimizer kind for a while (2 to 4 consecutive overflows included), and
+    every field is checked after every step against the docstring's state machine."""
+    base = dict(init_scale=32.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=2)
+    scaler = ampkit.GradScaler("cpu", **base, **kw)
+    toys = [Toy(scaler, **opt_kw) for opt_kw in _toy_optimizers(kinds)]
+    phase = [False, True, True, False, False, False, True, True, True, True, False, False]
+    flags = phase * len(toys)
+    expected = reference(flags, **base, **kw)
+    for i, f in enumerate(flags):
+        toys[i // len(phase)].iterate(f)
+        assert observed(scaler) == expected[i], f"step {i} ({kinds[i // len(phase)]})"
+    s = scaler.stats()
+    assert s.history_scales == tuple(r["scale"] for r in expected)
+    sd = scaler.state_dict()
+    twin = ampkit.GradScaler("cpu")  # a loaded scaler counts on from the loaded values
+    twin.load_state_dict(sd)
+    toy = Toy(twin, **_toy_optimizers(kinds[-1:])[0])
+    more = reference(flags + phase, **base, **kw)
+    for i, f in enumerate(phase):
+        toy.iterate(f)
+        assert observed(twin) == more[len(flags) + i], f"step {len(flags) + i} after loading"
+
+
 def test_stats_history_wraps_around():
     scaler = ampkit.GradScaler("cpu", init_scale=2.0**10, growth_interval=1, max_scale=2.0**14)
     toy = Toy(scaler)
@@ -967,6 +1007,35 @@ class _Ops(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.append(str(func))
         return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("opt_name", ["sgd_momentum_wd", "adamw_foreach"])
+def test_plain_step_and_update_run_no_more_ops_than_torchs(opt_name):
+    """The host cost of an eager step is mostly ops: the plain path's step() and update()
+    (stats included) dispatch no more of them than torch.amp.GradScaler's, and land on the
+    same values."""
+    counts, models = {}, {}
+    for cls in (ampkit.GradScaler, torch.amp.GradScaler):
+        model = make_model()
+        opt = OPTIMIZERS[opt_name](model.parameters())
+        scaler = cls("cpu", **SCALER_KW)
+        for step in range(4):  # past lazy init and the optimizer's state creation
+            x, y = DATA[step]
+            opt.zero_grad()
+            scaler.scale(forward_loss(model, x, y)).backward()
+            if step == 3:
+                with _Ops() as ops:
+                    scaler.step(opt)
+                    scaler.update()
+                counts[cls] = ops.ops
+            else:
+                scaler.step(opt)
+                scaler.update()
+        models[cls] = (model, scaler.get_scale())
+    ours, theirs = counts[ampkit.GradScaler], counts[torch.amp.GradScaler]
+    assert len(ours) <= len(theirs), f"ours {ours}\ntorch {theirs}"
+    (m0, s0), (m1, s1) = models.values()
+    assert s0 == s1 and all(bits_equal(a, b) for a, b in zip(m0.parameters(), m1.parameters()))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
