@@ -33,6 +33,7 @@ _COUNT_LIMIT = 2**62
 # torch's C++ grouping of tensor lists by (device, dtype), used by its foreach optimizers.
 _GROUP = getattr(torch._C, "_group_tensors_by_device_and_dtype", None)
 _F32_MAX = float(torch.finfo(torch.float32).max)
+_is_grad_enabled, _set_grad_enabled = torch.is_grad_enabled, torch._C._set_grad_enabled
 _ORDER = "scale(loss).backward() -> [unscale_(opt)] -> step(opt) -> update()"
 _TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 _OUR_KEYS = (
@@ -166,8 +167,18 @@ class _NoGrads(RuntimeError):
         )
 
 
+class _NoChecks(RuntimeError):
+    def __init__(self):
+        super().__init__(
+            "update() found no inf/NaN checks: no optimizer was stepped (or unscaled) "
+            f"since the last update(); the order is {_ORDER}. Call "
+            "scaler.step(optimizer) first, or update(new_scale=...) to set the scale."
+        )
+
+
 def _grads_of(optimizer) -> tuple:
-    return tuple(p.grad for group in optimizer.param_groups for p in group["params"])
+    """The gradient tensors of the optimizer's parameters that have one."""
+    return tuple(g for group in optimizer.param_groups for p in group["params"] if (g := p.grad) is not None)
 
 
 def _same_tensors(a: tuple, b: tuple) -> bool:
@@ -599,14 +610,30 @@ class GradScaler:
     # ------------------------------------------------------------------ unscale_
 
     @staticmethod
-    def _collect_grads(optimizer, allow_fp16: bool) -> dict:
-        """Group the optimizer's gradients by (device, dtype); validate before mutating."""
+    def _collect_grads(optimizer, allow_fp16: bool) -> tuple[dict, tuple]:
+        """Group the optimizer's gradients by (device, dtype); validate before mutating.
+
+        Returns the groups and the parameters' gradient tensors (``_grads_of``)."""
         groups = getattr(optimizer, "param_groups", None)
         if groups is None:
             raise TypeError(
                 f"expected a torch.optim.Optimizer (something with param_groups), "
                 f"got {type(optimizer).__name__}"
             )
+        grads = [g for group in groups for p in group["params"] if (g := p.grad) is not None]
+        if not grads:
+            return {}, ()
+        if _GROUP is None or any(g.is_sparse for g in grads):
+            return GradScaler._collect_grads_slowly(groups, allow_fp16)
+        grouped = {key: lists[0] for key, (lists, _) in _GROUP([grads], False).items()}
+        if not allow_fp16 and any(dtype == torch.float16 for _, dtype in grouped):
+            GradScaler._collect_grads_slowly(groups, allow_fp16)  # raises, naming the parameter
+        return grouped, tuple(grads)
+
+    @staticmethod
+    def _collect_grads_slowly(groups, allow_fp16: bool) -> tuple[dict, tuple]:
+        """_collect_grads for sparse gradients (and a torch without its grouping), and the
+        float16 refusal with the parameter's shape."""
         params = [p for group in groups for p in group["params"] if p.grad is not None]
         grads = [p.grad for p in params]
         if not allow_fp16:
@@ -626,14 +653,13 @@ class GradScaler:
                         if grads[i].dtype is torch.float16:  # duplicates could overflow
                             p.grad = grads[i] = grads[i].coalesce()
                         grads[i] = grads[i]._values()
-        if not grads:
-            return {}
+        kept = tuple(p.grad for p in params)
         if _GROUP is not None:
-            return {key: lists[0] for key, (lists, _) in _GROUP([grads], False).items()}
+            return {key: lists[0] for key, (lists, _) in _GROUP([grads], False).items()}, kept
         grouped: dict[tuple, list[torch.Tensor]] = {}
         for grad in grads:
             grouped.setdefault((grad.device, grad.dtype), []).append(grad)
-        return grouped
+        return grouped, kept
 
     def found_inf(self, grouped: dict, unscale: bool) -> dict:
         """One float32 flag per device: 1.0 when some gradient holds an inf or NaN, else 0.0.
@@ -648,7 +674,7 @@ class GradScaler:
         gradient check: a subclass may override it to check differently or to inject
         infs (benchmarks and tests do), as long as it returns a flag per device.
         """
-        if not isinstance(grouped, Mapping):
+        if type(grouped) is not dict and not isinstance(grouped, Mapping):
             raise TypeError(
                 f"found_inf() takes a dict {{(device, dtype): [gradients]}}, got "
                 f"{type(grouped).__name__}; group the gradients by device and dtype first"
@@ -656,7 +682,11 @@ class GradScaler:
         found_per_device: dict[torch.device, torch.Tensor] = {}
         inv_scale = self._scale.double().reciprocal().float() if unscale else None
         mesh_groups: list = []
-        with torch.no_grad():
+        # torch.no_grad() without its context-manager objects (a few us a step)
+        grad_mode = _is_grad_enabled()
+        if grad_mode:
+            _set_grad_enabled(False)
+        try:
             for (device, _), grads in grouped.items():
                 found = found_per_device.get(device)
                 if found is None:
@@ -672,6 +702,9 @@ class GradScaler:
                     inv = inv_scale if inv_scale.device == device else inv_scale.to(device)
                 if grads:
                     torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+        finally:
+            if grad_mode:
+                _set_grad_enabled(True)
         if mesh_groups:
             reduce_over(list(found_per_device.values()), mesh_groups)
         _doctor.scaler_checked(found_per_device)  # an armed doctor takes it as its step's check
@@ -710,12 +743,11 @@ class GradScaler:
         _check_optimizer(optimizer, "unscale_")
         self._require_scale("unscale_")
         self._check_ready_for_unscale(optimizer)
-        grouped = self._collect_grads(optimizer, allow_fp16=False)
+        grouped, grads = self._collect_grads(optimizer, allow_fp16=False)
         found = self.found_inf(grouped, unscale=True)
         if self._sync.needed(optimizer):
             self._sync.combine(found)
-        self._per_optimizer[id(optimizer)] = _OptRecord(
-            OptState.UNSCALED, found, grads=_grads_of(optimizer))
+        self._per_optimizer[id(optimizer)] = _OptRecord(OptState.UNSCALED, found, grads=grads)
 
     # ------------------------------------------------------------------ step
 
@@ -740,7 +772,8 @@ class GradScaler:
             )
         _check_optimizer(optimizer, "step")
         scale = self._require_scale("step")
-        stage = self.stage(optimizer)
+        record = self._per_optimizer.get(id(optimizer))
+        stage = OptState.READY if record is None else record.stage
         if stage is OptState.STEPPED:
             raise RuntimeError(
                 "step() was already called for this optimizer since the last update(); the "
@@ -748,9 +781,9 @@ class GradScaler:
                 "every optimizer, before the next step() (or scaler.reset_iteration() if "
                 "the iteration failed and must not count)."
             )
-        fused = self.is_sync_free(optimizer)
+        fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))  # is_sync_free
         if stage is OptState.READY:
-            grouped = self._collect_grads(optimizer, allow_fp16=fused)
+            grouped, grads = self._collect_grads(optimizer, allow_fp16=fused)
             if not grouped:
                 raise _NoGrads()
             # Fused: only read the gradients; the optimizer unscales them in its kernel.
@@ -758,10 +791,9 @@ class GradScaler:
             if self._sync.needed(optimizer):
                 self._sync.combine(found)
             if not fused:  # as unscale_() records it: a failing step() won't unscale twice
-                self._per_optimizer[id(optimizer)] = _OptRecord(
-                    OptState.UNSCALED, found, grads=_grads_of(optimizer))
+                record = self._per_optimizer[id(optimizer)] = _OptRecord(
+                    OptState.UNSCALED, found, grads=grads)
         else:
-            record = self._per_optimizer[id(optimizer)]
             found = record.found_inf_per_device
             if not found:
                 raise _NoGrads()
@@ -776,10 +808,13 @@ class GradScaler:
         if fused:
             return self._fused_step(optimizer, stage, scale, found, args, kwargs)
         # The one sync of the plain path: the host must know whether to call step().
-        found_any = bool(sum(v.item() for v in found.values()))
+        if len(found) == 1:
+            found_any = bool(next(iter(found.values())).item())
+        else:
+            found_any = bool(sum(v.item() for v in found.values()))
         retval = None if found_any else optimizer.step(*args, **kwargs)
         # host_found lets update() skip the device-side pick of the stats step.
-        self._per_optimizer[id(optimizer)] = _OptRecord(OptState.STEPPED, found, found_any)
+        record.stage, record.host_found = OptState.STEPPED, found_any
         return retval
 
     def _fused_step(self, optimizer, stage, scale, found, args, kwargs):
@@ -835,21 +870,24 @@ class GradScaler:
         if not self._enabled:
             return
         scale = self._require_scale("update")
+        records = self._per_optimizer
         if new_scale is not None:
             self._set_scale(scale, new_scale)
-        else:
-            flags = [
-                t for record in self._per_optimizer.values()
-                for t in record.found_inf_per_device.values()
-            ]
+        elif len(records) == 1:  # the common case, without the lists
+            (record,) = records.values()
+            flags = record.found_inf_per_device
             if not flags:
-                raise RuntimeError(
-                    "update() found no inf/NaN checks: no optimizer was stepped (or unscaled) "
-                    f"since the last update(); the order is {_ORDER}. Call "
-                    "scaler.step(optimizer) first, or update(new_scale=...) to set the scale."
-                )
+                raise _NoChecks()
+            found = next(iter(flags.values())) if len(flags) == 1 else None
+            if found is None or found.device != scale.device:
+                found = _any_flag(flags.values(), scale.device)
+            self._update_scale(found, record.host_found)
+        else:
+            flags = [t for record in records.values() for t in record.found_inf_per_device.values()]
+            if not flags:
+                raise _NoChecks()
             found = _any_flag(flags, scale.device)
-            host = [r.host_found for r in self._per_optimizer.values()]
+            host = [r.host_found for r in records.values()]
             self._update_scale(found, None if None in host else any(host))
         self._per_optimizer = {}
 
