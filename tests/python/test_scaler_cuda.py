@@ -225,3 +225,11 @@ def test_fused_step_skips_when_both_gpus_overflow():
     scaler.update()
     s = scaler.stats()
     assert (s.skipped, s.scale) == (1, 2.0**15)
+
+
+def test_the_unscale_factor_is_torchs_to_the_bit_for_every_float32():
+    """CUDA's float32 reciprocal, which the scaler unscales by, against torch's scaler's
+    float(1 / double(scale)), for every positive finite float32."""
+    from test_scaler import reciprocal_mismatches
+
+    assert reciprocal_mismatches("cuda") == 0
