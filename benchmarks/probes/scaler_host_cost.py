@@ -2,8 +2,9 @@
 
     PYTHONPATH=python python benchmarks/probes/scaler_host_cost.py [--steps 3000] [--repeats 7]
 
-A tiny model (two Linear layers of width 8, batch 4) so that the step is host-bound: what
-is left is Python and dispatcher time. Each variant trains its own identically seeded copy
+A tiny model (``--layers`` Linear layers of width 8, ReLU between, batch 4; 2 by default,
+24 to weigh what each parameter costs) so that the step is host-bound: what is left is
+Python and dispatcher time. Each variant trains its own identically seeded copy
 with torch.autocast + torch.amp.GradScaler ("torch") or ampkit.autocast + ampkit.GradScaler
 ("ampkit"); the step is split into phases, each timed with perf_counter around the call:
 
@@ -40,9 +41,12 @@ OPTIMIZERS = {
 }
 
 
-def make(variant, opt_name):
+def make(variant, opt_name, layers=2):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+    mods = []
+    for i in range(layers):
+        mods += [torch.nn.Linear(8, 8)] + ([torch.nn.ReLU()] if i < layers - 1 else [])
+    model = torch.nn.Sequential(*mods)
     opt = OPTIMIZERS[opt_name](list(model.parameters()))
     x, y = torch.randn(4, 8), torch.randn(4, 8)
     if variant == "torch":
@@ -119,10 +123,10 @@ def op_counts(step, steps=20):
             {p: {n: c / steps for n, c in sorted(d.items())} for p, d in names.items()})
 
 
-def run(steps, repeats, opt_names=tuple(OPTIMIZERS)):
+def run(steps, repeats, opt_names=tuple(OPTIMIZERS), layers=2):
     out = {}
     for opt_name in opt_names:
-        loops = {v: make(v, opt_name) for v in ("torch", "ampkit")}
+        loops = {v: make(v, opt_name, layers) for v in ("torch", "ampkit")}
         for step, _, _ in loops.values():
             for _ in range(200):
                 step()
@@ -152,12 +156,13 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+    ap.add_argument("--layers", type=int, default=2, help="Linear layers of the model (2 parameters each)")
     ap.add_argument("--names", action="store_true", help="also list the aten ops of each phase")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
-    res = run(a.steps, a.repeats, tuple(a.optimizers.split(",")))
-    print(f"torch {torch.__version__}, cpu, 1 thread, {a.steps} steps x {a.repeats} repeats; "
+    res = run(a.steps, a.repeats, tuple(a.optimizers.split(",")), a.layers)
+    print(f"torch {torch.__version__}, cpu, 1 thread, {a.layers} layers, {a.steps} steps x {a.repeats} repeats; "
           "host us per step (median) and aten ops per step")
     print(f"{'optimizer':<14} {'phase':<7} {'torch us':>9} {'ampkit us':>10} {'ratio':>6} {'torch ops':>10} {'ampkit ops':>11}")
     for opt_name, r in res.items():
@@ -174,7 +179,7 @@ def main(argv=None):
                 print(f"   {p}: torch {t['op_names'][p]}\n   {' ' * len(p)}  ampkit {k['op_names'][p]}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"torch": torch.__version__, "steps": a.steps, "repeats": a.repeats, "results": res}, f, indent=1)
+            json.dump({"torch": torch.__version__, "layers": a.layers, "steps": a.steps, "repeats": a.repeats, "results": res}, f, indent=1)
     return 0
 
 
