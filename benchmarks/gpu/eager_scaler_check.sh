@@ -32,7 +32,7 @@ for case in $cases; do
       path=$PWD/python
     fi
     t0=$(date +%s)
-    PYTHONPATH=$path python3 benchmarks/gpu/eager_vs_torch.py --profile full --repeats "$reps" \
+    PYTHONPATH=$path python3 benchmarks/gpu/eager_vs_torch.py --profile "${PROFILE:-full}" --repeats "$reps" \
       --control --cases "$case" --json "$out/eager_vs_torch-$case-$which.json" > "$out/$case-$which.log" 2>&1
     echo "$which ($path), $(( $(date +%s) - t0 )) s: $(tail -1 "$out/$case-$which.log")"
   done
