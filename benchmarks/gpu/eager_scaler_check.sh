@@ -1,9 +1,9 @@
 #!/bin/bash
-# The eager-speed check of the scaler and region: the CUDA scaler and train-step tests,
+# The eager-speed check of the scaler and region: the CUDA scaler tests (TEST_K),
 # then ampkit's eager AMP loop against torch's (eager_vs_torch.py --control), case by case,
 # each case its own JSON so that a run cut off keeps what finished. With BASE=<folder holding
-# another commit's python/ and shared_specs/>, the cases named in BASE_CASES also run
-# against that commit, right after the same case of this one (same machine, same call).
+# another commit's python/ and shared_specs/>, the cases named in BASE_CASES then run
+# against that commit too (same machine, same call).
 #
 # On the device machine, from the repository root:
 #   AMPKIT_GIT_COMMIT=<sha> [BASE=dir BASE_CASES="seed_mlp convnet"] \
@@ -21,19 +21,14 @@ export PYTHONUNBUFFERED=1
 } | tee "$out/card.txt"
 start=$(date +%s)
 PYTHONPATH=$PWD/python timeout "${TEST_LIMIT:-120}" python3 -m pytest -q -m cuda tests/python \
-  -k "scaler or train_step" -p no:cacheprovider > "$out/cuda_tests.log" 2>&1
+  -k "${TEST_K:-scaler}" -p no:cacheprovider > "$out/cuda_tests.log" 2>&1
 echo "cuda tests: rc=$? in $(( $(date +%s) - start )) s"; tail -3 "$out/cuda_tests.log"
-for case in $cases; do
-  for which in branch base; do
-    if [ "$which" = base ]; then
-      [ -n "${BASE:-}" ] && [[ " ${BASE_CASES:-} " == *" $case "* ]] || continue
-      path=$BASE/python
-    else
-      path=$PWD/python
-    fi
-    t0=$(date +%s)
-    PYTHONPATH=$path python3 benchmarks/gpu/eager_vs_torch.py --profile "${PROFILE:-full}" --repeats "$reps" \
-      --control --cases "$case" --json "$out/eager_vs_torch-$case-$which.json" > "$out/$case-$which.log" 2>&1
-    echo "$which ($path), $(( $(date +%s) - t0 )) s: $(tail -1 "$out/$case-$which.log")"
-  done
-done | tee "$out/eager_vs_torch.log"
+run_case() {  # which, python path, case
+  local t0=$(date +%s)
+  PYTHONPATH=$2 python3 benchmarks/gpu/eager_vs_torch.py --profile "${PROFILE:-full}" --repeats "$reps" \
+    --control --cases "$3" --json "$out/eager_vs_torch-$3-$1.json" > "$out/$3-$1.log" 2>&1
+  echo "$1 ($2), $(( $(date +%s) - t0 )) s: $(tail -1 "$out/$3-$1.log")"
+}
+{ for case in $cases; do run_case branch "$PWD/python" "$case"; done
+  if [ -n "${BASE:-}" ]; then for case in ${BASE_CASES:-}; do run_case base "$BASE/python" "$case"; done; fi
+} | tee "$out/eager_vs_torch.log"
