@@ -4,7 +4,9 @@ One class, one stage machine, one update rule. The update rule is torch's own AT
 kernel (``torch._amp_update_scale_``), so with ``hysteresis=1`` and no clamps the
 scale, the growth tracker, the parameters and the optimizer state follow
 ``torch.amp.GradScaler`` bit for bit. Everything added on top (hysteresis, clamps,
-statistics) is device-tensor arithmetic, so it adds no host-device sync.
+statistics) adds no host-device sync: device-tensor arithmetic where the inf flag lives
+only on the device (fused optimizers, CUDA graphs), Python integers where the plain path
+has read the flag on the host already (then an update runs no more kernels than torch's).
 """
 
 from __future__ import annotations
