@@ -187,6 +187,27 @@ def _same_tensors(a: tuple, b: tuple) -> bool:
     return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
+@dataclasses.dataclass(eq=False)
+class _HostCounts:
+    """What update() counts in Python while the host knows every inf flag (see GradScaler).
+
+    ``tracker`` mirrors the device's growth tracker, so the host knows which update changes
+    the scale; the history entries of the updates from ``unwritten`` on all equal the
+    current scale and are written to the device ring only when it changes or is read."""
+
+    steps: int
+    skipped: int
+    last: int  # -1: none
+    run: int  # consecutive overflows (read where hysteresis > 1)
+    tracker: int
+    unwritten: int
+
+    @classmethod
+    def of(cls, counters: list[int], run: int, tracker: int) -> _HostCounts:
+        steps, skipped, last = counters
+        return cls(steps, skipped, last, run, tracker, steps)
+
+
 def _to_device_counters(counters: list[int]) -> list[int]:
     """(steps, skipped, last_skipped) -> the device form (steps, skipped, gap, slot)."""
     steps, skipped, last = counters
@@ -408,14 +429,16 @@ class GradScaler:
         self._overflow_run: torch.Tensor | None = None  # int32, (): consecutive overflows
         self._counters: torch.Tensor | None = None  # int64, (steps, skipped, gap, slot)
         self._history: torch.Tensor | None = None  # float32 ring buffer, (HISTORY_SIZE,)
-        # The same counters (steps, skipped, last_skipped) and the overflow run, kept on the
-        # host while every update() since the start (or a load) knew its inf flag on the
-        # host: the plain path, which read it in step(). Then update() counts in Python and
-        # writes one history slot; the device copies lag (_device_behind) until a
-        # device-side update needs them. None from the first update() counted on the device
-        # (a fused optimizer's): a CUDA graph may replay that one, unseen by the host, so
-        # the host never takes the counting back (_device_counted).
-        self._host_counts: list[int] | None = None
+        # The same counters (steps, skipped, last_skipped), the overflow run and a mirror of
+        # the growth tracker, kept on the host while every update() since the start (or a
+        # load) knew its inf flag on the host: the plain path, which read it in step().
+        # Then update() counts in Python and runs torch's one kernel; the history is
+        # written only where the scale changes (or is read); the device copies lag
+        # (_device_behind) until a device-side update needs them. None from the first
+        # update() counted on the device (a fused optimizer's): a CUDA graph may replay that
+        # one, unseen by the host, so the host never takes the counting back
+        # (_device_counted).
+        self._host_counts: _HostCounts | None = None
         self._device_behind = False
         self._device_counted = False
         self._per_optimizer: dict[int, _OptRecord] = {}
@@ -562,10 +585,11 @@ class GradScaler:
         table = torch.tensor([clean, skip], dtype=torch.int64, device=device)
         # (delta if clean, delta if skipped, modulus if clean, modulus if skipped)
         self._stat_steps = (table[0, 0], table[1, 0], table[0, 1], table[1, 1])
-        # Made once: a view costs an op per step. (the slot counter, the scale as a
-        # 1-element tensor, each history slot); every write to these tensors is in place.
-        self._views = (self._counters[3:], self._scale.view(1), self._history.unbind(0))
-        self._host_counts = list(p["counters"]) + [self._hysteresis - p["hysteresis_left"]]
+        # Made once: a view costs an op per step (the slot counter, the scale as a
+        # 1-element tensor); every write to these tensors is in place.
+        self._views = (self._counters[3:], self._scale.view(1))
+        self._host_counts = _HostCounts.of(
+            p["counters"], self._hysteresis - p["hysteresis_left"], p["growth_tracker"])
         self._device_behind = False
 
     def _require_scale(self, method: str) -> torch.Tensor:
@@ -918,6 +942,8 @@ class GradScaler:
                         f"update(new_scale=tensor({value!r})) is invalid; the scale must be "
                         "finite and > 0 (within the clamps, if any, it is clamped)"
                     )
+            if self._host_counts is not None:  # the updates since the last change keep the old scale
+                self._write_history()
             scale.copy_(new_scale.reshape(()))
             if self._min_scale is not None or self._max_scale is not None:
                 scale.clamp_(min=self._min_scale, max=self._max_scale)
@@ -925,6 +951,8 @@ class GradScaler:
         lo = self._min_scale if self._min_scale is not None else 0.0
         hi = self._max_scale if self._max_scale is not None else _F32_MAX
         value = _real("new_scale", new_scale, lo, hi, self._min_scale is None, False)
+        if self._host_counts is not None:
+            self._write_history()
         scale.fill_(value)
 
     def _update_scale(self, found: torch.Tensor, host_found: bool | None) -> None:
@@ -955,7 +983,7 @@ class GradScaler:
         if self._min_scale is not None or self._max_scale is not None:
             scale.clamp_(min=self._min_scale, max=self._max_scale)
         # Stats, on the device: the scale into the ring buffer at `slot`, then the counters.
-        slot, scale_row, _ = self._views
+        slot, scale_row = self._views
         self._history.scatter_(0, slot, scale_row)
         clean, skip, clean_mod, skip_mod = self._stat_steps
         if host_found is None:
@@ -967,30 +995,53 @@ class GradScaler:
         self._counters.add_(delta).remainder_(modulus)
 
     def _update_on_host(self, found: torch.Tensor, host_found: bool) -> None:
-        """_update_scale when the host knows the flag and the counters: the same kernels
-        for the scale and the tracker, the counting in Python, one history write."""
-        scale, tracker = self._scale, self._growth_tracker
-        counts = self._host_counts
-        steps, skipped, last, run = counts
-        if host_found and run < self._hysteresis - 1:
-            # absorbed: the scale stays, the growth window restarts (the device path's
-            # backoff-then-restore, without the kernels)
-            tracker.zero_()
+        """_update_scale when the host knows the flag and the counters: torch's kernel for
+        the scale and the tracker (none for an absorbed overflow), the counting in Python;
+        the history is written only before the scale changes."""
+        c = self._host_counts
+        absorbed = host_found and c.run < self._hysteresis - 1
+        grows = not host_found and c.tracker + 1 == self._growth_interval
+        if grows or (host_found and not absorbed):  # the scale changes (or may: growth)
+            self._write_history()
+            c.unwritten = c.steps  # from this update on: the new scale
+        if absorbed:  # the scale stays, the growth window restarts (as the device path ends)
+            self._growth_tracker.zero_()
         else:
-            torch._amp_update_scale_(scale, tracker, found, self._growth_factor,
+            torch._amp_update_scale_(self._scale, self._growth_tracker, found, self._growth_factor,
                                      self._backoff_factor, self._growth_interval)
-        if self._min_scale is not None or self._max_scale is not None:
-            scale.clamp_(min=self._min_scale, max=self._max_scale)
-        self._views[2][steps % HISTORY_SIZE].copy_(scale)
-        if host_found:  # the overflow run is kept only where it is read (hysteresis > 1)
-            counts[:] = ((steps + 1) % _COUNT_LIMIT, (skipped + 1) % _COUNT_LIMIT, steps,
-                         run + 1 if self._hysteresis > 1 else run)
+            if (grows or host_found) and (self._min_scale is not None or self._max_scale is not None):
+                self._scale.clamp_(min=self._min_scale, max=self._max_scale)
+        if host_found:
+            c.skipped = (c.skipped + 1) % _COUNT_LIMIT
+            c.last = c.steps
+            c.tracker = 0
+            if self._hysteresis > 1:  # (kept only where it is read)
+                c.run += 1
         else:
-            counts[:] = ((steps + 1) % _COUNT_LIMIT, skipped, last, 0 if self._hysteresis > 1 else run)
+            c.tracker = 0 if grows else c.tracker + 1
+            if self._hysteresis > 1:
+                c.run = 0
+        c.steps = (c.steps + 1) % _COUNT_LIMIT
         self._device_behind = True
 
+    def _write_history(self) -> None:
+        """Write the current scale into the ring for the updates the host has not written."""
+        c = self._host_counts
+        n = c.steps - c.unwritten
+        if n <= 0:
+            return
+        history = self._history
+        if n >= HISTORY_SIZE:
+            history.copy_(self._scale)
+        else:
+            i = c.unwritten % HISTORY_SIZE
+            history[i:i + n].copy_(self._scale)  # (broadcast: no host read)
+            if i + n > HISTORY_SIZE:
+                history[:i + n - HISTORY_SIZE].copy_(self._scale)
+        c.unwritten = c.steps
+
     def _catch_up_device(self) -> None:
-        """Write the host's counters and overflow run into their device tensors."""
+        """Write the host's counters, overflow run and history into the device tensors."""
         if not self._device_behind:
             return
         device = self._counters.device
@@ -999,10 +1050,11 @@ class GradScaler:
                 "update() inside a CUDA graph capture, but the scaler's counters were last "
                 "kept on the host (its earlier steps used an optimizer that is not sync-free); "
                 "run one eager iteration with the sync-free optimizer before capturing")
-        steps, skipped, last, run = self._host_counts
+        c = self._host_counts
+        self._write_history()
         self._counters.copy_(
-            torch.tensor(_to_device_counters([steps, skipped, last]), dtype=torch.int64).to(device))
-        self._overflow_run.fill_(run)
+            torch.tensor(_to_device_counters([c.steps, c.skipped, c.last]), dtype=torch.int64).to(device))
+        self._overflow_run.fill_(c.run)
         self._device_behind = False
 
     # ------------------------------------------------------------------ stats
@@ -1018,6 +1070,9 @@ class GradScaler:
                 "counters": [int(c) for c in p["counters"]],
                 "history": [float(h) for h in p["history"]],
             }
+        c = self._host_counts
+        if c is not None:
+            self._write_history()
         # One int64 buffer: the counters (up to 2**62) stay exact, which float64 would not
         # keep past 2**53; the float fields travel as the bits of their float64 values.
         packed = torch.cat(
@@ -1031,8 +1086,8 @@ class GradScaler:
         ).cpu()
         ints, floats = packed[:6].tolist(), packed[6:].view(torch.float64).tolist()
         run, counters = ints[1], _from_device_counters(ints[2:6])
-        if self._host_counts is not None:  # the device copies may lag
-            counters, run = self._host_counts[:3], self._host_counts[3]
+        if c is not None:  # the device copies may lag
+            counters, run = [c.steps, c.skipped, c.last], c.run
         return {
             "scale": floats[0],
             "growth_tracker": ints[0],
@@ -1128,7 +1183,8 @@ class GradScaler:
         self._history.copy_(torch.tensor(new["history"], dtype=torch.float32).to(device))
         self._device_behind = False
         if not self._device_counted:  # (else a captured graph may count on the device)
-            self._host_counts = list(new["counters"]) + [new["hysteresis"] - new["hysteresis_left"]]
+            self._host_counts = _HostCounts.of(
+                new["counters"], new["hysteresis"] - new["hysteresis_left"], new["growth_tracker"])
 
     def _parse_state_dict(self, sd: Mapping[str, Any]) -> dict[str, Any]:
         missing = [k for k in _TORCH_KEYS if k not in sd]

@@ -530,6 +530,8 @@ def test_host_and_device_counting_follow_the_reference(kinds, kw):
     for i, f in enumerate(flags):
         toys[i // len(phase)].iterate(f)
         assert observed(scaler) == expected[i], f"step {i} ({kinds[i // len(phase)]})"
+        if i % 5 == 4:  # a read in between writes what the host held back
+            assert scaler.stats().history_scales == tuple(r["scale"] for r in expected[:i + 1])
     s = scaler.stats()
     assert s.history_scales == tuple(r["scale"] for r in expected)
     sd = scaler.state_dict()
@@ -540,6 +542,56 @@ def test_host_and_device_counting_follow_the_reference(kinds, kw):
     for i, f in enumerate(phase):
         toy.iterate(f)
         assert observed(twin) == more[len(flags) + i], f"step {len(flags) + i} after loading"
+
+
+@pytest.mark.parametrize("kind", ["plain", "fused"])
+def test_history_of_long_runs_of_one_scale_follows_torchs_scales(kind):
+    """Runs of hundreds of updates under one scale (growth_interval 300), wrapping the ring
+    twice, read in between: the history holds the scale torch's scaler had after each
+    update, for the last HISTORY_SIZE updates."""
+    kw = dict(init_scale=2.0**10, growth_factor=2.0, backoff_factor=0.5, growth_interval=300)
+    (opt_kw,) = _toy_optimizers([kind])
+    ours, theirs = ampkit.GradScaler("cpu", **kw), torch.amp.GradScaler("cpu", **kw)
+    t_ours, t_theirs = Toy(ours, **opt_kw), Toy(theirs, **opt_kw)
+    n = 2 * HISTORY_SIZE + 37
+    scales = []
+    for i in range(n):
+        found = i in (5, 6, 1500, 2000)
+        t_ours.iterate(found)
+        t_theirs.iterate(found)
+        scales.append(theirs.get_scale())
+        if i in (3, 700, HISTORY_SIZE + 1, n - 1):
+            s = ours.stats()
+            first = max(0, i + 1 - HISTORY_SIZE)
+            assert s.history_steps == tuple(range(first, i + 1)), f"update {i}"
+            assert s.history_scales == tuple(scales[first:]), f"update {i}"
+    assert len(set(scales)) > 3  # it did grow and back off
+
+
+@pytest.mark.parametrize("kind", ["plain", "fused"])
+def test_update_new_scale_keeps_the_history_of_the_updates_before_it(kind):
+    """update(new_scale=...) is not an entry of the history; the entries before it keep the
+    scale they had, the ones after it start from the new one (torch's scaler: the oracle)."""
+    kw = dict(init_scale=8.0, growth_interval=1000)
+    (opt_kw,) = _toy_optimizers([kind])
+    scales = {}
+    for cls in (ampkit.GradScaler, torch.amp.GradScaler):
+        scaler = cls("cpu", **kw)
+        toy = Toy(scaler, **opt_kw)
+        seen = []
+        for new_scale, found in [(None, False)] * 5 + [(2.0, None)] + [(None, False)] * 3 + [
+                (torch.tensor(32.0), None), (None, True), (None, False)]:
+            if new_scale is None:
+                toy.iterate(found)
+                seen.append(scaler.get_scale())
+            else:
+                toy.backward()
+                scaler.update(new_scale=new_scale)
+        scales[cls] = seen
+        if cls is ampkit.GradScaler:
+            s = scaler.stats()
+    assert s.steps == 10 and s.history_scales == tuple(scales[torch.amp.GradScaler])
+    assert scales[ampkit.GradScaler] == scales[torch.amp.GradScaler]
 
 
 def test_stats_history_wraps_around():
