@@ -191,8 +191,8 @@ def _same_tensors(a: tuple, b: tuple) -> bool:
 class _HostCounts:
     """What update() counts in Python while the host knows every inf flag (see GradScaler).
 
-    ``tracker`` mirrors the device's growth tracker, so the host knows which update changes
-    the scale; the history entries of the updates from ``unwritten`` on all equal the
+    ``tracker`` is the growth tracker (the device's copy lags), so the host knows which
+    update changes the scale; the history entries of the updates from ``unwritten`` on all equal the
     current scale and are written to the device ring only when it changes or is read."""
 
     steps: int
@@ -432,9 +432,10 @@ class GradScaler:
         # The same counters (steps, skipped, last_skipped), the overflow run and a mirror of
         # the growth tracker, kept on the host while every update() since the start (or a
         # load) knew its inf flag on the host: the plain path, which read it in step().
-        # Then update() counts in Python and runs torch's one kernel; the history is
-        # written only where the scale changes (or is read); the device copies lag
-        # (_device_behind) until a device-side update needs them. None from the first
+        # Then update() counts in Python and runs torch's kernel only where the scale
+        # changes; the history is written there (or where it is read); the device's
+        # counters, overflow run and growth tracker lag (_device_behind) until a
+        # device-side update needs them. None from the first
         # update() counted on the device (a fused optimizer's): a CUDA graph may replay that
         # one, unseen by the host, so the host never takes the counting back
         # (_device_counted).
@@ -995,23 +996,22 @@ class GradScaler:
         self._counters.add_(delta).remainder_(modulus)
 
     def _update_on_host(self, found: torch.Tensor, host_found: bool) -> None:
-        """_update_scale when the host knows the flag and the counters: torch's kernel for
-        the scale and the tracker (none for an absorbed overflow), the counting in Python;
-        the history is written only before the scale changes."""
+        """_update_scale when the host knows the flag and the counters: torch's kernel where
+        the scale changes (a backoff, a growth), nothing on the device otherwise (the host
+        counts, the growth tracker included); the history is written before a change."""
         c = self._host_counts
         absorbed = host_found and c.run < self._hysteresis - 1
         grows = not host_found and c.tracker + 1 == self._growth_interval
         if grows or (host_found and not absorbed):  # the scale changes (or may: growth)
             self._write_history()
             c.unwritten = c.steps  # from this update on: the new scale
-        if absorbed:  # the scale stays, the growth window restarts (as the device path ends)
-            self._growth_tracker.zero_()
-        else:
+            if grows:  # the kernel decides by the tracker, which the device has not kept
+                self._growth_tracker.fill_(c.tracker)
             torch._amp_update_scale_(self._scale, self._growth_tracker, found, self._growth_factor,
                                      self._backoff_factor, self._growth_interval)
-            if (grows or host_found) and (self._min_scale is not None or self._max_scale is not None):
+            if self._min_scale is not None or self._max_scale is not None:
                 self._scale.clamp_(min=self._min_scale, max=self._max_scale)
-        if host_found:
+        if host_found:  # backed off or absorbed: the growth window restarts
             c.skipped = (c.skipped + 1) % _COUNT_LIMIT
             c.last = c.steps
             c.tracker = 0
@@ -1055,6 +1055,7 @@ class GradScaler:
         self._counters.copy_(
             torch.tensor(_to_device_counters([c.steps, c.skipped, c.last]), dtype=torch.int64).to(device))
         self._overflow_run.fill_(c.run)
+        self._growth_tracker.fill_(c.tracker)
         self._device_behind = False
 
     # ------------------------------------------------------------------ stats
@@ -1086,11 +1087,12 @@ class GradScaler:
         ).cpu()
         ints, floats = packed[:6].tolist(), packed[6:].view(torch.float64).tolist()
         run, counters = ints[1], _from_device_counters(ints[2:6])
+        tracker = ints[0]
         if c is not None:  # the device copies may lag
-            counters, run = [c.steps, c.skipped, c.last], c.run
+            counters, run, tracker = [c.steps, c.skipped, c.last], c.run, c.tracker
         return {
             "scale": floats[0],
-            "growth_tracker": ints[0],
+            "growth_tracker": tracker,
             "hysteresis_left": max(self._hysteresis - run, 1),
             "counters": counters,
             "history": floats[1:],

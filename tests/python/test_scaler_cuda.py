@@ -59,7 +59,8 @@ def step(m, opt, scaler, x, y, guard=None):
 
 
 def flat_state(m, opt, scaler):
-    out = [scaler._scale, scaler._growth_tracker] + [p.detach() for p in m.parameters()]
+    tracker = torch.tensor(scaler.state_dict()["_growth_tracker"], dtype=torch.int32, device="cuda")
+    out = [scaler._scale, tracker] + [p.detach() for p in m.parameters()]
     for p in m.parameters():
         out += [v for _, v in sorted(opt.state.get(p, {}).items()) if torch.is_tensor(v)]
     return [t.clone() for t in out]
