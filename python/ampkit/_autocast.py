@@ -75,6 +75,7 @@ from ampkit._policy import CATEGORIES, DEVICES, Policy, PolicyError, live_policy
 Tensor = torch.Tensor
 _F32 = torch.float32
 _F64 = torch.float64
+_F16 = torch.float16
 _CASTABLE = frozenset(
     d for d in vars(torch).values() if isinstance(d, torch.dtype) and d.is_floating_point and d is not torch.float64
 )
@@ -133,7 +134,7 @@ class _Frame:
     and kept, with its compiled table per kind, so entering a region again is a few
     dict lookups."""
 
-    __slots__ = ("devs", "children", "tables")
+    __slots__ = ("devs", "children", "tables", "plain")
 
     def __init__(self, devs):
         # devs: {device_type: (enabled, dtype, policy, cache_enabled)}
@@ -143,6 +144,11 @@ class _Frame:
         # reused while the entry lives
         self.children = {}
         self.tables = {}  # kind -> {func: action}
+        # The children whose region is torch's autocast alone (a table that changes nothing
+        # and holds no kernel), by the region's own arguments: (device_type, enabled, dtype,
+        # id(policy argument), cache) -> (policy argument, registry version, child, kind,
+        # table). Entering one of them again is Engine.push's fast path.
+        self.plain = {}
 
     def child(self, key, policy):
         frame = self.children.get(key)
@@ -200,8 +206,25 @@ class _Engine:
         return len(self.levels) - 1
 
     def push(self, device_type, enabled, dtype, policy, cache_enabled):
-        top = self.levels[-1]
+        levels = self.levels
+        top = levels[-1]
         parent = top[0]
+        plain = parent.plain.get((device_type, enabled, dtype, id(policy), cache_enabled))
+        if (plain is not None and plain[0] is policy and plain[1] == _ops.VERSION[0]
+                and self.trace is None and not self.reference and not self.mode_pushed
+                and device_type not in top[2]):
+            # A region that leaves everything to torch's autocast, entered before from this
+            # parent: what the slow path below would do, without its lookups (no kernels, no
+            # checkpoint token, the mode stays off; the tokens stay the parent's).
+            frame, kind, table = plain[2:]
+            levels.append((frame, kind, top[2], (), False))
+            self.kernel_acts = _NO_KERNELS
+            mode = self.mode
+            mode.real = mode.table = table
+            mode.real_size = 0
+            _COMPILE_TABLE[0] = table.frozen
+            return
+        caller_policy = policy
         hit = _CANONICAL_BY_ID.get(id(policy))  # _canonical(policy), its common case inline
         policy = hit[1] if hit is not None and hit[0] is policy else _canonical(policy)
         key = (device_type, enabled, dtype, id(policy), cache_enabled, _ops.VERSION[0])
@@ -226,11 +249,16 @@ class _Engine:
             tokens = dict(tokens)
             tokens[device_type] = _checkpoint_token() if changes else None
         owns = not self.mode_pushed and bool(self.mode.real_size or self.trace is not None)
-        self.levels.append((frame, kind, tokens, held, owns))
+        levels.append((frame, kind, tokens, held, owns))
         self.tokens = tokens
         if owns:
             self.mode.__enter__()
             self.mode_pushed = True
+        elif not changes and self.trace is None and not self.reference and kind != REFERENCE:
+            if len(parent.plain) > 64:  # e.g. a fresh policy built every step
+                parent.plain.clear()
+            parent.plain[(device_type, enabled, dtype, id(caller_policy), cache_enabled)] = (
+                caller_policy, key[5], frame, kind, table)
 
     def pop(self):
         levels = self.levels
@@ -243,7 +271,15 @@ class _Engine:
         outermost = len(levels) == 1
         if outermost:
             self.cache.clear()
-        self._use(top[0], top[1])
+        table = top[0].tables.get(top[1]) if self.trace is None else None
+        if table is not None:  # _use, for a table compiled already and no trace
+            self.kernel_acts = table.kernel_acts
+            mode = self.mode
+            mode.real = mode.table = table
+            mode.real_size = table.changes
+            _COMPILE_TABLE[0] = table.frozen
+        else:
+            self._use(top[0], top[1])
         if held:
             _kernels.release(held)
         if outermost:
@@ -380,6 +416,7 @@ _clear_cache = torch.clear_autocast_cache
 _function_mode_on = torch._C._is_torch_function_mode_enabled
 _backend_name = torch._C._get_privateuse1_backend_name
 _thread_id = threading.get_ident
+_CUDA_F16_CHECKED = [False]  # torch.autocast('cuda', dtype=float16) found CUDA available
 _COMPILE_TABLE = [{}]  # the table of the last region entered eagerly (read by traced code)
 _COMPILED_TABLES: list = []  # tables of regions entered inside torch.compile'd code
 _COMPILED_INDEX: dict = {}
@@ -1096,9 +1133,11 @@ class autocast(torch.amp.autocast):
 
     def __init__(self, device_type, dtype=None, enabled=True, cache_enabled=None, *, policy=None):
         dev, dtype, enabled, cache_enabled, pol = _region_args(device_type, dtype, enabled, cache_enabled, policy)
-        if dev == "cpu":
-            # torch.autocast.__init__ for "cpu" and a dtype _region_args accepted (always
-            # available, no warning, nothing to disable): its attributes, set directly
+        if dev == "cpu" or not enabled or (dtype is _F16 and _CUDA_F16_CHECKED[0]):
+            # torch.autocast.__init__ where it checks nothing that can fail: "cpu" with a
+            # dtype _region_args accepted, a disabled region, or float16 on CUDA once torch
+            # found CUDA available (it checks nothing else for float16): its attributes, set
+            # directly
             self.fast_dtype = dtype
             self.device = dev
             self.custom_backend_name = _backend_name()
@@ -1106,6 +1145,8 @@ class autocast(torch.amp.autocast):
             self._enabled = enabled
         else:  # cuda: torch checks the card (bf16 support, CUDA available)
             super().__init__(dev, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+            if dtype is _F16 and self._enabled:
+                _CUDA_F16_CHECKED[0] = True
         self.device_type = dev
         self.enabled = enabled
         self.cache_enabled = cache_enabled

@@ -4,7 +4,9 @@ One class, one stage machine, one update rule. The update rule is torch's own AT
 kernel (``torch._amp_update_scale_``), so with ``hysteresis=1`` and no clamps the
 scale, the growth tracker, the parameters and the optimizer state follow
 ``torch.amp.GradScaler`` bit for bit. Everything added on top (hysteresis, clamps,
-statistics) is device-tensor arithmetic, so it adds no host-device sync.
+statistics) adds no host-device sync: device-tensor arithmetic where the inf flag lives
+only on the device (fused optimizers, CUDA graphs), Python integers where the plain path
+has read the flag on the host already (then an update runs no more kernels than torch's).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ _COUNT_LIMIT = 2**62
 # torch's C++ grouping of tensor lists by (device, dtype), used by its foreach optimizers.
 _GROUP = getattr(torch._C, "_group_tensors_by_device_and_dtype", None)
 _F32_MAX = float(torch.finfo(torch.float32).max)
+_is_grad_enabled, _set_grad_enabled = torch.is_grad_enabled, torch._C._set_grad_enabled
 _ORDER = "scale(loss).backward() -> [unscale_(opt)] -> step(opt) -> update()"
 _TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 _OUR_KEYS = (
@@ -166,12 +169,43 @@ class _NoGrads(RuntimeError):
         )
 
 
+class _NoChecks(RuntimeError):
+    def __init__(self):
+        super().__init__(
+            "update() found no inf/NaN checks: no optimizer was stepped (or unscaled) "
+            f"since the last update(); the order is {_ORDER}. Call "
+            "scaler.step(optimizer) first, or update(new_scale=...) to set the scale."
+        )
+
+
 def _grads_of(optimizer) -> tuple:
-    return tuple(p.grad for group in optimizer.param_groups for p in group["params"])
+    """The gradient tensors of the optimizer's parameters that have one."""
+    return tuple(g for group in optimizer.param_groups for p in group["params"] if (g := p.grad) is not None)
 
 
 def _same_tensors(a: tuple, b: tuple) -> bool:
     return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
+@dataclasses.dataclass(eq=False)
+class _HostCounts:
+    """What update() counts in Python while the host knows every inf flag (see GradScaler).
+
+    ``tracker`` is the growth tracker (the device's copy lags), so the host knows which
+    update changes the scale; the history entries of the updates from ``unwritten`` on all equal the
+    current scale and are written to the device ring only when it changes or is read."""
+
+    steps: int
+    skipped: int
+    last: int  # -1: none
+    run: int  # consecutive overflows (read where hysteresis > 1)
+    tracker: int
+    unwritten: int
+
+    @classmethod
+    def of(cls, counters: list[int], run: int, tracker: int) -> _HostCounts:
+        steps, skipped, last = counters
+        return cls(steps, skipped, last, run, tracker, steps)
 
 
 def _to_device_counters(counters: list[int]) -> list[int]:
@@ -395,9 +429,23 @@ class GradScaler:
         self._overflow_run: torch.Tensor | None = None  # int32, (): consecutive overflows
         self._counters: torch.Tensor | None = None  # int64, (steps, skipped, gap, slot)
         self._history: torch.Tensor | None = None  # float32 ring buffer, (HISTORY_SIZE,)
+        # The same counters (steps, skipped, last_skipped), the overflow run and a mirror of
+        # the growth tracker, kept on the host while every update() since the start (or a
+        # load) knew its inf flag on the host: the plain path, which read it in step().
+        # Then update() counts in Python and runs torch's kernel only where the scale
+        # changes; the history is written there (or where it is read); the device's
+        # counters, overflow run and growth tracker lag (_device_behind) until a
+        # device-side update needs them. None from the first
+        # update() counted on the device (a fused optimizer's): a CUDA graph may replay that
+        # one, unseen by the host, so the host never takes the counting back
+        # (_device_counted).
+        self._host_counts: _HostCounts | None = None
+        self._device_behind = False
+        self._device_counted = False
         self._per_optimizer: dict[int, _OptRecord] = {}
         self._ones: dict[torch.device, torch.Tensor] = {}  # the fused path's dummy inv scale
         self._stat_steps: tuple | None = None  # device tables for the stats update
+        self._views: tuple | None = None  # views of the device state the update writes
 
     # ------------------------------------------------------------------ small accessors
 
@@ -530,16 +578,20 @@ class GradScaler:
         )
         self._counters = torch.tensor(_to_device_counters(p["counters"]), dtype=torch.int64, device=device)
         self._history = torch.tensor(p["history"], dtype=torch.float32, device=device)
-        # Stats step: counters = (counters + delta) % modulus, elementwise, with (delta,
-        # modulus) picked by the inf flag: steps+1, skipped+flag, gap+1 (mod 1 -> 0 on a
-        # skip), slot+1 (mod HISTORY_SIZE). Two in-place kernels, no sync.
+        # Stats step on the device: counters = (counters + delta) % modulus, elementwise,
+        # with (delta, modulus) picked by the inf flag: steps+1, skipped+flag, gap+1 (mod 1
+        # -> 0 on a skip), slot+1 (mod HISTORY_SIZE). No sync.
         big = _COUNT_LIMIT
-        table = torch.tensor(
-            [[[1, 0, 1, 1], [big, big, big, HISTORY_SIZE]], [[1, 1, 1, 1], [big, big, 1, HISTORY_SIZE]]],
-            dtype=torch.int64,
-            device=device,
-        )
-        self._stat_steps = (table[0], table[1], (table[0][0], table[0][1]), (table[1][0], table[1][1]))
+        clean, skip = ([1, 0, 1, 1], [big, big, big, HISTORY_SIZE]), ([1, 1, 1, 1], [big, big, 1, HISTORY_SIZE])
+        table = torch.tensor([clean, skip], dtype=torch.int64, device=device)
+        # (delta if clean, delta if skipped, modulus if clean, modulus if skipped)
+        self._stat_steps = (table[0, 0], table[1, 0], table[0, 1], table[1, 1])
+        # Made once: a view costs an op per step (the slot counter, the scale as a
+        # 1-element tensor); every write to these tensors is in place.
+        self._views = (self._counters[3:], self._scale.view(1))
+        self._host_counts = _HostCounts.of(
+            p["counters"], self._hysteresis - p["hysteresis_left"], p["growth_tracker"])
+        self._device_behind = False
 
     def _require_scale(self, method: str) -> torch.Tensor:
         if self._scale is None:
@@ -585,14 +637,30 @@ class GradScaler:
     # ------------------------------------------------------------------ unscale_
 
     @staticmethod
-    def _collect_grads(optimizer, allow_fp16: bool) -> dict:
-        """Group the optimizer's gradients by (device, dtype); validate before mutating."""
+    def _collect_grads(optimizer, allow_fp16: bool) -> tuple[dict, tuple]:
+        """Group the optimizer's gradients by (device, dtype); validate before mutating.
+
+        Returns the groups and the parameters' gradient tensors (``_grads_of``)."""
         groups = getattr(optimizer, "param_groups", None)
         if groups is None:
             raise TypeError(
                 f"expected a torch.optim.Optimizer (something with param_groups), "
                 f"got {type(optimizer).__name__}"
             )
+        grads = [g for group in groups for p in group["params"] if (g := p.grad) is not None]
+        if not grads:
+            return {}, ()
+        if _GROUP is None or any(g.is_sparse for g in grads):
+            return GradScaler._collect_grads_slowly(groups, allow_fp16)
+        grouped = {key: lists[0] for key, (lists, _) in _GROUP([grads], False).items()}
+        if not allow_fp16 and any(dtype == torch.float16 for _, dtype in grouped):
+            GradScaler._collect_grads_slowly(groups, allow_fp16)  # raises, naming the parameter
+        return grouped, tuple(grads)
+
+    @staticmethod
+    def _collect_grads_slowly(groups, allow_fp16: bool) -> tuple[dict, tuple]:
+        """_collect_grads for sparse gradients (and a torch without its grouping), and the
+        float16 refusal with the parameter's shape."""
         params = [p for group in groups for p in group["params"] if p.grad is not None]
         grads = [p.grad for p in params]
         if not allow_fp16:
@@ -612,14 +680,13 @@ class GradScaler:
                         if grads[i].dtype is torch.float16:  # duplicates could overflow
                             p.grad = grads[i] = grads[i].coalesce()
                         grads[i] = grads[i]._values()
-        if not grads:
-            return {}
+        kept = tuple(p.grad for p in params)
         if _GROUP is not None:
-            return {key: lists[0] for key, (lists, _) in _GROUP([grads], False).items()}
+            return {key: lists[0] for key, (lists, _) in _GROUP([grads], False).items()}, kept
         grouped: dict[tuple, list[torch.Tensor]] = {}
         for grad in grads:
             grouped.setdefault((grad.device, grad.dtype), []).append(grad)
-        return grouped
+        return grouped, kept
 
     def found_inf(self, grouped: dict, unscale: bool) -> dict:
         """One float32 flag per device: 1.0 when some gradient holds an inf or NaN, else 0.0.
@@ -634,15 +701,23 @@ class GradScaler:
         gradient check: a subclass may override it to check differently or to inject
         infs (benchmarks and tests do), as long as it returns a flag per device.
         """
-        if not isinstance(grouped, Mapping):
+        if type(grouped) is not dict and not isinstance(grouped, Mapping):
             raise TypeError(
                 f"found_inf() takes a dict {{(device, dtype): [gradients]}}, got "
                 f"{type(grouped).__name__}; group the gradients by device and dtype first"
             )
         found_per_device: dict[torch.device, torch.Tensor] = {}
-        inv_scale = self._scale.double().reciprocal().float() if unscale else None
+        # torch computes 1/scale as float(1/double(scale)): three ops. One float32 reciprocal
+        # gives the same bits: double rounding through float64 is innocuous for a float32
+        # quotient (53 >= 2*24 + 2 bits), and both CPU and CUDA divide correctly rounded
+        # (tests check every float32 on CPU and on CUDA).
+        inv_scale = torch.reciprocal(self._scale) if unscale else None
         mesh_groups: list = []
-        with torch.no_grad():
+        # torch.no_grad() without its context-manager objects (a few us a step)
+        grad_mode = _is_grad_enabled()
+        if grad_mode:
+            _set_grad_enabled(False)
+        try:
             for (device, _), grads in grouped.items():
                 found = found_per_device.get(device)
                 if found is None:
@@ -658,6 +733,9 @@ class GradScaler:
                     inv = inv_scale if inv_scale.device == device else inv_scale.to(device)
                 if grads:
                     torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+        finally:
+            if grad_mode:
+                _set_grad_enabled(True)
         if mesh_groups:
             reduce_over(list(found_per_device.values()), mesh_groups)
         return found_per_device
@@ -695,13 +773,12 @@ class GradScaler:
         _check_optimizer(optimizer, "unscale_")
         self._require_scale("unscale_")
         self._check_ready_for_unscale(optimizer)
-        grouped = self._collect_grads(optimizer, allow_fp16=False)
+        grouped, grads = self._collect_grads(optimizer, allow_fp16=False)
         found = self.found_inf(grouped, unscale=True)
         _doctor.scaler_checked(found, optimizer)  # an armed doctor takes it as its step's check
         if self._sync.needed(optimizer):
             self._sync.combine(found)
-        self._per_optimizer[id(optimizer)] = _OptRecord(
-            OptState.UNSCALED, found, grads=_grads_of(optimizer))
+        self._per_optimizer[id(optimizer)] = _OptRecord(OptState.UNSCALED, found, grads=grads)
 
     # ------------------------------------------------------------------ step
 
@@ -726,7 +803,8 @@ class GradScaler:
             )
         _check_optimizer(optimizer, "step")
         scale = self._require_scale("step")
-        stage = self.stage(optimizer)
+        record = self._per_optimizer.get(id(optimizer))
+        stage = OptState.READY if record is None else record.stage
         if stage is OptState.STEPPED:
             raise RuntimeError(
                 "step() was already called for this optimizer since the last update(); the "
@@ -734,9 +812,9 @@ class GradScaler:
                 "every optimizer, before the next step() (or scaler.reset_iteration() if "
                 "the iteration failed and must not count)."
             )
-        fused = self.is_sync_free(optimizer)
+        fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))  # is_sync_free
         if stage is OptState.READY:
-            grouped = self._collect_grads(optimizer, allow_fp16=fused)
+            grouped, grads = self._collect_grads(optimizer, allow_fp16=fused)
             if not grouped:
                 raise _NoGrads()
             # Fused: only read the gradients; the optimizer unscales them in its kernel.
@@ -745,10 +823,9 @@ class GradScaler:
             if self._sync.needed(optimizer):
                 self._sync.combine(found)
             if not fused:  # as unscale_() records it: a failing step() won't unscale twice
-                self._per_optimizer[id(optimizer)] = _OptRecord(
-                    OptState.UNSCALED, found, grads=_grads_of(optimizer))
+                record = self._per_optimizer[id(optimizer)] = _OptRecord(
+                    OptState.UNSCALED, found, grads=grads)
         else:
-            record = self._per_optimizer[id(optimizer)]
             found = record.found_inf_per_device
             if not found:
                 raise _NoGrads()
@@ -763,10 +840,13 @@ class GradScaler:
         if fused:
             return self._fused_step(optimizer, stage, scale, found, args, kwargs)
         # The one sync of the plain path: the host must know whether to call step().
-        found_any = bool(sum(v.item() for v in found.values()))
+        if len(found) == 1:
+            found_any = bool(next(iter(found.values())).item())
+        else:
+            found_any = bool(sum(v.item() for v in found.values()))
         retval = None if found_any else optimizer.step(*args, **kwargs)
         # host_found lets update() skip the device-side pick of the stats step.
-        self._per_optimizer[id(optimizer)] = _OptRecord(OptState.STEPPED, found, found_any)
+        record.stage, record.host_found = OptState.STEPPED, found_any
         return retval
 
     def _fused_step(self, optimizer, stage, scale, found, args, kwargs):
@@ -822,21 +902,24 @@ class GradScaler:
         if not self._enabled:
             return
         scale = self._require_scale("update")
+        records = self._per_optimizer
         if new_scale is not None:
             self._set_scale(scale, new_scale)
-        else:
-            flags = [
-                t for record in self._per_optimizer.values()
-                for t in record.found_inf_per_device.values()
-            ]
+        elif len(records) == 1:  # the common case, without the lists
+            (record,) = records.values()
+            flags = record.found_inf_per_device
             if not flags:
-                raise RuntimeError(
-                    "update() found no inf/NaN checks: no optimizer was stepped (or unscaled) "
-                    f"since the last update(); the order is {_ORDER}. Call "
-                    "scaler.step(optimizer) first, or update(new_scale=...) to set the scale."
-                )
+                raise _NoChecks()
+            found = next(iter(flags.values())) if len(flags) == 1 else None
+            if found is None or found.device != scale.device:
+                found = _any_flag(flags.values(), scale.device)
+            self._update_scale(found, record.host_found)
+        else:
+            flags = [t for record in records.values() for t in record.found_inf_per_device.values()]
+            if not flags:
+                raise _NoChecks()
             found = _any_flag(flags, scale.device)
-            host = [r.host_found for r in self._per_optimizer.values()]
+            host = [r.host_found for r in records.values()]
             self._update_scale(found, None if None in host else any(host))
         self._per_optimizer = {}
 
@@ -861,6 +944,8 @@ class GradScaler:
                         f"update(new_scale=tensor({value!r})) is invalid; the scale must be "
                         "finite and > 0 (within the clamps, if any, it is clamped)"
                     )
+            if self._host_counts is not None:  # the updates since the last change keep the old scale
+                self._write_history()
             scale.copy_(new_scale.reshape(()))
             if self._min_scale is not None or self._max_scale is not None:
                 scale.clamp_(min=self._min_scale, max=self._max_scale)
@@ -868,9 +953,19 @@ class GradScaler:
         lo = self._min_scale if self._min_scale is not None else 0.0
         hi = self._max_scale if self._max_scale is not None else _F32_MAX
         value = _real("new_scale", new_scale, lo, hi, self._min_scale is None, False)
+        if self._host_counts is not None:
+            self._write_history()
         scale.fill_(value)
 
     def _update_scale(self, found: torch.Tensor, host_found: bool | None) -> None:
+        if host_found is not None and self._host_counts is not None:
+            self._update_on_host(found, host_found)
+            return
+        if self._host_counts is not None:  # from now on the device counts
+            self._catch_up_device()
+            self._host_counts = None
+        if host_found is None:
+            self._device_counted = True
         scale, tracker = self._scale, self._growth_tracker
         args = (self._growth_factor, self._backoff_factor, self._growth_interval)
         found_b = None
@@ -890,15 +985,79 @@ class GradScaler:
         if self._min_scale is not None or self._max_scale is not None:
             scale.clamp_(min=self._min_scale, max=self._max_scale)
         # Stats, on the device: the scale into the ring buffer at `slot`, then the counters.
-        counters = self._counters
-        self._history.scatter_(0, counters[3:], scale.view(1))
-        clean, skip, clean_views, skip_views = self._stat_steps
+        slot, scale_row = self._views
+        self._history.scatter_(0, slot, scale_row)
+        clean, skip, clean_mod, skip_mod = self._stat_steps
         if host_found is None:
-            sel = torch.where(found > 0 if found_b is None else found_b, skip, clean)
-            delta, modulus = sel[0], sel[1]
+            if found_b is None:
+                found_b = found > 0
+            delta, modulus = torch.where(found_b, skip, clean), torch.where(found_b, skip_mod, clean_mod)
         else:  # the plain path already read the flag on the host
-            delta, modulus = skip_views if host_found else clean_views
-        counters.add_(delta).remainder_(modulus)
+            delta, modulus = (skip, skip_mod) if host_found else (clean, clean_mod)
+        self._counters.add_(delta).remainder_(modulus)
+
+    def _update_on_host(self, found: torch.Tensor, host_found: bool) -> None:
+        """_update_scale when the host knows the flag and the counters: torch's kernel where
+        the scale changes (a backoff, a growth), nothing on the device otherwise (the host
+        counts, the growth tracker included); the history is written before a change."""
+        c = self._host_counts
+        absorbed = host_found and c.run < self._hysteresis - 1
+        grows = not host_found and c.tracker + 1 == self._growth_interval
+        if grows or (host_found and not absorbed):  # the scale changes (or may: growth)
+            self._write_history()
+            c.unwritten = c.steps  # from this update on: the new scale
+            if grows:  # the kernel decides by the tracker, which the device has not kept
+                self._growth_tracker.fill_(c.tracker)
+            torch._amp_update_scale_(self._scale, self._growth_tracker, found, self._growth_factor,
+                                     self._backoff_factor, self._growth_interval)
+            if self._min_scale is not None or self._max_scale is not None:
+                self._scale.clamp_(min=self._min_scale, max=self._max_scale)
+        if host_found:  # backed off or absorbed: the growth window restarts
+            c.skipped = (c.skipped + 1) % _COUNT_LIMIT
+            c.last = c.steps
+            c.tracker = 0
+            if self._hysteresis > 1:  # (kept only where it is read)
+                c.run += 1
+        else:
+            c.tracker = 0 if grows else c.tracker + 1
+            if self._hysteresis > 1:
+                c.run = 0
+        c.steps = (c.steps + 1) % _COUNT_LIMIT
+        self._device_behind = True
+
+    def _write_history(self) -> None:
+        """Write the current scale into the ring for the updates the host has not written."""
+        c = self._host_counts
+        n = c.steps - c.unwritten
+        if n <= 0:
+            return
+        history = self._history
+        if n >= HISTORY_SIZE:
+            history.copy_(self._scale)
+        else:
+            i = c.unwritten % HISTORY_SIZE
+            history[i:i + n].copy_(self._scale)  # (broadcast: no host read)
+            if i + n > HISTORY_SIZE:
+                history[:i + n - HISTORY_SIZE].copy_(self._scale)
+        c.unwritten = c.steps
+
+    def _catch_up_device(self) -> None:
+        """Write the host's counters, overflow run and history into the device tensors."""
+        if not self._device_behind:
+            return
+        device = self._counters.device
+        if _capturing(device):
+            raise RuntimeError(
+                "update() inside a CUDA graph capture, but the scaler's counters were last "
+                "kept on the host (its earlier steps used an optimizer that is not sync-free); "
+                "run one eager iteration with the sync-free optimizer before capturing")
+        c = self._host_counts
+        self._write_history()
+        self._counters.copy_(
+            torch.tensor(_to_device_counters([c.steps, c.skipped, c.last]), dtype=torch.int64).to(device))
+        self._overflow_run.fill_(c.run)
+        self._growth_tracker.fill_(c.tracker)
+        self._device_behind = False
 
     # ------------------------------------------------------------------ stats
 
@@ -913,6 +1072,9 @@ class GradScaler:
                 "counters": [int(c) for c in p["counters"]],
                 "history": [float(h) for h in p["history"]],
             }
+        c = self._host_counts
+        if c is not None:
+            self._write_history()
         # One int64 buffer: the counters (up to 2**62) stay exact, which float64 would not
         # keep past 2**53; the float fields travel as the bits of their float64 values.
         packed = torch.cat(
@@ -925,11 +1087,15 @@ class GradScaler:
             )
         ).cpu()
         ints, floats = packed[:6].tolist(), packed[6:].view(torch.float64).tolist()
+        run, counters = ints[1], _from_device_counters(ints[2:6])
+        tracker = ints[0]
+        if c is not None:  # the device copies may lag
+            counters, run, tracker = [c.steps, c.skipped, c.last], c.run, c.tracker
         return {
             "scale": floats[0],
-            "growth_tracker": ints[0],
-            "hysteresis_left": max(self._hysteresis - ints[1], 1),
-            "counters": _from_device_counters(ints[2:6]),
+            "growth_tracker": tracker,
+            "hysteresis_left": max(self._hysteresis - run, 1),
+            "counters": counters,
             "history": floats[1:],
         }
 
@@ -1018,6 +1184,10 @@ class GradScaler:
             torch.tensor(_to_device_counters(new["counters"]), dtype=torch.int64).to(device)
         )
         self._history.copy_(torch.tensor(new["history"], dtype=torch.float32).to(device))
+        self._device_behind = False
+        if not self._device_counted:  # (else a captured graph may count on the device)
+            self._host_counts = _HostCounts.of(
+                new["counters"], new["hysteresis"] - new["hysteresis_left"], new["growth_tracker"])
 
     def _parse_state_dict(self, sd: Mapping[str, Any]) -> dict[str, Any]:
         missing = [k for k in _TORCH_KEYS if k not in sd]

@@ -84,6 +84,42 @@ def test_one_mode_for_a_changed_policy_however_deep_and_none_after():
     assert modes() == base
 
 
+@needs_no_declared_differences
+def test_a_region_entered_again_acts_as_on_its_first_entry():
+    """A region that leaves everything to torch's autocast is entered by a shorter path from
+    its second entry on; around and inside regions that change the policy (the handler
+    pushed) and a trace, each call's dtype is what the same nesting gives the first time,
+    and the default regions' dtypes are torch.autocast's."""
+    changed = ampkit.load_policy("torch_default").with_ops("cpu", fp32=["linear"], lower_precision_fp=["norm"])
+    x, w = torch.randn(2, 4), torch.randn(3, 4)
+    with torch.autocast("cpu", dtype=BF16):
+        native = lin(x, w).dtype
+    with torch.autocast("cpu", dtype=F16):
+        native16 = lin(x, w).dtype
+
+    def walk():
+        seen = []
+        base = modes()
+        with ampkit.autocast("cpu"):
+            seen.append((lin(x, w).dtype, modes() - base))
+            with ampkit.autocast("cpu", dtype=F16):
+                seen.append((lin(x, w).dtype, modes() - base))
+            with ampkit.autocast("cpu", policy=changed):
+                seen.append((lin(x, w).dtype, modes() - base))
+                with ampkit.autocast("cpu"):  # the default inside the handler: it stays
+                    seen.append((lin(x, w).dtype, modes() - base))
+            with ampkit.trace() as tr:
+                with ampkit.autocast("cpu"):
+                    seen.append((lin(x, w).dtype, modes() - base))
+            seen.append((lin(x, w).dtype, modes() - base, len(tr) > 0))
+        seen.append((lin(x, w).dtype, modes() - base))
+        return seen
+
+    first = walk()
+    assert first == [(native, 0), (native16, 0), (F32, 1), (native, 1), (native, 1), (native, 0, True), (F32, 0)]
+    assert walk() == first and walk() == first
+
+
 def _torch_state():
     nesting = torch.autocast_increment_nesting()
     torch.autocast_decrement_nesting()

@@ -39,7 +39,9 @@ def opt_tensors(opt: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
 
 
 def snapshot(models, opts, scaler) -> list[tuple[str, torch.Tensor]]:
-    snap = [("scale", scaler._scale.clone()), ("growth_tracker", scaler._growth_tracker.clone())]
+    # the growth tracker as both scalers report it (ampkit's device copy lags on the plain path)
+    tracker = torch.tensor(scaler.state_dict()["_growth_tracker"], dtype=torch.int32)
+    snap = [("scale", scaler._scale.clone()), ("growth_tracker", tracker)]
     for m, model in enumerate(models):
         for name, p in model.named_parameters():
             snap.append((f"model{m}.{name}", p.detach().clone()))
@@ -475,7 +477,7 @@ def test_hysteresis_one_is_torch():
         t_ours.iterate(f)
         t_theirs.iterate(f)
         assert bits_equal(ours._scale, theirs._scale)
-        assert bits_equal(ours._growth_tracker, theirs._growth_tracker)
+        assert ours.state_dict()["_growth_tracker"] == theirs.state_dict()["_growth_tracker"]
 
 
 @pytest.mark.parametrize(
@@ -500,6 +502,98 @@ def test_clamps_and_hysteresis_follow_the_reference(kw, flags):
     assert all(lo <= r["scale"] <= hi for r in expected)
     if "min_scale" in kw or "max_scale" in kw:
         assert any(r["scale"] in (lo, hi) for r in expected)  # the clamp was actually hit
+
+
+def _toy_optimizers(kinds):
+    """The optimizer kinds a test drives one scaler with, in turn: "plain" steps read the
+    inf flag on the host (the scaler counts there), "fused" ones never do (it counts on
+    the device); a skip where fused SGD is missing."""
+    if "fused" in kinds and not _fused_supported("sgd_fused"):
+        pytest.skip("this torch has no fused CPU SGD")
+    return [{"plain": {}, "fused": {"fused": True}}[k] for k in kinds]
+
+
+@pytest.mark.parametrize("kinds", [["fused"], ["plain", "fused"], ["fused", "plain"],
+                                   ["plain", "plain", "fused", "fused", "plain"]],
+                         ids=["fused", "plain-then-fused", "fused-then-plain", "mixed"])
+@pytest.mark.parametrize("kw", [dict(), dict(hysteresis=3), dict(min_scale=8.0, max_scale=64.0, hysteresis=2)],
+                         ids=["torch", "hysteresis3", "clamps+hysteresis"])
+def test_host_and_device_counting_follow_the_reference(kinds, kw):
+    """The stats and the hysteresis are counted on the host while every update knew its
+    flag there, on the device from the first one that did not; each phase of the run
+    drives one optimizer kind for a while (2 to 4 consecutive overflows included), and
+    every field is checked after every step against the docstring's state machine."""
+    base = dict(init_scale=32.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=2)
+    scaler = ampkit.GradScaler("cpu", **base, **kw)
+    toys = [Toy(scaler, **opt_kw) for opt_kw in _toy_optimizers(kinds)]
+    phase = [False, True, True, False, False, False, True, True, True, True, False, False]
+    flags = phase * len(toys)
+    expected = reference(flags, **base, **kw)
+    for i, f in enumerate(flags):
+        toys[i // len(phase)].iterate(f)
+        assert observed(scaler) == expected[i], f"step {i} ({kinds[i // len(phase)]})"
+        if i % 5 == 4:  # a read in between writes what the host held back
+            assert scaler.stats().history_scales == tuple(r["scale"] for r in expected[:i + 1])
+    s = scaler.stats()
+    assert s.history_scales == tuple(r["scale"] for r in expected)
+    sd = scaler.state_dict()
+    twin = ampkit.GradScaler("cpu")  # a loaded scaler counts on from the loaded values
+    twin.load_state_dict(sd)
+    toy = Toy(twin, **_toy_optimizers(kinds[-1:])[0])
+    more = reference(flags + phase, **base, **kw)
+    for i, f in enumerate(phase):
+        toy.iterate(f)
+        assert observed(twin) == more[len(flags) + i], f"step {len(flags) + i} after loading"
+
+
+@pytest.mark.parametrize("kind", ["plain", "fused"])
+def test_history_of_long_runs_of_one_scale_follows_torchs_scales(kind):
+    """Runs of hundreds of updates under one scale (growth_interval 300), wrapping the ring
+    twice, read in between: the history holds the scale torch's scaler had after each
+    update, for the last HISTORY_SIZE updates."""
+    kw = dict(init_scale=2.0**10, growth_factor=2.0, backoff_factor=0.5, growth_interval=300)
+    (opt_kw,) = _toy_optimizers([kind])
+    ours, theirs = ampkit.GradScaler("cpu", **kw), torch.amp.GradScaler("cpu", **kw)
+    t_ours, t_theirs = Toy(ours, **opt_kw), Toy(theirs, **opt_kw)
+    n = 2 * HISTORY_SIZE + 37
+    scales = []
+    for i in range(n):
+        found = i in (5, 6, 1500, 2000)
+        t_ours.iterate(found)
+        t_theirs.iterate(found)
+        scales.append(theirs.get_scale())
+        if i in (3, 700, HISTORY_SIZE + 1, n - 1):
+            s = ours.stats()
+            first = max(0, i + 1 - HISTORY_SIZE)
+            assert s.history_steps == tuple(range(first, i + 1)), f"update {i}"
+            assert s.history_scales == tuple(scales[first:]), f"update {i}"
+    assert len(set(scales)) > 3  # it did grow and back off
+
+
+@pytest.mark.parametrize("kind", ["plain", "fused"])
+def test_update_new_scale_keeps_the_history_of_the_updates_before_it(kind):
+    """update(new_scale=...) is not an entry of the history; the entries before it keep the
+    scale they had, the ones after it start from the new one (torch's scaler: the oracle)."""
+    kw = dict(init_scale=8.0, growth_interval=1000)
+    (opt_kw,) = _toy_optimizers([kind])
+    scales = {}
+    for cls in (ampkit.GradScaler, torch.amp.GradScaler):
+        scaler = cls("cpu", **kw)
+        toy = Toy(scaler, **opt_kw)
+        seen = []
+        for new_scale, found in [(None, False)] * 5 + [(2.0, None)] + [(None, False)] * 3 + [
+                (torch.tensor(32.0), None), (None, True), (None, False)]:
+            if new_scale is None:
+                toy.iterate(found)
+                seen.append(scaler.get_scale())
+            else:
+                toy.backward()
+                scaler.update(new_scale=new_scale)
+        scales[cls] = seen
+        if cls is ampkit.GradScaler:
+            s = scaler.stats()
+    assert s.steps == 10 and s.history_scales == tuple(scales[torch.amp.GradScaler])
+    assert scales[ampkit.GradScaler] == scales[torch.amp.GradScaler]
 
 
 def test_stats_history_wraps_around():
@@ -967,6 +1061,56 @@ class _Ops(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.append(str(func))
         return func(*args, **(kwargs or {}))
+
+
+def reciprocal_mismatches(device, step=1):
+    """How many positive finite float32 values x (every ``step``-th bit pattern, subnormals
+    included) have torch.reciprocal(x) != float(1 / double(x)), torch's unscale factor."""
+    bad, chunk = 0, 1 << 24
+    for start in range(0, 0x7F800000, chunk * step):
+        bits = torch.arange(start, min(start + chunk * step, 0x7F800000), step, device=device)
+        x = bits.to(torch.int32).view(torch.float32)
+        ours = torch.reciprocal(x).view(torch.int32)
+        bad += int((ours != x.double().reciprocal().float().view(torch.int32)).sum())
+    return bad
+
+
+def test_the_unscale_factor_is_torchs_to_the_bit():
+    """The scaler unscales by a float32 reciprocal of the scale, torch's by the float32 of a
+    float64 reciprocal: the same bits for every scale (a sample of the float32 range here;
+    every value on CUDA in test_scaler_cuda, and once on this CPU: 0 differ)."""
+    assert reciprocal_mismatches("cpu", step=251) == 0
+    odd = dict(init_scale=1000.0, growth_factor=3.0, backoff_factor=0.3, growth_interval=1)
+    run_pair(recipe_basic, N_STEPS, OPTIMIZERS["sgd_momentum_wd"], scaler_kw=odd)  # bitwise each step
+
+
+@pytest.mark.parametrize("opt_name", ["sgd_momentum_wd", "adamw_foreach"])
+def test_plain_step_and_update_run_no_more_ops_than_torchs(opt_name):
+    """The host cost of an eager step is mostly ops: the plain path's step() and update()
+    (stats included) dispatch no more of them than torch.amp.GradScaler's, and land on the
+    same values."""
+    counts, models = {}, {}
+    for cls in (ampkit.GradScaler, torch.amp.GradScaler):
+        model = make_model()
+        opt = OPTIMIZERS[opt_name](model.parameters())
+        scaler = cls("cpu", **SCALER_KW)
+        for step in range(4):  # past lazy init and the optimizer's state creation
+            x, y = DATA[step]
+            opt.zero_grad()
+            scaler.scale(forward_loss(model, x, y)).backward()
+            if step == 3:
+                with _Ops() as ops:
+                    scaler.step(opt)
+                    scaler.update()
+                counts[cls] = ops.ops
+            else:
+                scaler.step(opt)
+                scaler.update()
+        models[cls] = (model, scaler.get_scale())
+    ours, theirs = counts[ampkit.GradScaler], counts[torch.amp.GradScaler]
+    assert len(ours) <= len(theirs), f"ours {ours}\ntorch {theirs}"
+    (m0, s0), (m1, s1) = models.values()
+    assert s0 == s1 and all(bits_equal(a, b) for a, b in zip(m0.parameters(), m1.parameters()))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

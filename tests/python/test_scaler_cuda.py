@@ -59,7 +59,8 @@ def step(m, opt, scaler, x, y, guard=None):
 
 
 def flat_state(m, opt, scaler):
-    out = [scaler._scale, scaler._growth_tracker] + [p.detach() for p in m.parameters()]
+    tracker = torch.tensor(scaler.state_dict()["_growth_tracker"], dtype=torch.int32, device="cuda")
+    out = [scaler._scale, tracker] + [p.detach() for p in m.parameters()]
     for p in m.parameters():
         out += [v for _, v in sorted(opt.state.get(p, {}).items()) if torch.is_tensor(v)]
     return [t.clone() for t in out]
@@ -225,3 +226,11 @@ def test_fused_step_skips_when_both_gpus_overflow():
     scaler.update()
     s = scaler.stats()
     assert (s.skipped, s.scale) == (1, 2.0**15)
+
+
+def test_the_unscale_factor_is_torchs_to_the_bit_for_every_float32():
+    """CUDA's float32 reciprocal, which the scaler unscales by, against torch's scaler's
+    float(1 / double(scale)), for every positive finite float32."""
+    from test_scaler import reciprocal_mismatches
+
+    assert reciprocal_mismatches("cuda") == 0
