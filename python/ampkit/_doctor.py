@@ -51,6 +51,7 @@ range (inf).
 from __future__ import annotations
 
 import array
+import collections
 import dataclasses
 import math
 import threading
@@ -128,13 +129,17 @@ def before_capture():
             w.sync_step()
 
 
-def scaler_checked(found_per_device, optimizer):
+def scaler_checked(found_per_device, optimizer, combined_later=False):
     """An ``ampkit.GradScaler`` checked the gradients of ``optimizer``'s parameters
     (``{device: flag}``, 1.0 = an inf or a NaN): the doctor armed on the model they belong
-    to takes it as its step's check, with no pass of its own."""
+    to takes it as its step's check, with no pass of its own (it holds the flags: with
+    ``combined_later`` the scaler then combines them over ranks in place, so it copies
+    them, this rank's own)."""
     if _DOCTORS:
         for doc in _armed():
             if doc._steps(optimizer):
+                if combined_later:
+                    found_per_device = {d: f.clone() for d, f in found_per_device.items()}
                 doc._scaler_report(found_per_device)
 
 
@@ -315,8 +320,9 @@ class doctor:
         return None
 
     def _hook_grad(self, out, w, dst):
-        """Take ``out``'s gradient when the backward reaches it: a pre-hook on the node that
-        made it (cheaper than a tensor hook), or a tensor hook on a leaf."""
+        """Take ``out``'s gradient when the backward reaches it: a tensor hook, put in the
+        tensor's hook table as ``Tensor.register_hook`` does, without the removable handle
+        it makes (nothing removes it: the tensor is the step's; a third of the cost)."""
         def take(grad):
             w.keep_grad(dst, grad)
             w.pending = None  # (the backward came: no forward-only check)
@@ -326,17 +332,15 @@ class doctor:
                     self._bw_queued = True
                     torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
 
-        node = out.grad_fn
-        if node is None:
-            out.register_hook(take)
-            return
-        k = out.output_nr
-
-        def pre(grads):
-            if grads[k] is not None:
-                take(grads[k])
-
-        node.register_prehook(pre)
+        hooks = out._backward_hooks
+        if hooks is None:
+            node = out.grad_fn
+            if node is None:  # (a leaf)
+                out.register_hook(take)
+                return
+            hooks = out._backward_hooks = collections.OrderedDict()
+            node._register_hook_dict(out)
+        hooks[self] = take  # (the doctor as the key: one entry per doctor, beside any other)
 
     def _backward_end(self):
         grads = self._out_grads
@@ -446,10 +450,13 @@ class doctor:
         for w in self._watches.values():
             w.check_pending(cap)
             w.begin(args, kwargs, self._step, cap)
-        self._log_rng(cap)
+        if self._rng_dev is not None:
+            self._log_rng(cap)
         self._sampling = self._step % self.every == 0 and not cap
-        self._acc = {}
-        self._abs = {}
+        if self._acc:
+            self._acc = {}
+        if self._abs:
+            self._abs = {}
         if self._sampling:
             for sl in self._slot_state.values():  # the slots record this step's index
                 sl.step = self._step_on(sl.dev)

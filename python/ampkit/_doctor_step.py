@@ -5,7 +5,7 @@ reduction per op (measured on an H100: 1.4x the step time inside a CUDA graph, 3
 eagerly). So the doctor splits the work:
 
 * **every step** (this module), no host sync: after the backward (an autograd callback
-  queued by a pre-hook on the node that made the model's output), one check of the
+  queued by a hook on the model's output), one check of the
   parameters' gradients and of the gradient that arrived at the model's output
   (``_foreach_norm(inf)``, a few kernels), or an ``ampkit.GradScaler``'s own check of
   the gradients of this model's optimizer when one runs. A step without a backward is
@@ -13,11 +13,11 @@ eagerly). So the doctor splits the work:
   step's *replay data* is held, not copied: its tensor inputs, the output gradient, the
   CPU generator's state (and with ``keep_weights`` the weights' bytes). Two ways on:
   - *the host's verdict* (eager steps whose inputs are new tensors, the usual loop): the
-    check's flag is copied, asynchronously, into a ring of pinned host memory over a
-    sentinel, and the step waits in a queue holding its tensors. A later step (or a
-    reader) sees the flag there once the device got that far: a clean step lets go, the
-    first bad one has its tensors copied into the frozen bytes then. No device op but the
-    flag's copy; the host waits only if it runs 16 steps ahead of the device.
+    check's flag is held (no op), and every 8 steps the held flags are stacked and copied,
+    asynchronously, to pinned host memory over a sentinel; the steps wait in a queue
+    holding their tensors. A later step (or a reader) sees the flags there once the device
+    got that far: a clean step lets go, the first bad one has its tensors copied into the
+    frozen bytes then. The host waits only if it runs 32 steps ahead of the device.
   - *the device's copy* (inside a CUDA graph capture, inputs that are the last step's
     buffers refilled in place, ``keep_weights``, a model over several devices): after
     the verdict one conditional copy per held tensor puts them into the frozen bytes only
@@ -30,7 +30,7 @@ eagerly). So the doctor splits the work:
 
 Memory: the frozen inputs and output gradients (one step's), and with ``keep_weights``
 one copy of the weights; a step's inputs and output gradient are held until its verdict
-(a step or two later, at most 16).
+(8 to 10 steps later, at most 32).
 """
 
 from __future__ import annotations
@@ -50,7 +50,14 @@ _INF = float("inf")
 _CUDA = torch.cuda.is_available()
 
 
+_IS_CAPTURING = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) if _CUDA else None
+
+
 def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (torch's own test, called
+    without its Python wrapper: it runs every step)."""
+    if _IS_CAPTURING is not None:
+        return _IS_CAPTURING()
     return _CUDA and torch.cuda.is_current_stream_capturing()
 
 
@@ -120,8 +127,8 @@ def _record_kernel():
 
 _CHUNK = 1 << 16
 _BIG = 32 << 20  # bytes: a held tensor this large is copied by the Triton kernel
-_RING = 64  # host slots for the verdicts on their way
-_PENDING = 16  # eager steps whose verdicts the host may wait for, holding their tensors
+_BATCH = 8  # steps whose flags go to the host in one copy
+_PENDING = 32  # eager steps whose verdicts the host may wait for, holding their tensors
 
 
 class StepWatch:
@@ -158,15 +165,13 @@ class StepWatch:
         self.held = []  # (tensor, frozen view) this step holds until its verdict
         self._key = None
         self.cap = False  # this step runs inside a CUDA graph capture
-        # Verdicts read by the host (eager steps, no keep_weights): each step's flag is copied
-        # into a ring of host memory (pinned on CUDA: an asynchronous copy, no sync) over a
-        # sentinel; a later step (or a reader) sees the verdict there once it has arrived.
-        # The step's tensors are held until then and copied only if it is the first bad one.
-        self._ring = torch.full((_RING,), -1.0, pin_memory=dev.type == "cuda")
-        self._ring_np = memoryview(self._ring.numpy())  # (Python floats, read and written in ns)
-        self._ring_slots = list(self._ring.unbind())
-        self._next = 0
-        self._pending = collections.deque()  # [host step, ring slots, held or None, versions]
+        # Verdicts read by the host (eager steps whose inputs are new tensors): each step's
+        # check flag is held (no op); every _BATCH steps their stack is copied to pinned host
+        # memory over a sentinel, asynchronously; a later step (or a reader) sees the verdicts
+        # there once the device got that far. The step's tensors are held until then and
+        # copied only if it is the first bad one.
+        self._unsent = 0
+        self._pending = collections.deque()  # [host step, flags not sent, (host memory, index) of those sent, held]
         self._first = None  # the first bad step the host has seen the verdict of
         # a step's bytes placed by the host after its verdict (off: by the device at once,
         # as with keep_weights, whose weights change before a verdict arrives)
@@ -198,14 +203,25 @@ class StepWatch:
             self.step.add_(1)
         elif self._pending:
             self.poll()
-        plain = not kwargs and all(type(a) is torch.Tensor for a in args)
-        if plain and any(a.requires_grad for a in args):  # (held without the graph that made them)
-            args = tuple(a.detach() for a in args)
-        ins = args if plain else [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:  # model(x): the usual call
+            a = args[0]
+            if a.requires_grad:  # (held without the graph that made it)
+                a = a.detach()
+                args = (a,)
+            ins = args
+            ptrs = {a.data_ptr()}
+            small = a.nbytes <= _BIG
+        else:
+            plain = not kwargs and all(type(a) is torch.Tensor for a in args)
+            if plain and any(a.requires_grad for a in args):
+                args = tuple(a.detach() for a in args)
+            ins = args if plain else [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+            ptrs = {a.data_ptr() for a in ins}
+            small = all(a.nbytes <= _BIG for a in ins)
         last = self._last_ptrs
         self._last_in = ins  # (held: a pointer seen again is the same buffer, not new memory)
-        self._last_ptrs = {a.data_ptr() for a in ins}
-        self.host_mode = self.host_verdicts and not cap and last is not None and not (last & self._last_ptrs)
+        self._last_ptrs = ptrs
+        self.host_mode = self.host_verdicts and not cap and small and last is not None and not (last & ptrs)
         if self.host_mode:
             self.args = (args, kwargs)
             self.ins = ins
@@ -213,6 +229,10 @@ class StepWatch:
             self.rng = torch.get_rng_state() if self._cpu else None
             return
         self.args = None
+        self._place_inputs(args, kwargs)
+
+    def _place_inputs(self, args, kwargs, rng=None):
+        """Hold the inputs with their places in the frozen bytes (the device's copy)."""
         if not kwargs and self.dev.type != "cpu":
             key = tuple((a.dtype, a.shape, a.device, a.is_contiguous()) if type(a) is torch.Tensor else None
                         for a in args)
@@ -220,7 +240,9 @@ class StepWatch:
                 self.held = [(a, v) for a, v in zip(args, self.layout.dst)]
                 return
             self._key = key if None not in key and all(k[2] == self.dev for k in key) else None
-        lay, ins = self._plan(args, kwargs, torch.get_rng_state() if self.dev.type == "cpu" else None)
+        if rng is None and self._cpu:
+            rng = torch.get_rng_state()
+        lay, ins = self._plan(args, kwargs, rng)
         grown = _grown(self.io_frozen, lay.size)
         if grown is not self.io_frozen or not same_layout(lay, self.layout):
             self.io_frozen = grown
@@ -252,7 +274,12 @@ class StepWatch:
         """The forward ended: where each output's gradient will go in the frozen bytes (None
         for a step held as it is: its gradients are placed only if it is the first bad one)."""
         if self.host_mode:
-            return None
+            if not any(t.numel() * t.element_size() > _BIG for t in outs):
+                return None
+            # a gradient this large is not held for steps: the device copies this step
+            self.host_mode = False
+            self._place_inputs(*self.args, rng=self.rng)
+            self.args = None
         slots, off = _grad_slots(outs)
         grown = _grown(self.g_frozen, off)
         if slots != self.grad_layout or grown is not self.g_frozen:
@@ -291,64 +318,68 @@ class StepWatch:
             with torch.no_grad():  # (a held input may require grad; where's out= refuses those)
                 self._record(bad, held)
             return
+        if bad.dtype != torch.float32:
+            bad = bad.float()
         p = self._pending
-        while True:
-            if p and p[-1][0] == self.host_step:  # a second check in this step: one more flag
-                if self._enqueue(bad, p[-1][1]):
-                    return
-            elif len(p) < _PENDING:
-                slots = []
-                if self._enqueue(bad, slots):
-                    vers = [t._version for t in self.ins] + [g._version for g in self.grads]
-                    p.append([self.host_step, slots, (self.args, self.ins, self.grads, self.rng, self.cfg, vers)])
-                    if self._counted != self.host_step:
-                        self._counted = self.host_step
-                        self.host_steps += 1
-                    return
-            self._wait_oldest()  # (p is not empty: an empty one leaves every slot free)
+        if p and p[-1][0] == self.host_step:  # a second check in this step: one more flag
+            p[-1][1].append(bad)
+        else:
+            if len(p) >= _PENDING:
+                self._wait_oldest()
+            vers = [t._version for t in self.ins] + [g._version for g in self.grads]
+            p.append([self.host_step, [bad], [], (self.args, self.ins, self.grads, self.rng, self.cfg, vers)])
+            if self._counted != self.host_step:
+                self._counted = self.host_step
+                self.host_steps += 1
+        self._unsent += 1
+        if self._unsent >= _BATCH:
+            self._send()
 
-    def _enqueue(self, bad, slots):
-        """Copy the flag ``bad`` into the next free slot of the host ring (asynchronously on
-        CUDA), over the sentinel -2; False when the ring is full."""
-        i = self._next
-        if self._ring_np[i] != -1.0:  # waited for, or not read yet
-            return False
-        self._next = (i + 1) % _RING
-        self._ring_np[i] = -2.0  # (before the copy: an asynchronous copy may land at once)
-        try:
-            self._ring_slots[i].copy_(bad, non_blocking=True)
-        except BaseException:
-            self._ring_np[i] = -1.0
-            raise
-        slots.append(i)
-        return True
+    def _send(self):
+        """Send the flags held so far to the host in one asynchronous copy (of their stack,
+        into pinned memory over the sentinel -2): two launches for _BATCH steps."""
+        flags, owners = [], []
+        for e in self._pending:
+            if e[1]:
+                owners += [e] * len(e[1])
+                flags += e[1]
+                e[1] = []
+        self._unsent = 0
+        if not flags:
+            return
+        host = torch.full((len(flags),), -2.0, pin_memory=not self._cpu)
+        mv = memoryview(host.numpy())  # (keeps the pinned memory alive while it is read)
+        host.copy_(torch.stack(flags) if len(flags) > 1 else flags[0].reshape(1), non_blocking=True)
+        for j, e in enumerate(owners):
+            e[2].append((mv, j))
 
     def _wait_oldest(self):
         """The host is _PENDING steps ahead of the device: wait for the oldest verdict (the
         device is the bottleneck then; the wait is a read of host memory, no CUDA call)."""
-        if not self._pending:
-            raise RuntimeError("ampkit.doctor: the verdict ring is full with no step waiting")
-        ring, slots = self._ring_np, self._pending[0][1]
-        while any(ring[i] == -2.0 for i in slots):
+        if self._pending[0][1]:
+            self._send()
+        locs = self._pending[0][2]
+        while any(mv[i] == -2.0 for mv, i in locs):
             time.sleep(20e-6)
         self.poll()
 
     def poll(self, wait=False):
         """Read the verdicts that have arrived, oldest first; place the first bad step's
-        held tensors in the frozen bytes (once) and let go of the rest. ``wait``: wait for
-        all (a reader's one sync)."""
-        if wait and self._pending and self.dev.type == "cuda":
-            torch.cuda.synchronize(self.dev)
-        ring = self._ring_np
+        held tensors in the frozen bytes (once) and let go of the rest. ``wait``: send the
+        flags not sent yet and wait for all (a reader's one sync)."""
         p = self._pending
+        if wait and p:
+            self._send()
+            if self.dev.type == "cuda":
+                torch.cuda.synchronize(self.dev)
         while p:
-            step, slots, data = p[0]
-            vals = [ring[i] for i in slots]
+            step, unsent, locs, data = p[0]
+            if unsent:
+                return
+            vals = [mv[i] for mv, i in locs]
             if -2.0 in vals:
                 return
             p.popleft()
-            for i in slots:
-                ring[i] = -1.0
             if self._first is None and max(vals) > 0:
                 self._first = step
                 self._freeze(step, *data)

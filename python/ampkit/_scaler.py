@@ -775,8 +775,9 @@ class GradScaler:
         self._check_ready_for_unscale(optimizer)
         grouped, grads = self._collect_grads(optimizer, allow_fp16=False)
         found = self.found_inf(grouped, unscale=True)
-        _doctor.scaler_checked(found, optimizer)  # an armed doctor takes it as its step's check
-        if self._sync.needed(optimizer):
+        combine = self._sync.needed(optimizer)
+        _doctor.scaler_checked(found, optimizer, combine)  # an armed doctor takes it as its step's check
+        if combine:
             self._sync.combine(found)
         self._per_optimizer[id(optimizer)] = _OptRecord(OptState.UNSCALED, found, grads=grads)
 
@@ -819,8 +820,9 @@ class GradScaler:
                 raise _NoGrads()
             # Fused: only read the gradients; the optimizer unscales them in its kernel.
             found = self.found_inf(grouped, unscale=not fused)
-            _doctor.scaler_checked(found, optimizer)  # (this rank's flags: where a replay finds the op)
-            if self._sync.needed(optimizer):
+            combine = self._sync.needed(optimizer)
+            _doctor.scaler_checked(found, optimizer, combine)  # (this rank's flags: where a replay finds the op)
+            if combine:
                 self._sync.combine(found)
             if not fused:  # as unscale_() records it: a failing step() won't unscale twice
                 record = self._per_optimizer[id(optimizer)] = _OptRecord(

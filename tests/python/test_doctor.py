@@ -400,6 +400,20 @@ def test_the_bad_batch_is_replayed_whether_steps_get_new_tensors_or_refill_one(d
     assert new.input_absmax == xs[3].abs().max().item()
 
 
+@pytest.mark.parametrize("batch,pending", [(1, 1), (3, 2), (8, 32)])
+def test_the_verdicts_sent_in_batches_or_waited_for_name_the_same_step(monkeypatch, batch, pending):
+    # the host sends the held flags every `batch` steps and waits once `pending` steps
+    # hold their tensors: however they are set, the first bad step is the one replayed
+    from ampkit import _doctor_step
+
+    monkeypatch.setattr(_doctor_step, "_BATCH", batch)
+    monkeypatch.setattr(_doctor_step, "_PENDING", pending)
+    f, xs, host = _bad_batch_run("cpu", "new", steps=9)
+    assert host == 8  # (step 0 has no last step to compare its inputs with: the device copies it)
+    assert (f.module, f.phase, f.step) == ("0", "forward", 3)
+    assert f.input_absmax == xs[3].abs().max().item()
+
+
 def test_a_batch_changed_in_place_before_its_verdict_is_named_in_a_warning():
     # the bad step's new tensor is zeroed right after its step, before the host read the
     # step's verdict (at the next step): the replay cannot run the bytes the step ran, and

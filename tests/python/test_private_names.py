@@ -40,8 +40,10 @@ ALLOWED = {
     ("tests/python/test_autocast_decompose.py", "_cross_entropy_functional"): WHITE_BOX,
     ("tests/python/test_autocast_decompose.py", "_cross_entropy_aten"): WHITE_BOX,
     ("tests/python/test_autocast_narrow.py", "ampkit._narrow_casts"): WHITE_BOX,
+    ("tests/python/test_doctor.py", "ampkit._doctor_step"):
+        "the host's batch and queue sizes, set small to run the send and wait paths on a short run",
     ("benchmarks/probes/doctor_host_cost.py", "ampkit._doctor"):
-        "a probe that times the doctor's hooks one by one (wrapped with a clock)",
+        "a probe that times the doctor's hooks one by one inside a step (wrapped with a clock)",
     ("benchmarks/probes/doctor_host_cost.py", "ampkit._doctor_step"):
         "a probe that times the doctor's per-step watch one method at a time",
     ("tests/python/test_autocast_kernels.py", "ampkit._kernels"):
