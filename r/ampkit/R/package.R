@@ -163,11 +163,13 @@ py_ready <- function() {
   }
   # The hot path's crossings (see py_arg() below): reticulate's own call, without the
   # R closure around it, and the bridge's functions as Python objects.
-  .h$call <- utils::getFromNamespace("py_call_impl", "reticulate")
+  .h$call_raw <- utils::getFromNamespace("py_call_impl", "reticulate")
+  .h$call <- py_call
   .h$to_r <- utils::getFromNamespace("py_ref_to_r", "reticulate")  # a plain value, no dispatch
   .h$fn <- lapply(list(enter_autocast = "enter_autocast", exit_autocast = "exit_autocast",
                        call_method = "call_method", call_releasing = "call_releasing",
-                       release_tensors = "release_tensors"), function(n) py_fn(bridge[[n]]))
+                       release_tensors = "release_tensors", update_then = "update_then"),
+                  function(n) py_fn(bridge[[n]]))
   calibrate_release()
   # An out-of-memory error in Python runs R's gc() before the retry.
   py_reset_collector()
@@ -194,6 +196,29 @@ py_reset_collector <- function() {
 # an argument on a small CPU, as much as the call itself). The hot path calls
 # py_call_impl() directly and passes Python objects in an unclassed carrier whose
 # `py_object` attribute reticulate's C++ conversion takes as the object itself.
+
+# Every call the package makes into Python on the hot path: py_call_impl(), after
+# the scaler update that `$update()` deferred, if any, in the same crossing
+# (r_bridge.update_then; scaler.R says why it is deferred).
+py_call <- function(f, args, kwargs) {
+  u <- .pend$update
+  if (is.null(u)) return(.h$call_raw(f, args, kwargs))
+  .pend$update <- NULL
+  .h$call_raw(.h$fn$update_then, c(list(u, py_arg(f)), args), kwargs)
+}
+
+# A deferred update, run now (in its own crossing): before any read of a scaler's state
+# that does not go through py_call().
+flush_update <- function() {
+  u <- .pend$update
+  if (is.null(u)) return(invisible(NULL))
+  .pend$update <- NULL
+  py_try(.h$call_raw(.h$fn$update_then, list(u, NULL), NULL), "$update()")
+  invisible(NULL)
+}
+
+# The scaler update deferred by `$update()`: a carrier of its Python callable, or NULL.
+.pend <- new.env(parent = emptyenv())
 
 # The Python object of a callable (reticulate wraps callables in R closures).
 py_fn <- function(f) if (is.function(f)) attr(f, "py_object") else f

@@ -235,3 +235,93 @@ test_that("with_autocast(code = function() ...) runs the function in the region"
   expect_equal(dtype_name(out), "bfloat16")
   expect_false(is_autocast_enabled("cpu"))
 })
+
+# Steps of the seed's AMP loop on `net`; the scaler's reads after each update.
+scaler_reads <- function(steps, defer) {
+  withr::local_options(ampkit.defer_update = defer)
+  torch_manual_seed(3)
+  net <- nn_sequential(nn_linear(16, 32), nn_relu(), nn_linear(32, 4))
+  loss_fn <- nn_mse_loss()
+  opt <- optim_sgd(net$parameters, lr = 0.05)
+  scaler <- amp_grad_scaler("cpu", init_scale = 2^10, growth_interval = 1)
+  x <- torch_randn(8, 16)
+  y <- torch_randn(8, 4)
+  reads <- list()
+  for (s in seq_len(steps)) {
+    with_autocast(device_type = "cpu", {
+      loss <- loss_fn(net(x), y)
+    })
+    scaler$scale(loss)$backward()
+    scaler$step(opt)
+    scaler$update()
+    # each read right after the update, before any other call
+    reads[[s]] <- switch((s - 1L) %% 4L + 1L,
+                         scaler$get_scale(),
+                         scaler$py$get_scale(),
+                         scaler$state_dict()$scale,
+                         scaler$stats()$steps)
+    opt$zero_grad()
+  }
+  list(reads = reads, weight = net$parameters[[1]])
+}
+
+test_that("a deferred $update() is made before anything reads the scaler", {
+  skip_if_no_ampkit()
+  on <- scaler_reads(8, defer = TRUE)
+  off <- scaler_reads(8, defer = FALSE)  # the control: each update made at once
+  expect_identical(on$reads, off$reads)
+  expect_true(pt()$equal(on$weight, off$weight))
+  # growth_interval = 1: the scale grew at every step, so the reads saw the updates
+  expect_identical(on$reads[[1]], 2^11)
+  expect_identical(on$reads[[5]], 2^15)
+})
+
+test_that("$update() and the next call into Python share one crossing", {
+  skip_if_no_ampkit()
+  net <- nn_linear(4, 2)
+  opt <- optim_sgd(net$parameters, lr = 0.1)
+  scaler <- amp_grad_scaler("cpu", init_scale = 2^8, growth_interval = 1)
+  h <- ampkit:::.h
+  raw <- h$call_raw
+  withr::defer(h$call_raw <- raw)
+  calls <- 0L
+  h$call_raw <- function(f, args, kwargs) {
+    calls <<- calls + 1L
+    raw(f, args, kwargs)
+  }
+  count <- function(defer) {
+    withr::local_options(ampkit.defer_update = defer)
+    scaler$scale(net(torch_randn(3, 4))$sum())$backward()
+    scaler$step(opt)
+    calls <<- 0L
+    scaler$update()
+    opt$zero_grad()
+    calls
+  }
+  expect_identical(count(TRUE), 1L)
+  expect_identical(count(FALSE), 2L)  # the control
+  expect_identical(scaler$get_scale(), 2^10)
+  # A deferred update left pending runs before the next read, in its own crossing.
+  scaler$scale(net(torch_randn(3, 4))$sum())$backward()
+  scaler$step(opt)
+  scaler$update()
+  calls <- 0L
+  expect_identical(scaler$get_scale(), 2^11)
+  expect_identical(calls, 1L)  # the flush (get_scale() itself is reticulate's call)
+  opt$zero_grad()
+})
+
+test_that("an update that cannot be deferred raises at $update()", {
+  skip_if_no_ampkit()
+  net <- nn_linear(4, 2)
+  opt <- optim_sgd(net$parameters, lr = 0.1)
+  scaler <- amp_grad_scaler("cpu")
+  # no step since the last update: the core's error, from $update() itself
+  err <- expect_error(scaler$update(), class = "ampkit_python_error")
+  expect_match(conditionMessage(err), "^\\$update\\(\\): Python raised RuntimeError: update\\(\\)")
+  scaler$scale(net(torch_randn(3, 4))$sum())$backward()
+  scaler$step(opt)
+  scaler$update()
+  err <- expect_error(scaler$update(), class = "ampkit_python_error")  # twice
+  expect_match(conditionMessage(err), "no optimizer was stepped")
+})
