@@ -229,7 +229,7 @@ calibrate_release <- function() {
 }
 
 keep_output <- function(x) {
-  if (.rel$on && isTRUE(getOption("ampkit.release_outputs", TRUE))) {
+  if (.rel$on && option_on("ampkit.release_outputs")) {
     k <- .rel$n %% RELEASE_KEEP + 1L
     .rel$n <- k
     assign(SLOTS[[k]], x, envir = .rel$slots)  # replaces (and lets go of) the oldest

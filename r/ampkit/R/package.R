@@ -220,6 +220,13 @@ flush_update <- function() {
 # The scaler update deferred by `$update()`: a carrier of its Python callable, or NULL.
 .pend <- new.env(parent = emptyenv())
 
+# A logical option that is on unless set to FALSE. (getOption() with a default builds
+# the list of all options, a few microseconds each time.)
+option_on <- function(name) {
+  v <- getOption(name)
+  is.null(v) || isTRUE(v)
+}
+
 # The Python object of a callable (reticulate wraps callables in R closures).
 py_fn <- function(f) if (is.function(f)) attr(f, "py_object") else f
 
@@ -227,14 +234,20 @@ py_fn <- function(f) if (is.function(f)) attr(f, "py_object") else f
 # The carrier points to a new environment holding reticulate's external pointer, not
 # to the R object itself: a carrier left for R's collector then adds nothing to the R
 # object's reference count, which the release of dropped outputs reads (memory.R).
+# It is kept in the object's own environment (reticulate's objects are environments),
+# so that an object passed every step (a batch, the optimizer) is wrapped once; the
+# binding points from the object to the carrier, which adds nothing to that count either.
 py_arg <- function(x) {
   if (is.object(x) && inherits(x, "python.builtin.object")) {
     if (is.function(x)) x <- attr(x, "py_object")
+    carrier <- .subset2(x, ".ampkit_arg")
+    if (!is.null(carrier)) return(carrier)
     ref <- new.env(parent = emptyenv(), size = 2L)
     ref$pyobj <- .subset2(x, "pyobj")
     ref$convert <- .subset2(x, "convert")
     carrier <- list()
     attr(carrier, "py_object") <- ref  # (structure() costs twice as much)
+    if (is.environment(x)) assign(".ampkit_arg", carrier, envir = x)
     carrier
   } else {
     x
@@ -253,6 +266,10 @@ dot_args <- function(...) {
   n <- ...length()
   if (!n) return(list())
   nm <- ...names()
+  if (is.null(nm)) {  # the common calls, net(x) and loss_fn(output, y), without a loop
+    if (n == 1L) return(list(py_arg(..1)))
+    if (n == 2L) return(list(py_arg(..1), py_arg(..2)))
+  }
   pos <- if (is.null(nm)) seq_len(n) else which(!nzchar(nm) | is.na(nm))
   args <- vector("list", length(pos))
   for (k in seq_along(pos)) args[k] <- list(py_arg(...elt(pos[[k]])))
@@ -271,5 +288,9 @@ dot_keywords <- function(...) {
 }
 
 # A result as reticulate's converting call returns it; tensors (which do not
-# convert) skip py_to_r()'s dispatch.
-py_value <- function(res) if (inherits(res, "torch.Tensor")) res else reticulate::py_to_r(res)
+# convert) and None (an optimizer step's result) skip py_to_r()'s dispatch.
+py_value <- function(res) {
+  if (inherits(res, "torch.Tensor")) res
+  else if (inherits(res, "python.builtin.NoneType")) NULL
+  else reticulate::py_to_r(res)
+}

@@ -180,7 +180,7 @@ GradScalerR6 <- R6::R6Class("ampkit_grad_scaler",
       invisible(res)
     },
     update = function(new_scale = NULL) {
-      if (is.null(new_scale) && private$stepped && isTRUE(getOption("ampkit.defer_update", TRUE))) {
+      if (is.null(new_scale) && private$stepped && option_on("ampkit.defer_update")) {
         flush_update()  # another scaler's
         private$stepped <- FALSE
         .pend$update <- private$deferred
