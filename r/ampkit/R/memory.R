@@ -180,6 +180,12 @@ free_memory <- function() {
 # that keep a reference until R collects (the garbage watch above covers those): the
 # release only ever errs on the side of keeping. Option `ampkit.release_outputs`
 # (default TRUE) turns it off.
+#
+# An output still referenced when its slot comes round again (a loss kept in a list by
+# batch, `losses[[i]] <- loss`, until the next epoch replaces it) moves to a second,
+# larger ring that is scanned every RELEASE_EVERY module calls: once the list lets go
+# of it, it is freed a few steps later instead of at R's next full collection (a loss
+# of torch's mse_loss holds the whole batch's squared errors: 8 MiB in the seed's MLP).
 
 .rel <- new.env(parent = emptyenv())
 # The watched outputs live in the bindings of an environment used as a ring: a
@@ -193,6 +199,14 @@ SLOTS <- as.character(seq_len(RELEASE_KEEP))
 .rel$released <- 0L   # outputs handed to Python for release so far
 .rel$used <- logical(RELEASE_KEEP)  # which slots hold an output
 .rel$on <- TRUE
+# The second ring: outputs still referenced when they left the first one.
+RELEASE_KEPT <- 256L  # at most; older ones are left to R's collector
+RELEASE_EVERY <- 8L   # module calls between two scans of it
+KEPT <- paste0("k", seq_len(RELEASE_KEPT))
+.rel$kept <- new.env(parent = emptyenv(), size = RELEASE_KEPT)
+.rel$kn <- 0L                            # ring position
+.rel$kused <- logical(RELEASE_KEPT)      # which of its slots hold an output
+.rel$calls <- 0L                         # module calls since its last scan
 
 # R's reference count of what a slot holds. refcnt() is internal to R (not API):
 # R CMD check warns on .Internal() in package code, so the function is built when
@@ -224,6 +238,7 @@ calibrate_release <- function() {
   for (key in SLOTS) assign(key, NULL, envir = slots)
   .rel$n <- 0L
   .rel$used <- logical(RELEASE_KEEP)
+  forget_outputs()
   .rel$on <- !is.na(.rel$base) && .rel$base >= 1L
   invisible(.rel$on)
 }
@@ -232,34 +247,77 @@ keep_output <- function(x) {
   if (.rel$on && option_on("ampkit.release_outputs")) {
     k <- .rel$n %% RELEASE_KEEP + 1L
     .rel$n <- k
-    assign(SLOTS[[k]], x, envir = .rel$slots)  # replaces (and lets go of) the oldest
     used <- .rel$used
+    if (used[[k]]) keep_longer(.rel$slots, SLOTS[[k]])  # still referenced: watch it longer
+    assign(SLOTS[[k]], x, envir = .rel$slots)  # replaces (and lets go of) the oldest
     used[[k]] <- TRUE
     .rel$used <- used
   }
   x
 }
 
+# Move what the slot `key` holds to the second ring (replacing its oldest output,
+# which is then left to R's collector). The value goes from binding to binding: no
+# local variable holds it (one would count as a reference).
+keep_longer <- function(slots, key) {
+  j <- .rel$kn %% RELEASE_KEPT + 1L
+  .rel$kn <- j
+  assign(KEPT[[j]], .subset2(slots, key), envir = .rel$kept)
+  kused <- .rel$kused
+  kused[[j]] <- TRUE
+  .rel$kused <- kused
+}
+
 # The carriers of the watched outputs that no R binding references, cleared from their
 # slots; NULL when there are none (the common case costs a few R operations a slot).
 dropped_outputs <- function() {
+  out <- NULL
+  calls <- .rel$calls + 1L
+  if (calls >= RELEASE_EVERY) {
+    calls <- 0L
+    if (any(.rel$kused)) out <- dropped_kept()
+  }
+  .rel$calls <- calls
   used <- .rel$used
   at <- which(used)
-  if (!length(at)) return(NULL)
+  if (!length(at)) return(out)
   slots <- .rel$slots
   base <- .rel$base
-  out <- NULL
+  freed <- 0L
   for (k in at) {
     key <- SLOTS[[k]]
     if (slot_count(slots, key) <= base) {
       out[[length(out) + 1L]] <- py_arg(.subset2(slots, key))
       assign(key, NULL, envir = slots)
       used[[k]] <- FALSE
+      freed <- freed + 1L
     }
   }
-  if (is.null(out)) return(NULL)
-  .rel$used <- used
-  .rel$released <- .rel$released + length(out)
+  if (freed) {
+    .rel$used <- used
+    .rel$released <- .rel$released + freed
+  }
+  out
+}
+
+# The same over the second ring (its count is added by the caller).
+dropped_kept <- function() {
+  kused <- .rel$kused
+  kept <- .rel$kept
+  base <- .rel$base
+  out <- NULL
+  for (j in which(kused)) {
+    key <- KEPT[[j]]
+    if (slot_count(kept, key) <= base) {
+      out[[length(out) + 1L]] <- py_arg(.subset2(kept, key))
+      assign(key, NULL, envir = kept)
+      kused[[j]] <- FALSE
+    }
+  }
+  if (!is.null(out)) {
+    .rel$kused <- kused
+    .rel$released <- .rel$released + length(out)
+  }
   out
 }
 
@@ -268,5 +326,7 @@ dropped_outputs <- function() {
 forget_outputs <- function() {
   for (key in SLOTS) assign(key, NULL, envir = .rel$slots)
   .rel$used <- logical(RELEASE_KEEP)
+  for (key in KEPT) assign(key, NULL, envir = .rel$kept)
+  .rel$kused <- logical(RELEASE_KEPT)
   invisible(NULL)
 }

@@ -325,3 +325,50 @@ test_that("an update that cannot be deferred raises at $update()", {
   err <- expect_error(scaler$update(), class = "ampkit_python_error")  # twice
   expect_match(conditionMessage(err), "no optimizer was stepped")
 })
+
+test_that("losses kept by batch are freed once the next epoch replaces them, without any collection", {
+  skip_if_no_ampkit()
+  bridge <- reticulate::import("ampkit.r_bridge")
+  bytes <- bridge$live_tensor_bytes
+  withr::local_options(ampkit.gc_threshold_mb = Inf)  # the garbage watch off
+  # The benchmark runner's loop: `losses[[i]] <- loss`, 12 batches (more outputs than the
+  # first ring watches), so each loss leaves it while the list still holds it.
+  loop <- function(steps, nb = 12L) {
+    amp_gc()
+    torch_manual_seed(7)
+    xs <- lapply(seq_len(nb), function(i) torch_randn(64, 128))
+    ys <- lapply(seq_len(nb), function(i) torch_randn(64, 256))
+    net <- nn_sequential(nn_linear(128, 256), nn_relu(), nn_linear(256, 256))
+    loss_fn <- nn_mse_loss()
+    opt <- optim_sgd(net$parameters, lr = 0.01)
+    scaler <- amp_grad_scaler("cpu", init_scale = 2^10)
+    losses <- vector("list", nb)
+    live <- numeric(steps)
+    for (s in seq_len(steps)) {
+      i <- (s - 1L) %% nb + 1L
+      with_autocast(device_type = "cpu", {
+        output <- net(xs[[i]])
+        loss <- loss_fn(output, ys[[i]])
+      })
+      scaler$scale(loss)$backward()
+      scaler$step(opt)
+      scaler$update()
+      opt$zero_grad()
+      losses[[i]] <- loss
+      live[[s]] <- bytes()
+    }
+    list(live = live, values = vapply(losses, function(l) l$item(), 0))
+  }
+  # What a loss holds (torch's mse_loss on the CPU keeps the batch's squared errors)
+  per_loss <- pt()$nn$functional$mse_loss(torch_randn(64, 256), torch_randn(64, 256))$untyped_storage()$nbytes()
+  on <- loop(48)
+  # From the second epoch on, the list holds 12 losses and at most a scan's worth of
+  # replaced ones wait: flat within that.
+  expect_lte(max(on$live[24:48]) - min(on$live[24:48]), 5 * per_loss)
+  # Control: without the release, the replaced losses pile up until R collects.
+  withr::local_options(ampkit.release_outputs = FALSE)
+  off <- loop(48)
+  expect_gt(off$live[[48]] - off$live[[24]], 12 * per_loss)
+  # the losses are the same numbers either way
+  expect_identical(on$values, off$values)
+})
