@@ -4,6 +4,8 @@
 # rounds interleaved, then the medians, R / Python ratios and peak memory
 # (benchmarks/gpu/r_loop_summary.py), a probe of what the garbage watch's CUDA memory
 # reading costs, and the seed's loop from R against its Python twin (new tree only).
+# On seed_mlp the working tree also runs with options(ampkit.defer_update = FALSE)
+# ("nodefer"), to show what deferring the scaler's update saves.
 #
 #   bash benchmarks/gpu/r_loop_compare.sh "$OUT"     (carry: .device-carry)
 #
@@ -48,13 +50,18 @@ print(f"r_bridge.memory_allocated(): {per_call(r_bridge.memory_allocated):.2f} u
 print(f"torch.cuda.memory_allocated(): {per_call(torch.cuda.memory_allocated):.2f} us a call")
 PY
 
+nodefer_profile=$(mktemp); echo 'options(ampkit.defer_update = FALSE)' > "$nodefer_profile"
 for r in $(seq "$rounds"); do
   IFS=, read -ra cs <<< "$cases"
   for c in "${cs[@]}"; do
     PYTHONPATH=$root/python python3 -m ampkit.bench --profile full --device cuda --seed 0 --cases "$c" \
       --variants "$variants" --repeats "$repeats" --out "$dest/raw-python-$c-r$r.json" > "$dest/log-python-$c-r$r.txt" 2>&1
-    for t in base new; do
-      (export PYTHONPATH=${tree[$t]}/python R_LIBS=/tmp/rlib-$t
+    # nodefer: the working tree with options(ampkit.defer_update = FALSE), on seed_mlp
+    for t in base new nodefer; do
+      [ "$t" = nodefer ] && [ "$c" != seed_mlp ] && continue
+      lib=/tmp/rlib-${t/nodefer/new}
+      (export PYTHONPATH=${tree[${t/nodefer/new}]}/python R_LIBS=$lib
+       [ "$t" = nodefer ] && export R_PROFILE_USER=$nodefer_profile
        runr "$root/benchmarks/run.R" --profile full --device cuda --seed 0 --cases "$c" --variants "$variants" \
          --repeats "$repeats" --out "$dest/raw-r-$t-$c-r$r.json") > "$dest/log-r-$t-$c-r$r.txt" 2>&1
     done

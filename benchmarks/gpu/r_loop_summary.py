@@ -27,16 +27,18 @@ def main(folder: str) -> None:
             peak[key] = max(peak[key], rec.get("peak_memory_bytes") or 0)
     rows = sorted({(c, v) for c, v, _ in samples})
     print("case | variant | python ms | R base ms | R new ms | R/Py base | R/Py new | new/base | "
-          "peak MiB py | R base | R new | mem R/Py base | mem R/Py new")
+          "peak MiB py | R base | R new | mem R/Py base | mem R/Py new | R nodefer ms | nodefer/new")
     for c, v in rows:
-        med = {w: statistics.median(samples[(c, v, w)]) for w in ("python", "r_base", "r_new") if (c, v, w) in samples}
+        med = {w: statistics.median(samples[(c, v, w)]) for w in ("python", "r_base", "r_new", "r_nodefer")
+               if (c, v, w) in samples}
         mem = {w: peak[(c, v, w)] / 2**20 for w in med}
         py, b, n = med.get("python"), med.get("r_base"), med.get("r_new")
         r = lambda a, d: f"{a / d:.2f}" if a and d else "-"
         f = lambda a: f"{a:.2f}" if a else "-"
         print(f"{c} | {v} | {f(py)} | {f(b)} | {f(n)} | {r(b, py)} | {r(n, py)} | {r(n, b)} | "
               f"{mem.get('python', 0):.0f} | {mem.get('r_base', 0):.0f} | {mem.get('r_new', 0):.0f} | "
-              f"{r(mem.get('r_base'), mem.get('python'))} | {r(mem.get('r_new'), mem.get('python'))}")
+              f"{r(mem.get('r_base'), mem.get('python'))} | {r(mem.get('r_new'), mem.get('python'))} | "
+              f"{f(med.get('r_nodefer'))} | {r(med.get('r_nodefer'), n)}")
     print("(medians of all timed samples over the rounds; peak: the largest over the rounds)")
 
 
