@@ -3,8 +3,8 @@
 # collects when *its own* heap grows, which a training loop barely does: each
 # step's outputs stay on the GPU (a 1 GiB logits tensor a step, in the
 # benchmark's transformer) until R happens to collect. So the calls a loop
-# makes once a step anyway (`opt$zero_grad()`, `scaler$update()`) return the
-# CUDA memory allocated, and R collects when it has grown past
+# makes once a step anyway (`opt$zero_grad()`, `scaler$update()` when it is not
+# deferred to the next call) return the CUDA memory allocated, and R collects when it has grown past
 # `ampkit.gc_threshold_mb` since the last collection (mlverse torch calls gc()
 # past `torch.threshold_call_gc`). No extra Python call a step.
 
@@ -20,7 +20,8 @@
 #' hold them, and R collects only when its own heap grows, which a training
 #' loop barely does. ampkit therefore watches CUDA memory at the calls a loop
 #' makes once a step anyway, `opt$zero_grad()` on an optimizer and
-#' `$update()` on an [amp_grad_scaler()] (no extra call to Python): when the
+#' `$update()` on an [amp_grad_scaler()] when it is made at once (no extra call
+#' to Python; a deferred update is made in the next call, which reads it): when the
 #' memory allocated by tensors has grown by more than
 #' `getOption("ampkit.gc_threshold_mb", 1024)` MiB since the last collection,
 #' it runs a young-generation `gc(full = FALSE)` (about a millisecond). That

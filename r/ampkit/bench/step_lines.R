@@ -8,7 +8,8 @@
 #
 # Writes <out-dir>/step_lines.txt: one row per line of the step (R us, Python us, the
 # difference, reticulate calls per step), for the AMP step (autocast + scaler) and the
-# fp32 step (loss$backward(), opt$step()). The line's time is the span between the
+# fp32 step (loss$backward(), opt$step()). First quartiles over the steps (a shared
+# machine's preemption inflates the rest). The line's time is the span between the
 # timestamps around it (Sys.time() in R, time.perf_counter() in Python); the clock's own
 # cost is measured and subtracted.
 args <- commandArgs(trailingOnly = TRUE)
@@ -193,9 +194,11 @@ clock_r <- local({
 })
 clock_py <- pym$clock_cost()
 
+# The first quartile of each line's times: on a shared machine, preemption inflates the
+# upper part of the distribution; the lower quartile is the undisturbed cost.
 per_line <- function(t, clock) {
   d <- t[, -1, drop = FALSE] - t[, -ncol(t), drop = FALSE]
-  apply(d, 2, median) - clock
+  apply(d, 2, quantile, 0.25, names = FALSE) - clock
 }
 
 warm <- 200L
@@ -209,7 +212,7 @@ for (k in seq_len(rounds)) {  # interleaved
   acc$r_fp32 <- rbind(acc$r_fp32, r_fp32(steps)$t)
   acc$py_fp32 <- rbind(acc$py_fp32, do.call(rbind, lapply(pym$py_fp32(py_model(), data, targets, steps), unlist)))
 }
-step_ms <- function(t) median(t[, ncol(t)] - t[, 1]) * 1e3
+step_ms <- function(t) quantile(t[, ncol(t)] - t[, 1], 0.25, names = FALSE) * 1e3
 
 # counts, from a child process that traces reticulate
 cmd <- sprintf("%s %s %s 20 %s count", file.path(R.home("bin"), "Rscript"),
@@ -231,10 +234,10 @@ fp32 <- table_for("fp32", FP32_LINES, acc$r_fp32, acc$py_fp32)
 commit <- tryCatch(system("git rev-parse --short HEAD", intern = TRUE), error = function(e) "?")
 sink(file.path(out_dir, "step_lines.txt"))
 cat(sprintf("Per-line host cost of the seed's step from R and from Python, one process, %s (commit %s)\n", label, commit))
-cat(sprintf("CPU, torch threads 1, batch %d, width %d, 3 linear layers; medians over %d x %d steps after %d warm-up; clock cost subtracted (R %.2f us, Python %.2f us)\n",
+cat(sprintf("CPU, torch threads 1, batch %d, width %d, 3 linear layers; first quartiles over %d x %d steps after %d warm-up; clock cost subtracted (R %.2f us, Python %.2f us)\n",
             batch_size, in_size, rounds, steps, warm, clock_r * 1e6, clock_py * 1e6))
 cat(sprintf("Command: Rscript r/ampkit/bench/step_lines.R %s %d %s\n\n", out_dir, steps, label))
-cat(sprintf("AMP step (autocast + scaler): R %.3f ms/step, Python %.3f ms/step (medians of the whole step)\n",
+cat(sprintf("AMP step (autocast + scaler): R %.3f ms/step, Python %.3f ms/step (first quartiles of the whole step)\n",
             step_ms(acc$r_amp), step_ms(acc$py_amp)))
 print(amp, row.names = FALSE)
 cat(sprintf("\nfp32 step: R %.3f ms/step, Python %.3f ms/step\n", step_ms(acc$r_fp32), step_ms(acc$py_fp32)))
