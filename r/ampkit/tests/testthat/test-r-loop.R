@@ -372,3 +372,20 @@ test_that("losses kept by batch are freed once the next epoch replaces them, wit
   # the losses are the same numbers either way
   expect_identical(on$values, off$values)
 })
+
+test_that("an object passed every step is wrapped for Python once, and still frees when dropped", {
+  skip_if_no_ampkit()
+  x <- torch_randn(2, 3)
+  a <- ampkit:::py_arg(x)
+  expect_identical(ampkit:::py_arg(x), a)  # the same carrier, kept with the object
+  # the carrier points to the object's Python tensor: a call through it sees x
+  expect_true(reticulate::py_to_r(ampkit:::.h$call(ampkit:::py_fn(pt()$equal), list(a, a), NULL)))
+  # and it adds nothing to R's reference count of x, which the release reads
+  refcount <- eval(str2lang("function(e) .Internal(refcnt(e))"), baseenv())
+  y <- torch_randn(2, 3)
+  n0 <- refcount(y)
+  invisible(ampkit:::py_arg(y))
+  expect_identical(refcount(y), n0)
+  keep <- list(y)  # the control: a real reference counts
+  expect_gt(refcount(y), n0)
+})
