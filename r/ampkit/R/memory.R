@@ -187,6 +187,10 @@ free_memory <- function() {
 # larger ring that is scanned every RELEASE_EVERY module calls: once the list lets go
 # of it, it is freed a few steps later instead of at R's next full collection (a loss
 # of torch's mse_loss holds the whole batch's squared errors: 8 MiB in the seed's MLP).
+# A scan that frees nothing doubles the interval to the next (up to RELEASE_EVERY_MAX
+# calls), so that a loop that keeps every output (a log of all losses) pays a few
+# reference counts a call for watching 256 of them; one that frees something sets it
+# back.
 
 .rel <- new.env(parent = emptyenv())
 # The watched outputs live in the bindings of an environment used as a ring: a
@@ -202,12 +206,14 @@ SLOTS <- as.character(seq_len(RELEASE_KEEP))
 .rel$on <- TRUE
 # The second ring: outputs still referenced when they left the first one.
 RELEASE_KEPT <- 256L  # at most; older ones are left to R's collector
-RELEASE_EVERY <- 8L   # module calls between two scans of it
+RELEASE_EVERY <- 8L   # module calls between two scans of it, at first
+RELEASE_EVERY_MAX <- 64L
 KEPT <- paste0("k", seq_len(RELEASE_KEPT))
 .rel$kept <- new.env(parent = emptyenv(), size = RELEASE_KEPT)
 .rel$kn <- 0L                            # ring position
 .rel$kused <- logical(RELEASE_KEPT)      # which of its slots hold an output
 .rel$calls <- 0L                         # module calls since its last scan
+.rel$every <- RELEASE_EVERY              # module calls between two scans now
 
 # R's reference count of what a slot holds. refcnt() is internal to R (not API):
 # R CMD check warns on .Internal() in package code, so the function is built when
@@ -274,9 +280,12 @@ keep_longer <- function(slots, key) {
 dropped_outputs <- function() {
   out <- NULL
   calls <- .rel$calls + 1L
-  if (calls >= RELEASE_EVERY) {
+  if (calls >= .rel$every) {
     calls <- 0L
-    if (any(.rel$kused)) out <- dropped_kept()
+    if (any(.rel$kused)) {
+      out <- dropped_kept()
+      .rel$every <- if (is.null(out)) min(2L * .rel$every, RELEASE_EVERY_MAX) else RELEASE_EVERY
+    }
   }
   .rel$calls <- calls
   used <- .rel$used

@@ -361,14 +361,15 @@ test_that("losses kept by batch are freed once the next epoch replaces them, wit
   }
   # What a loss holds (torch's mse_loss on the CPU keeps the batch's squared errors)
   per_loss <- pt()$nn$functional$mse_loss(torch_randn(64, 256), torch_randn(64, 256))$untyped_storage()$nbytes()
-  on <- loop(48)
-  # From the second epoch on, the list holds 12 losses and at most a scan's worth of
-  # replaced ones wait: flat within that.
-  expect_lte(max(on$live[24:48]) - min(on$live[24:48]), 5 * per_loss)
+  on <- loop(60)
+  # Once the second epoch replaces losses (the first scan that frees some comes a few
+  # steps into it: scans that freed nothing in the first epoch spaced out), the list
+  # holds 12 losses and at most a scan's worth of replaced ones wait: flat within that.
+  expect_lte(max(on$live[32:60]) - min(on$live[32:60]), 5 * per_loss)
   # Control: without the release, the replaced losses pile up until R collects.
   withr::local_options(ampkit.release_outputs = FALSE)
-  off <- loop(48)
-  expect_gt(off$live[[48]] - off$live[[24]], 12 * per_loss)
+  off <- loop(60)
+  expect_gt(off$live[[60]] - off$live[[32]], 12 * per_loss)
   # the losses are the same numbers either way
   expect_identical(on$values, off$values)
 })
@@ -388,4 +389,31 @@ test_that("an object passed every step is wrapped for Python once, and still fre
   expect_identical(refcount(y), n0)
   keep <- list(y)  # the control: a real reference counts
   expect_gt(refcount(y), n0)
+})
+
+test_that("a loop that keeps every loss keeps them intact, and its scans space out", {
+  skip_if_no_ampkit()
+  torch_manual_seed(9)
+  x <- torch_randn(8, 16)
+  y <- torch_randn(8, 4)
+  net <- nn_sequential(nn_linear(16, 32), nn_relu(), nn_linear(32, 4))
+  loss_fn <- nn_mse_loss()
+  opt <- optim_sgd(net$parameters, lr = 0.01)
+  amp_gc()
+  kept <- list()
+  values <- numeric(0)
+  for (s in 1:200) {
+    with_autocast(device_type = "cpu", {
+      loss <- loss_fn(net(x), y)
+    })
+    values[[s]] <- loss$item()
+    loss$backward()
+    opt$step()
+    opt$zero_grad()
+    kept[[s]] <- loss
+  }
+  # every kept loss still holds its value (none was freed under the list)
+  expect_identical(vapply(kept, function(l) l$item(), 0), values)
+  # nothing to free: the second ring is scanned at the longest interval
+  expect_identical(ampkit:::.rel$every, ampkit:::RELEASE_EVERY_MAX)
 })
