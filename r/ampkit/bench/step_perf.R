@@ -33,6 +33,6 @@ def py_run(net, data, targets, n):
             output = net(data[i]); loss = loss_fn(output, targets[i])
         scaler.scale(loss).backward(); scaler.step(opt); scaler.update(); opt.zero_grad()
 ")
-N <- 6000L
+N <- as.integer(Sys.getenv("STEPS", "6000"))
 if (mode == "r") { run(300); t <- system.time(run(N)) } else { m <- reticulate::import_main(); m$py_run(net, data, targets, 300L); t <- system.time(m$py_run(net, data, targets, N)) }
 cat(mode, "cpu us/step:", (t[["user.self"]] + t[["sys.self"]]) / N * 1e6, "\n")
