@@ -77,6 +77,7 @@ __all__ = [
     "scaler_update",
     "set_memory_reader",
     "trace_rows",
+    "update_then",
     "zero_grad",
 ]
 
@@ -275,6 +276,30 @@ class ScalerCalls:
 
     def update(self, new_scale=None) -> float:
         return scaler_update(self.scaler, new_scale)
+
+    def update_deferred(self) -> None:
+        """``scaler.update()`` as R's deferred ``$update()`` runs it (see ``update_then``)."""
+        retry_call(self.scaler.update)
+
+
+def update_then(update: Callable[[], Any], fn: Callable | None, *args, **kwargs):
+    """``update()``, then ``fn(*args, **kwargs)``: R's ``scaler$update()`` costs no crossing.
+
+    ``scaler$update()`` changes nothing but the scaler's own state, so the R package
+    defers it to its next call into Python (in the seed's loop, ``opt$zero_grad()``) and
+    makes both there. Anything in R that reads the scaler (its methods, ``$py``) runs a
+    deferred update first (``fn=None``: nothing else). The update runs before ``fn``;
+    an error in it propagates from this call (``fn`` is not run).
+
+    >>> import torch, ampkit
+    >>> w = torch.nn.Parameter(torch.ones(2)); opt = torch.optim.SGD([w], lr=0.1)
+    >>> s = ampkit.GradScaler("cpu", init_scale=4.0, growth_interval=1)
+    >>> s.scale(w.sum()).backward(); _ = s.step(opt)
+    >>> update_then(ScalerCalls(s).update_deferred, opt.zero_grad); s.get_scale(), w.grad
+    (8.0, None)
+    """
+    update()
+    return None if fn is None else fn(*args, **kwargs)
 
 
 def bound_zero_grad(opt) -> Callable[..., float]:

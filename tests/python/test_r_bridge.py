@@ -242,3 +242,39 @@ def test_live_tensor_bytes_counts_a_storage_once():
     views = [t[:10], t.view(32, 32)]
     assert r_bridge.live_tensor_bytes() - before == 4096
     del t, views
+
+
+def test_update_then_is_the_update_then_the_call():
+    # The deferred update with the next call, against update() and zero_grad() in turn.
+    runs = []
+    for merged in (True, False):
+        net, opt, scaler = _loop_parts(seed=3)
+        calls = r_bridge.ScalerCalls(scaler)
+        x, y = torch.randn(5, 8), torch.randn(5, 4)
+        scales = []
+        for _ in range(5):
+            scaler.scale(torch.nn.functional.mse_loss(net(x), y)).backward()
+            scaler.step(opt)
+            if merged:
+                r_bridge.update_then(calls.update_deferred, opt.zero_grad, set_to_none=True)
+            else:
+                scaler.update()
+                opt.zero_grad(set_to_none=True)
+            scales.append(scaler.get_scale())
+            assert all(p.grad is None for p in net.parameters())
+        runs.append((scales, [p.detach().clone() for p in net.parameters()]))
+    assert runs[0][0] == runs[1][0]
+    assert runs[0][0][-1] != 2.0**8  # growth_interval 2: the scale moved, so updates ran
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+
+
+def test_update_then_without_a_call_only_updates_and_an_update_error_skips_the_call():
+    net, opt, scaler = _loop_parts()
+    calls = r_bridge.ScalerCalls(scaler)
+    scaler.scale(net(torch.randn(2, 8)).sum()).backward()
+    scaler.step(opt)
+    assert r_bridge.update_then(calls.update_deferred, None) is None
+    ran = []
+    with pytest.raises(RuntimeError, match="update"):  # no step since that update
+        r_bridge.update_then(calls.update_deferred, lambda: ran.append(1))
+    assert ran == []

@@ -3,8 +3,8 @@
 # collects when *its own* heap grows, which a training loop barely does: each
 # step's outputs stay on the GPU (a 1 GiB logits tensor a step, in the
 # benchmark's transformer) until R happens to collect. So the calls a loop
-# makes once a step anyway (`opt$zero_grad()`, `scaler$update()`) return the
-# CUDA memory allocated, and R collects when it has grown past
+# makes once a step anyway (`opt$zero_grad()`, `scaler$update()` when it is not
+# deferred to the next call) return the CUDA memory allocated, and R collects when it has grown past
 # `ampkit.gc_threshold_mb` since the last collection (mlverse torch calls gc()
 # past `torch.threshold_call_gc`). No extra Python call a step.
 
@@ -20,7 +20,8 @@
 #' hold them, and R collects only when its own heap grows, which a training
 #' loop barely does. ampkit therefore watches CUDA memory at the calls a loop
 #' makes once a step anyway, `opt$zero_grad()` on an optimizer and
-#' `$update()` on an [amp_grad_scaler()] (no extra call to Python): when the
+#' `$update()` on an [amp_grad_scaler()] when it is made at once (no extra call
+#' to Python; a deferred update is made in the next call, which reads it): when the
 #' memory allocated by tensors has grown by more than
 #' `getOption("ampkit.gc_threshold_mb", 1024)` MiB since the last collection,
 #' it runs a young-generation `gc(full = FALSE)` (about a millisecond). That
@@ -180,6 +181,16 @@ free_memory <- function() {
 # that keep a reference until R collects (the garbage watch above covers those): the
 # release only ever errs on the side of keeping. Option `ampkit.release_outputs`
 # (default TRUE) turns it off.
+#
+# An output still referenced when its slot comes round again (a loss kept in a list by
+# batch, `losses[[i]] <- loss`, until the next epoch replaces it) moves to a second,
+# larger ring that is scanned every RELEASE_EVERY module calls: once the list lets go
+# of it, it is freed a few steps later instead of at R's next full collection (a loss
+# of torch's mse_loss holds the whole batch's squared errors: 8 MiB in the seed's MLP).
+# A scan that frees nothing doubles the interval to the next (up to RELEASE_EVERY_MAX
+# calls), so that a loop that keeps every output (a log of all losses) pays a few
+# reference counts a call for watching 256 of them; one that frees something sets it
+# back.
 
 .rel <- new.env(parent = emptyenv())
 # The watched outputs live in the bindings of an environment used as a ring: a
@@ -193,6 +204,16 @@ SLOTS <- as.character(seq_len(RELEASE_KEEP))
 .rel$released <- 0L   # outputs handed to Python for release so far
 .rel$used <- logical(RELEASE_KEEP)  # which slots hold an output
 .rel$on <- TRUE
+# The second ring: outputs still referenced when they left the first one.
+RELEASE_KEPT <- 256L  # at most; older ones are left to R's collector
+RELEASE_EVERY <- 8L   # module calls between two scans of it, at first
+RELEASE_EVERY_MAX <- 64L
+KEPT <- paste0("k", seq_len(RELEASE_KEPT))
+.rel$kept <- new.env(parent = emptyenv(), size = RELEASE_KEPT)
+.rel$kn <- 0L                            # ring position
+.rel$kused <- logical(RELEASE_KEPT)      # which of its slots hold an output
+.rel$calls <- 0L                         # module calls since its last scan
+.rel$every <- RELEASE_EVERY              # module calls between two scans now
 
 # R's reference count of what a slot holds. refcnt() is internal to R (not API):
 # R CMD check warns on .Internal() in package code, so the function is built when
@@ -224,42 +245,89 @@ calibrate_release <- function() {
   for (key in SLOTS) assign(key, NULL, envir = slots)
   .rel$n <- 0L
   .rel$used <- logical(RELEASE_KEEP)
+  forget_outputs()
   .rel$on <- !is.na(.rel$base) && .rel$base >= 1L
   invisible(.rel$on)
 }
 
 keep_output <- function(x) {
-  if (.rel$on && isTRUE(getOption("ampkit.release_outputs", TRUE))) {
+  if (.rel$on && option_on("ampkit.release_outputs")) {
     k <- .rel$n %% RELEASE_KEEP + 1L
     .rel$n <- k
-    assign(SLOTS[[k]], x, envir = .rel$slots)  # replaces (and lets go of) the oldest
     used <- .rel$used
+    if (used[[k]]) keep_longer(.rel$slots, SLOTS[[k]])  # still referenced: watch it longer
+    assign(SLOTS[[k]], x, envir = .rel$slots)  # replaces (and lets go of) the oldest
     used[[k]] <- TRUE
     .rel$used <- used
   }
   x
 }
 
+# Move what the slot `key` holds to the second ring (replacing its oldest output,
+# which is then left to R's collector). The value goes from binding to binding: no
+# local variable holds it (one would count as a reference).
+keep_longer <- function(slots, key) {
+  j <- .rel$kn %% RELEASE_KEPT + 1L
+  .rel$kn <- j
+  assign(KEPT[[j]], .subset2(slots, key), envir = .rel$kept)
+  kused <- .rel$kused
+  kused[[j]] <- TRUE
+  .rel$kused <- kused
+}
+
 # The carriers of the watched outputs that no R binding references, cleared from their
 # slots; NULL when there are none (the common case costs a few R operations a slot).
 dropped_outputs <- function() {
+  out <- NULL
+  calls <- .rel$calls + 1L
+  if (calls >= .rel$every) {
+    calls <- 0L
+    if (any(.rel$kused)) {
+      out <- dropped_kept()
+      .rel$every <- if (is.null(out)) min(2L * .rel$every, RELEASE_EVERY_MAX) else RELEASE_EVERY
+    }
+  }
+  .rel$calls <- calls
   used <- .rel$used
   at <- which(used)
-  if (!length(at)) return(NULL)
+  if (!length(at)) return(out)
   slots <- .rel$slots
   base <- .rel$base
-  out <- NULL
+  freed <- 0L
   for (k in at) {
     key <- SLOTS[[k]]
     if (slot_count(slots, key) <= base) {
       out[[length(out) + 1L]] <- py_arg(.subset2(slots, key))
       assign(key, NULL, envir = slots)
       used[[k]] <- FALSE
+      freed <- freed + 1L
     }
   }
-  if (is.null(out)) return(NULL)
-  .rel$used <- used
-  .rel$released <- .rel$released + length(out)
+  if (freed) {
+    .rel$used <- used
+    .rel$released <- .rel$released + freed
+  }
+  out
+}
+
+# The same over the second ring (its count is added by the caller).
+dropped_kept <- function() {
+  kused <- .rel$kused
+  kept <- .rel$kept
+  base <- .rel$base
+  out <- NULL
+  for (j in which(kused)) {
+    key <- KEPT[[j]]
+    if (slot_count(kept, key) <= base) {
+      out[[length(out) + 1L]] <- py_arg(.subset2(kept, key))
+      assign(key, NULL, envir = kept)
+      kused[[j]] <- FALSE
+    }
+  }
+  if (!is.null(out)) {
+    .rel$kused <- kused
+    .rel$released <- .rel$released + length(out)
+  }
   out
 }
 
@@ -268,5 +336,7 @@ dropped_outputs <- function() {
 forget_outputs <- function() {
   for (key in SLOTS) assign(key, NULL, envir = .rel$slots)
   .rel$used <- logical(RELEASE_KEEP)
+  for (key in KEPT) assign(key, NULL, envir = .rel$kept)
+  .rel$kused <- logical(RELEASE_KEPT)
   invisible(NULL)
 }

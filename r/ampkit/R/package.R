@@ -163,11 +163,13 @@ py_ready <- function() {
   }
   # The hot path's crossings (see py_arg() below): reticulate's own call, without the
   # R closure around it, and the bridge's functions as Python objects.
-  .h$call <- utils::getFromNamespace("py_call_impl", "reticulate")
+  .h$call_raw <- utils::getFromNamespace("py_call_impl", "reticulate")
+  .h$call <- py_call
   .h$to_r <- utils::getFromNamespace("py_ref_to_r", "reticulate")  # a plain value, no dispatch
   .h$fn <- lapply(list(enter_autocast = "enter_autocast", exit_autocast = "exit_autocast",
                        call_method = "call_method", call_releasing = "call_releasing",
-                       release_tensors = "release_tensors"), function(n) py_fn(bridge[[n]]))
+                       release_tensors = "release_tensors", update_then = "update_then"),
+                  function(n) py_fn(bridge[[n]]))
   calibrate_release()
   # An out-of-memory error in Python runs R's gc() before the retry.
   py_reset_collector()
@@ -195,6 +197,36 @@ py_reset_collector <- function() {
 # py_call_impl() directly and passes Python objects in an unclassed carrier whose
 # `py_object` attribute reticulate's C++ conversion takes as the object itself.
 
+# Every call the package makes into Python on the hot path: py_call_impl(), after
+# the scaler update that `$update()` deferred, if any, in the same crossing
+# (r_bridge.update_then; scaler.R says why it is deferred).
+py_call <- function(f, args, kwargs) {
+  u <- .pend$update
+  if (is.null(u)) return(.h$call_raw(f, args, kwargs))
+  .pend$update <- NULL
+  .h$call_raw(.h$fn$update_then, c(list(u, py_arg(f)), args), kwargs)
+}
+
+# A deferred update, run now (in its own crossing): before any read of a scaler's state
+# that does not go through py_call().
+flush_update <- function() {
+  u <- .pend$update
+  if (is.null(u)) return(invisible(NULL))
+  .pend$update <- NULL
+  py_try(.h$call_raw(.h$fn$update_then, list(u, NULL), NULL), "$update()")
+  invisible(NULL)
+}
+
+# The scaler update deferred by `$update()`: a carrier of its Python callable, or NULL.
+.pend <- new.env(parent = emptyenv())
+
+# A logical option that is on unless set to FALSE. (getOption() with a default builds
+# the list of all options, a few microseconds each time.)
+option_on <- function(name) {
+  v <- getOption(name)
+  is.null(v) || isTRUE(v)
+}
+
 # The Python object of a callable (reticulate wraps callables in R closures).
 py_fn <- function(f) if (is.function(f)) attr(f, "py_object") else f
 
@@ -202,14 +234,20 @@ py_fn <- function(f) if (is.function(f)) attr(f, "py_object") else f
 # The carrier points to a new environment holding reticulate's external pointer, not
 # to the R object itself: a carrier left for R's collector then adds nothing to the R
 # object's reference count, which the release of dropped outputs reads (memory.R).
+# It is kept in the object's own environment (reticulate's objects are environments),
+# so that an object passed every step (a batch, the optimizer) is wrapped once; the
+# binding points from the object to the carrier, which adds nothing to that count either.
 py_arg <- function(x) {
   if (is.object(x) && inherits(x, "python.builtin.object")) {
     if (is.function(x)) x <- attr(x, "py_object")
+    carrier <- .subset2(x, ".ampkit_arg")
+    if (!is.null(carrier)) return(carrier)
     ref <- new.env(parent = emptyenv(), size = 2L)
     ref$pyobj <- .subset2(x, "pyobj")
     ref$convert <- .subset2(x, "convert")
     carrier <- list()
     attr(carrier, "py_object") <- ref  # (structure() costs twice as much)
+    if (is.environment(x)) assign(".ampkit_arg", carrier, envir = x)
     carrier
   } else {
     x
@@ -228,6 +266,10 @@ dot_args <- function(...) {
   n <- ...length()
   if (!n) return(list())
   nm <- ...names()
+  if (is.null(nm)) {  # the common calls, net(x) and loss_fn(output, y), without a loop
+    if (n == 1L) return(list(py_arg(..1)))
+    if (n == 2L) return(list(py_arg(..1), py_arg(..2)))
+  }
   pos <- if (is.null(nm)) seq_len(n) else which(!nzchar(nm) | is.na(nm))
   args <- vector("list", length(pos))
   for (k in seq_along(pos)) args[k] <- list(py_arg(...elt(pos[[k]])))
@@ -246,5 +288,9 @@ dot_keywords <- function(...) {
 }
 
 # A result as reticulate's converting call returns it; tensors (which do not
-# convert) skip py_to_r()'s dispatch.
-py_value <- function(res) if (inherits(res, "torch.Tensor")) res else reticulate::py_to_r(res)
+# convert) and None (an optimizer step's result) skip py_to_r()'s dispatch.
+py_value <- function(res) {
+  if (inherits(res, "torch.Tensor")) res
+  else if (inherits(res, "python.builtin.NoneType")) NULL
+  else reticulate::py_to_r(res)
+}

@@ -23,9 +23,16 @@
 #'   \item{`$step(optimizer)`}{Unscales the gradients (unless `$unscale_()`
 #'     did) and steps the optimizer unless they hold `Inf`/`NaN`.}
 #'   \item{`$update(new_scale = NULL)`}{Updates the scale after a step;
-#'     `new_scale` sets it instead. The same Python call reads the CUDA
-#'     memory allocated, and R's garbage is collected when it has grown past
-#'     `ampkit.gc_threshold_mb` (see [amp_gc()]).}
+#'     `new_scale` sets it instead. After `$step()`, the update is made at the
+#'     start of ampkit's next call into Python, in the same call (in a training
+#'     loop, `opt$zero_grad()`), which saves a call a step; every method of the
+#'     scaler and `$py` make it first, so what they read is the updated state.
+#'     Python code that holds the Python scaler from earlier (not through `$py`)
+#'     sees the update once ampkit has made a call. `options(ampkit.defer_update =
+#'     FALSE)` makes it at once. An update with `new_scale`, or without a step
+#'     since the last update (an error), is made at once. Made at once, its
+#'     Python call reads the CUDA memory allocated, and R's garbage is collected
+#'     when it has grown past `ampkit.gc_threshold_mb` (see [amp_gc()]).}
 #'   \item{`$unscale_(optimizer)`}{Divides the optimizer's gradients by the
 #'     scale now (for gradient clipping before `$step()`).}
 #'   \item{`$get_scale()`}{The current scale, an R number.}
@@ -34,7 +41,8 @@
 #'     state, as an R list.}
 #'   \item{`$stats()`}{Counters kept by the core (steps, skipped steps, ...)
 #'     as an R list.}
-#'   \item{`$py`}{The Python `GradScaler`.}
+#'   \item{`$py`}{The Python `GradScaler` (read-only), after any deferred
+#'     update.}
 #' }
 #' Misuse (a non-tensor to `$scale()`, `$step()` twice without `$update()`)
 #' raises an R condition of class `ampkit_error`. An out-of-memory error in
@@ -116,12 +124,28 @@ scaler_options <- function(..., hysteresis = NULL, min_scale = NULL, max_scale =
 
 # The bound Python methods are looked up once, in initialize(); each R method
 # is then one Python call (plus a cheap R check).
+#
+# `$update()` after `$step()` (or `$unscale_()`) is deferred: it changes nothing but
+# the scaler's own state, so it runs at the start of the package's next call into
+# Python, in the same crossing (py_call(); in the seed's loop, `opt$zero_grad()`),
+# which saves a crossing a step. Whatever reads the scaler's state goes through this
+# object (its methods, `$py`) and runs the deferred update first (flush_update()).
+# An update that would fail (no step since the last one) or sets `new_scale` runs at
+# once, so its errors name `$update()` where it was called.
 GradScalerR6 <- R6::R6Class("ampkit_grad_scaler",
   cloneable = FALSE,
+  active = list(
+    py = function(value) {
+      if (!missing(value)) {
+        abort("`$py` is read-only.", class = "ampkit_bad_argument", call = NULL)
+      }
+      flush_update()
+      private$pyobj
+    }
+  ),
   public = list(
-    py = NULL,
     initialize = function(py) {
-      self$py <- py
+      private$pyobj <- py
       f <- private$f
       # `update` is not among them: $update() goes through ScalerCalls.update,
       # which also reads the CUDA memory for the garbage watch.
@@ -134,13 +158,15 @@ GradScalerR6 <- R6::R6Class("ampkit_grad_scaler",
       calls <- .h$ScalerCalls(py)
       private$hot <- lapply(list(scale_backward = "scale_backward", step = "step", update = "update"),
                             function(n) py_fn(calls[[n]]))
+      private$deferred <- py_arg(calls[["update_deferred"]])
     },
     scale = function(x) {
-      if (inherits(x, "torch.Tensor")) return(scaled_loss(self$py, x, private$hot$scale_backward))
+      if (inherits(x, "torch.Tensor")) return(scaled_loss(private$pyobj, x, private$hot$scale_backward))
       if (!is_tensor_list(x)) {
         abort(sprintf("`$scale()` takes a torch tensor (the loss) or a list of tensors, not %s.", describe(x)),
               class = "ampkit_bad_argument")
       }
+      flush_update()
       py_try(private$f$scale(x), "$scale()")
     },
     step = function(optimizer, ...) {
@@ -148,30 +174,53 @@ GradScalerR6 <- R6::R6Class("ampkit_grad_scaler",
         abort(sprintf("`$step()` takes a torch optimizer (from optim_sgd(), optim_adam(), ...), not %s.",
                       describe(optimizer)), class = "ampkit_bad_argument")
       }
-      invisible(py_try(py_value(.h$call(private$hot$step, c(list(py_arg(optimizer)), dot_args(...)),
-                                        dot_keywords(...))), "$step()"))
+      res <- py_try(py_value(.h$call(private$hot$step, c(list(py_arg(optimizer)), dot_args(...)),
+                                     dot_keywords(...))), "$step()")
+      private$stepped <- TRUE
+      invisible(res)
     },
     update = function(new_scale = NULL) {
+      if (is.null(new_scale) && private$stepped && option_on("ampkit.defer_update")) {
+        flush_update()  # another scaler's
+        private$stepped <- FALSE
+        .pend$update <- private$deferred
+        return(invisible(NULL))
+      }
       if (!is.null(new_scale) && !inherits(new_scale, "torch.Tensor")) {
         new_scale <- as_py_num(new_scale, "new_scale")
       }
+      private$stepped <- FALSE
       watch_memory(py_try(.h$to_r(.h$call(private$hot$update, list(py_arg(new_scale)), NULL)),
                           "$update()"))
     },
     unscale_ = function(optimizer) {
-      invisible(py_try(private$f$unscale_(optimizer), "$unscale_()"))
+      flush_update()
+      res <- py_try(private$f$unscale_(optimizer), "$unscale_()")
+      private$stepped <- TRUE
+      invisible(res)
     },
-    get_scale = function() py_try(private$f$get_scale(), "$get_scale()"),
+    get_scale = function() {
+      flush_update()
+      py_try(private$f$get_scale(), "$get_scale()")
+    },
     is_enabled = function() py_try(private$f$is_enabled(), "$is_enabled()"),
-    state_dict = function() py_try(private$f$state_dict(), "$state_dict()"),
+    state_dict = function() {
+      flush_update()
+      py_try(private$f$state_dict(), "$state_dict()")
+    },
     load_state_dict = function(state) {
       if (!is.list(state)) {
         abort(sprintf("`state` must be a list from `$state_dict()`, not %s.", describe(state)),
               class = "ampkit_bad_argument")
       }
-      invisible(py_try(.h$load_scaler_state(self$py, state), "$load_state_dict()"))
+      flush_update()
+      private$stepped <- FALSE
+      invisible(py_try(.h$load_scaler_state(private$pyobj, state), "$load_state_dict()"))
     },
-    stats = function() .h$plain(py_try(private$f$stats(), "$stats()")),
+    stats = function() {
+      flush_update()
+      .h$plain(py_try(private$f$stats(), "$stats()"))
+    },
     print = function(...) {
       cat(format(self), sep = "\n")
       invisible(self)
@@ -188,7 +237,9 @@ GradScalerR6 <- R6::R6Class("ampkit_grad_scaler",
         }, ""))
     }
   ),
-  private = list(f = list(), hot = list())
+  # stepped: `$step()` or `$unscale_()` ran since the last `$update()` (so an update
+  # can be deferred: it will find the checks it needs).
+  private = list(pyobj = NULL, f = list(), hot = list(), deferred = NULL, stepped = FALSE)
 )
 
 # `scaler$scale(loss)`: the scaler and the loss, scaled when used. `$backward()`
@@ -210,6 +261,7 @@ scaled_tensor <- function(x) {
     abort("This scaled loss was used by `$backward()` already; scale the loss again: scaler$scale(loss).",
           class = "ampkit_bad_argument", call = NULL)
   }
+  flush_update()
   py_try(.subset2(x, "scaler")$scale(loss), "$scale()")
 }
 

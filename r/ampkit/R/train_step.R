@@ -82,7 +82,10 @@ amp_train_step <- function(model, loss_fn, optimizer, ..., scaler = NULL,
                                          warmup = warmup), "amp_train_step()")
   call <- py[["__call__"]]
   retry <- .h$retry_call
-  step <- function(inputs, targets) py_try(retry(call, inputs, targets), "amp_train_step")
+  step <- function(inputs, targets) {
+    flush_update()  # a scaler's deferred update: the step reads its scale
+    py_try(retry(call, inputs, targets), "amp_train_step")
+  }
   structure(step, class = c("ampkit_train_step", "function"), py = py)
 }
 

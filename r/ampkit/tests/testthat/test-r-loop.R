@@ -235,3 +235,185 @@ test_that("with_autocast(code = function() ...) runs the function in the region"
   expect_equal(dtype_name(out), "bfloat16")
   expect_false(is_autocast_enabled("cpu"))
 })
+
+# Steps of the seed's AMP loop on `net`; the scaler's reads after each update.
+scaler_reads <- function(steps, defer) {
+  withr::local_options(ampkit.defer_update = defer)
+  torch_manual_seed(3)
+  net <- nn_sequential(nn_linear(16, 32), nn_relu(), nn_linear(32, 4))
+  loss_fn <- nn_mse_loss()
+  opt <- optim_sgd(net$parameters, lr = 0.05)
+  scaler <- amp_grad_scaler("cpu", init_scale = 2^10, growth_interval = 1)
+  x <- torch_randn(8, 16)
+  y <- torch_randn(8, 4)
+  reads <- list()
+  for (s in seq_len(steps)) {
+    with_autocast(device_type = "cpu", {
+      loss <- loss_fn(net(x), y)
+    })
+    scaler$scale(loss)$backward()
+    scaler$step(opt)
+    scaler$update()
+    # each read right after the update, before any other call
+    reads[[s]] <- switch((s - 1L) %% 4L + 1L,
+                         scaler$get_scale(),
+                         scaler$py$get_scale(),
+                         scaler$state_dict()$scale,
+                         scaler$stats()$steps)
+    opt$zero_grad()
+  }
+  list(reads = reads, weight = net$parameters[[1]])
+}
+
+test_that("a deferred $update() is made before anything reads the scaler", {
+  skip_if_no_ampkit()
+  on <- scaler_reads(8, defer = TRUE)
+  off <- scaler_reads(8, defer = FALSE)  # the control: each update made at once
+  expect_identical(on$reads, off$reads)
+  expect_true(pt()$equal(on$weight, off$weight))
+  # growth_interval = 1: the scale grew at every step, so the reads saw the updates
+  expect_identical(on$reads[[1]], 2^11)
+  expect_identical(on$reads[[5]], 2^15)
+})
+
+test_that("$update() and the next call into Python share one crossing", {
+  skip_if_no_ampkit()
+  net <- nn_linear(4, 2)
+  opt <- optim_sgd(net$parameters, lr = 0.1)
+  scaler <- amp_grad_scaler("cpu", init_scale = 2^8, growth_interval = 1)
+  h <- ampkit:::.h
+  raw <- h$call_raw
+  withr::defer(h$call_raw <- raw)
+  calls <- 0L
+  h$call_raw <- function(f, args, kwargs) {
+    calls <<- calls + 1L
+    raw(f, args, kwargs)
+  }
+  count <- function(defer) {
+    withr::local_options(ampkit.defer_update = defer)
+    scaler$scale(net(torch_randn(3, 4))$sum())$backward()
+    scaler$step(opt)
+    calls <<- 0L
+    scaler$update()
+    opt$zero_grad()
+    calls
+  }
+  expect_identical(count(TRUE), 1L)
+  expect_identical(count(FALSE), 2L)  # the control
+  expect_identical(scaler$get_scale(), 2^10)
+  # A deferred update left pending runs before the next read, in its own crossing.
+  scaler$scale(net(torch_randn(3, 4))$sum())$backward()
+  scaler$step(opt)
+  scaler$update()
+  calls <- 0L
+  expect_identical(scaler$get_scale(), 2^11)
+  expect_identical(calls, 1L)  # the flush (get_scale() itself is reticulate's call)
+  opt$zero_grad()
+})
+
+test_that("an update that cannot be deferred raises at $update()", {
+  skip_if_no_ampkit()
+  net <- nn_linear(4, 2)
+  opt <- optim_sgd(net$parameters, lr = 0.1)
+  scaler <- amp_grad_scaler("cpu")
+  # no step since the last update: the core's error, from $update() itself
+  err <- expect_error(scaler$update(), class = "ampkit_python_error")
+  expect_match(conditionMessage(err), "^\\$update\\(\\): Python raised RuntimeError: update\\(\\)")
+  scaler$scale(net(torch_randn(3, 4))$sum())$backward()
+  scaler$step(opt)
+  scaler$update()
+  err <- expect_error(scaler$update(), class = "ampkit_python_error")  # twice
+  expect_match(conditionMessage(err), "no optimizer was stepped")
+})
+
+test_that("losses kept by batch are freed once the next epoch replaces them, without any collection", {
+  skip_if_no_ampkit()
+  bridge <- reticulate::import("ampkit.r_bridge")
+  bytes <- bridge$live_tensor_bytes
+  withr::local_options(ampkit.gc_threshold_mb = Inf)  # the garbage watch off
+  # The benchmark runner's loop: `losses[[i]] <- loss`, 12 batches (more outputs than the
+  # first ring watches), so each loss leaves it while the list still holds it.
+  loop <- function(steps, nb = 12L) {
+    amp_gc()
+    torch_manual_seed(7)
+    xs <- lapply(seq_len(nb), function(i) torch_randn(64, 128))
+    ys <- lapply(seq_len(nb), function(i) torch_randn(64, 256))
+    net <- nn_sequential(nn_linear(128, 256), nn_relu(), nn_linear(256, 256))
+    loss_fn <- nn_mse_loss()
+    opt <- optim_sgd(net$parameters, lr = 0.01)
+    scaler <- amp_grad_scaler("cpu", init_scale = 2^10)
+    losses <- vector("list", nb)
+    live <- numeric(steps)
+    for (s in seq_len(steps)) {
+      i <- (s - 1L) %% nb + 1L
+      with_autocast(device_type = "cpu", {
+        output <- net(xs[[i]])
+        loss <- loss_fn(output, ys[[i]])
+      })
+      scaler$scale(loss)$backward()
+      scaler$step(opt)
+      scaler$update()
+      opt$zero_grad()
+      losses[[i]] <- loss
+      live[[s]] <- bytes()
+    }
+    list(live = live, values = vapply(losses, function(l) l$item(), 0))
+  }
+  # What a loss holds (torch's mse_loss on the CPU keeps the batch's squared errors)
+  per_loss <- pt()$nn$functional$mse_loss(torch_randn(64, 256), torch_randn(64, 256))$untyped_storage()$nbytes()
+  on <- loop(60)
+  # Once the second epoch replaces losses (the first scan that frees some comes a few
+  # steps into it: scans that freed nothing in the first epoch spaced out), the list
+  # holds 12 losses and at most a scan's worth of replaced ones wait: flat within that.
+  expect_lte(max(on$live[32:60]) - min(on$live[32:60]), 5 * per_loss)
+  # Control: without the release, the replaced losses pile up until R collects.
+  withr::local_options(ampkit.release_outputs = FALSE)
+  off <- loop(60)
+  expect_gt(off$live[[60]] - off$live[[32]], 12 * per_loss)
+  # the losses are the same numbers either way
+  expect_identical(on$values, off$values)
+})
+
+test_that("an object passed every step is wrapped for Python once, and still frees when dropped", {
+  skip_if_no_ampkit()
+  x <- torch_randn(2, 3)
+  a <- ampkit:::py_arg(x)
+  expect_identical(ampkit:::py_arg(x), a)  # the same carrier, kept with the object
+  # the carrier points to the object's Python tensor: a call through it sees x
+  expect_true(reticulate::py_to_r(ampkit:::.h$call(ampkit:::py_fn(pt()$equal), list(a, a), NULL)))
+  # and it adds nothing to R's reference count of x, which the release reads
+  refcount <- eval(str2lang("function(e) .Internal(refcnt(e))"), baseenv())
+  y <- torch_randn(2, 3)
+  n0 <- refcount(y)
+  invisible(ampkit:::py_arg(y))
+  expect_identical(refcount(y), n0)
+  keep <- list(y)  # the control: a real reference counts
+  expect_gt(refcount(y), n0)
+})
+
+test_that("a loop that keeps every loss keeps them intact, and its scans space out", {
+  skip_if_no_ampkit()
+  torch_manual_seed(9)
+  x <- torch_randn(8, 16)
+  y <- torch_randn(8, 4)
+  net <- nn_sequential(nn_linear(16, 32), nn_relu(), nn_linear(32, 4))
+  loss_fn <- nn_mse_loss()
+  opt <- optim_sgd(net$parameters, lr = 0.01)
+  amp_gc()
+  kept <- list()
+  values <- numeric(0)
+  for (s in 1:200) {
+    with_autocast(device_type = "cpu", {
+      loss <- loss_fn(net(x), y)
+    })
+    values[[s]] <- loss$item()
+    loss$backward()
+    opt$step()
+    opt$zero_grad()
+    kept[[s]] <- loss
+  }
+  # every kept loss still holds its value (none was freed under the list)
+  expect_identical(vapply(kept, function(l) l$item(), 0), values)
+  # nothing to free: the second ring is scanned at the longest interval
+  expect_identical(ampkit:::.rel$every, ampkit:::RELEASE_EVERY_MAX)
+})
