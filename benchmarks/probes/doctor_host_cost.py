@@ -44,7 +44,7 @@ def timed(owner, name):
 
 
 for owner, name in [(_doctor.doctor, "_root_pre"), (_doctor.doctor, "_root_post"), (_doctor.doctor, "_hook_grad"),
-                    (_doctor_step.StepWatch, "record"), (_doctor_step.StepWatch, "_enqueue"),
+                    (_doctor_step.StepWatch, "record"), (_doctor_step.StepWatch, "_send"),
                     (_doctor_step.StepWatch, "poll"), (_doctor_step.StepWatch, "begin"),
                     (_doctor_step.StepWatch, "keep_grad")]:
     timed(owner, name)
@@ -70,7 +70,7 @@ for i in range(a.steps + 10):
     scaler.scale(loss).backward()
     scaler.step(opt)
     t = time.perf_counter()
-    pinned[i % 64].copy_(flag, non_blocking=True)
+    pinned[i % 64].copy_(flag, non_blocking=True)  # (what one flag a step sent at once would cost)
     samples.setdefault("(extra) d2h copy of a flag, after step", []).append(time.perf_counter() - t)
     t = time.perf_counter()
     dev_ring[i % 64].copy_(flag)
