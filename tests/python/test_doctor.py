@@ -305,6 +305,16 @@ def test_suggest_pins_a_module_whose_casts_underflow():
 
 
 # -- the replay: a bad step that was not sampled ------------------------------------------
+def _fp16_step(model, opt, scaler, x, device):
+    """One training step in float16 with the scaler, the loss the output's sum."""
+    opt.zero_grad()
+    with ampkit.autocast(device, dtype=torch.float16):
+        loss = model(x).float().sum()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_an_unsampled_bad_step_is_replayed_with_its_inputs_weights_and_dropout(device):
     # the last of 5 steps of a run armed with every=100 (only step 0 is sampled) overflows
@@ -325,12 +335,7 @@ def test_an_unsampled_bad_step_is_replayed_with_its_inputs_weights_and_dropout(d
         for i, x in enumerate(xs):
             if i == bad:
                 rng, weights = get_rng(), {k: v.clone() for k, v in model.state_dict().items()}
-            opt.zero_grad()
-            with ampkit.autocast(device, dtype=torch.float16):
-                loss = model(x).float().sum()
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
+            _fp16_step(model, opt, scaler, x, device)
         after = {k: v.clone() for k, v in model.state_dict().items()}
         grads = [p.grad.clone() for p in model.parameters()]
         rng_after = get_rng()
@@ -371,12 +376,7 @@ def _bad_batch_run(device, feed, bad=3, steps=6, after_step=None):
             if feed == "refill":
                 buf.copy_(x)
                 x = buf
-            opt.zero_grad()
-            with ampkit.autocast(device, dtype=torch.float16):
-                loss = model(x).float().sum()
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
+            _fp16_step(model, opt, scaler, x, device)
             if after_step:
                 after_step(i, x)
         f = doc.first_nonfinite()

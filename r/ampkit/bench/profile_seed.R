@@ -27,19 +27,9 @@ repeats <- if (length(args) >= 3) as.integer(args[[3]]) else 5L
 count_mode <- length(args) >= 4 && args[[4]] == "count"
 dir.create(out_dir, showWarnings = FALSE, recursive = TRUE)
 
-if (count_mode) {
-  # Before the package binds any reticulate function: trace every .Call wrapper.
-  .cnt <- new.env()
-  ns <- asNamespace("reticulate")
-  dot_calls <- Filter(function(k) {
-    v <- get(k, ns)
-    is.function(v) && any(grepl(".Call(", deparse(body(v)), fixed = TRUE))
-  }, ls(ns, all.names = TRUE))
-  for (k in c(dot_calls, "r_to_py")) {
-    .cnt[[k]] <- 0
-    suppressMessages(trace(k, tracer = bquote(.cnt[[.(k)]] <- .cnt[[.(k)]] + 1),
-                           where = ns, print = FALSE))
-  }
+if (count_mode) {  # before the package binds any reticulate function
+  source(file.path(Sys.getenv("AMPKIT_REPO", "."), "r", "ampkit", "bench", "trace_calls.R"))
+  .cnt <- trace_reticulate("r_to_py")
 }
 
 library(ampkit)
@@ -74,7 +64,7 @@ if (count_mode) {
     # per step: the difference of a long and a short run (setup calls cancel)
     d <- (counts(v[1], v[2], steps) - counts(v[1], v[2], 50L)) / (seeds$timed$steps - seeds$warm$steps)
     d <- d[d > 0]
-    rows[[vn]] <- data.frame(variant = vn, all_calls = sum(d), python_calls = sum(d[["py_call_impl"]]),
+    rows[[vn]] <- data.frame(variant = vn, all_calls = sum(d), python_calls = if ("py_call_impl" %in% names(d)) d[["py_call_impl"]] else 0,
                              r_to_py_dispatch = if ("r_to_py" %in% names(d)) d[["r_to_py"]] else 0,
                              detail = paste(sprintf("%s %.2f", names(d), d), collapse = ", "))
   }

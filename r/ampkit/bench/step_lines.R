@@ -18,24 +18,14 @@ steps <- if (length(args) >= 2) as.integer(args[[2]]) else 2000L
 label <- if (length(args) >= 3) args[[3]] else ""
 dir.create(out_dir, showWarnings = FALSE, recursive = TRUE)
 
-# Counting: trace reticulate's .Call wrappers before the package binds any of them.
-.cnt <- new.env()
-ns <- asNamespace("reticulate")
-dot_calls <- Filter(function(k) {
-  v <- get(k, ns)
-  is.function(v) && any(grepl(".Call(", deparse(body(v)), fixed = TRUE))
-}, ls(ns, all.names = TRUE))
-tracing <- FALSE
-trace_on <- function() {
-  for (k in dot_calls) {
-    .cnt[[k]] <- 0
-    suppressMessages(trace(k, tracer = bquote(.cnt[[.(k)]] <- .cnt[[.(k)]] + 1), where = ns, print = FALSE))
-  }
-}
 # Counting needs the traced functions bound by the package, so it runs in a child
-# process: `step_lines.R <out> <steps> <label> count`.
+# process: `step_lines.R <out> <steps> <label> count`; it traces reticulate's .Call
+# wrappers before the package binds any of them.
 count_mode <- length(args) >= 4 && args[[4]] == "count"
-if (count_mode) trace_on()
+if (count_mode) {
+  source(file.path(Sys.getenv("AMPKIT_REPO", "."), "r", "ampkit", "bench", "trace_calls.R"))
+  .cnt <- trace_reticulate()
+}
 
 library(ampkit)
 stopifnot(ampkit_available())
@@ -59,7 +49,7 @@ FP32_LINES <- c("output <- net(x)", "loss <- loss_fn(output, y)", "loss$backward
                 "opt$zero_grad()")
 
 now <- function() as.numeric(Sys.time())
-snap <- function() if (count_mode) unlist(mget(dot_calls, .cnt)) else 0
+snap <- function() if (count_mode) unlist(mget(ls(.cnt), .cnt)) else 0
 
 # The seed's steps, a timestamp (and, counting, a snapshot) after every line.
 r_amp <- function(n) {
