@@ -135,12 +135,12 @@ def scaler_checked(found_per_device, optimizer, combined_later=False):
     to takes it as its step's check, with no pass of its own (it holds the flags: with
     ``combined_later`` the scaler then combines them over ranks in place, so it copies
     them, this rank's own)."""
-    if _DOCTORS:
-        for doc in _armed():
-            if doc._steps(optimizer):
-                if combined_later:
-                    found_per_device = {d: f.clone() for d, f in found_per_device.items()}
-                doc._scaler_report(found_per_device)
+    for r in _DOCTORS:
+        doc = r()
+        if doc is not None and doc._steps(optimizer):
+            if combined_later:
+                found_per_device = {d: f.clone() for d, f in found_per_device.items()}
+            doc._scaler_report(found_per_device)
 
 
 class doctor:
@@ -203,7 +203,6 @@ class doctor:
         self._rng_offsets = array.array("q")  # the CUDA generator's offset at each eager step's start
         self._rng_start = None  # the host step of _rng_offsets[0]
         self._rng_seeds: dict = {}  # host step -> the generator's seed, where it changes
-        self._rng_gen = None
         self._rng_seed = None  # the last seed logged
         self._replayed: dict = {}  # step -> Finding
         # the op-level watch's mode goes where the stack ends now: above the modes entered
@@ -215,11 +214,13 @@ class doctor:
         # graph captured later writes into them rather than allocating its own
         self._watches = {dev: _step_watch.StepWatch(dev, ts, keep_weights) for dev, ts in state.items()}
         self._rng_dev = next((d for d in self._watches if d.type == "cuda"), None)  # whose generator is logged
-        if len(self._watches) > 1:  # a model over devices: each step's bytes placed by the device
+        self._rng_gen = _step_watch.cuda_generator(self._rng_dev) if self._rng_dev is not None else None
+        self._one = len(self._watches) == 1
+        if not self._one:  # a model over devices: each step's bytes placed by the device
             for w in self._watches.values():
                 w.host_verdicts = False
         self._scaler_seen = False  # an ampkit.GradScaler checks the gradients: its flag is used
-        self._optimizers = weakref.WeakKeyDictionary()  # optimizer -> whether it steps the model
+        self._optimizers: dict = {}  # id(optimizer) -> (weak reference, whether it steps the model)
         for dev in self._watches:
             self._records[dev] = torch.zeros(5, device=dev)
         self._handles.append(model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
@@ -302,10 +303,11 @@ class doctor:
             [o for o in tree_leaves(output) if isinstance(o, torch.Tensor)]
         grad = torch.is_grad_enabled()
         self._bw_queued = False
-        self._out_grads = []
+        if self._out_grads:
+            self._out_grads = []
         cfg = _step_watch.region_config()
         placed = False
-        one = len(self._watches) == 1
+        one = self._one
         for dev, w in self._watches.items():
             mine = every if one else [o for o in every if o.device == dev]
             w.pending = [weakref.ref(o) for o in mine] or None
@@ -355,11 +357,12 @@ class doctor:
     def _steps(self, optimizer):
         """Whether ``optimizer`` steps this doctor's model (some parameter of it is the
         model's); answered once per optimizer."""
-        mine = self._optimizers.get(optimizer)
-        if mine is None:
-            ids = {id(t) for ts in self._watches.values() for t in ts.state}
-            mine = self._optimizers[optimizer] = any(
-                id(p) in ids for g in getattr(optimizer, "param_groups", ()) for p in g["params"])
+        seen = self._optimizers.get(id(optimizer))
+        if seen is not None and seen[0]() is optimizer:
+            return seen[1]
+        ids = {id(t) for ts in self._watches.values() for t in ts.state}
+        mine = any(id(p) in ids for g in getattr(optimizer, "param_groups", ()) for p in g["params"])
+        self._optimizers[id(optimizer)] = (weakref.ref(optimizer), mine)
         return mine
 
     def _scaler_report(self, found_per_device):
@@ -384,15 +387,15 @@ class doctor:
 
     def _log_rng(self, cap):
         """The CUDA generator's state at this step's start (8 bytes a step; the seed where it
-        changes), for the replay's random ops (the first CUDA device's generator)."""
-        st = _step_watch.cuda_rng_state(self._rng_dev, cap) if self._rng_dev is not None else None
-        if st is None:
+        changes), for the replay's random ops (the first CUDA device's generator; a captured
+        step's replays advance it on the device: nothing to log)."""
+        if cap:
             return
-        _, g, seed, offset = st
+        g = self._rng_gen
+        seed, offset = g.initial_seed(), g.get_offset()
         if self._rng_start is None or self._step - self._rng_start != len(self._rng_offsets):
             # the first, or after a gap: start over
             self._rng_start, self._rng_offsets, self._rng_seeds, self._rng_seed = self._step, array.array("q"), {}, None
-            self._rng_gen = g
         self._rng_offsets.append(offset)
         if seed != self._rng_seed:
             self._rng_seeds[self._step] = self._rng_seed = seed

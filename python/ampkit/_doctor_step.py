@@ -128,6 +128,8 @@ def _record_kernel():
 _CHUNK = 1 << 16
 _BIG = 32 << 20  # bytes: a held tensor this large is copied by the Triton kernel
 _BATCH = 8  # steps whose flags go to the host in one copy
+_RING = 1024  # host slots for the flags on their way (pinned on CUDA)
+_FLAGS = 16  # flags a step sends at most (more checks in a step are folded into its last)
 _PENDING = 32  # eager steps whose verdicts the host may wait for, holding their tensors
 
 
@@ -171,7 +173,10 @@ class StepWatch:
         # there once the device got that far. The step's tensors are held until then and
         # copied only if it is the first bad one.
         self._unsent = 0
-        self._pending = collections.deque()  # [host step, flags not sent, (host memory, index) of those sent, held]
+        self._ring = torch.full((_RING,), -1.0, pin_memory=not self._cpu)  # -1 free, -2 on its way
+        self._ring_mv = memoryview(self._ring.numpy())  # (Python floats, read and written in ns)
+        self._next = 0
+        self._pending = collections.deque()  # [host step, flags not sent, ring slots of those sent, held]
         self._first = None  # the first bad step the host has seen the verdict of
         # a step's bytes placed by the host after its verdict (off: by the device at once,
         # as with keep_weights, whose weights change before a verdict arrives)
@@ -274,7 +279,7 @@ class StepWatch:
         """The forward ended: where each output's gradient will go in the frozen bytes (None
         for a step held as it is: its gradients are placed only if it is the first bad one)."""
         if self.host_mode:
-            if not any(t.numel() * t.element_size() > _BIG for t in outs):
+            if not any(t.nbytes > _BIG for t in outs):
                 return None
             # a gradient this large is not held for steps: the device copies this step
             self.host_mode = False
@@ -322,7 +327,13 @@ class StepWatch:
             bad = bad.float()
         p = self._pending
         if p and p[-1][0] == self.host_step:  # a second check in this step: one more flag
-            p[-1][1].append(bad)
+            flags = p[-1][1]
+            if len(flags) < _FLAGS:
+                flags.append(bad)
+            elif flags:  # (many checks in one step: folded on the device)
+                flags[-1] = torch.maximum(flags[-1], bad)
+            else:  # (its flags were sent: this one joins the next send)
+                flags.append(bad)
         else:
             if len(p) >= _PENDING:
                 self._wait_oldest()
@@ -337,29 +348,42 @@ class StepWatch:
 
     def _send(self):
         """Send the flags held so far to the host in one asynchronous copy (of their stack,
-        into pinned memory over the sentinel -2): two launches for _BATCH steps."""
+        into the next free run of the pinned ring, over the sentinel -2): two launches for
+        _BATCH steps, no allocation of host memory."""
+        self._unsent = 0
+        n = sum(len(e[1]) for e in self._pending)
+        if not n:
+            return
+        mv = self._ring_mv
+        if n > len(mv):
+            raise RuntimeError(f"ampkit.doctor: {n} flags wait to be sent, more than the ring's {len(mv)}")
+        i = self._next if self._next + n <= len(mv) else 0
+        if any(mv[j] != -1.0 for j in range(i, i + n)):  # (never with _PENDING x _FLAGS < _RING / 2)
+            if self.dev.type == "cuda":
+                torch.cuda.synchronize(self.dev)
+            self.poll()
+            if any(mv[j] != -1.0 for j in range(i, i + n)):
+                raise RuntimeError("ampkit.doctor: the verdict ring is full (a bug: please report it)")
         flags, owners = [], []
         for e in self._pending:
             if e[1]:
                 owners += [e] * len(e[1])
                 flags += e[1]
                 e[1] = []
-        self._unsent = 0
-        if not flags:
-            return
-        host = torch.full((len(flags),), -2.0, pin_memory=not self._cpu)
-        mv = memoryview(host.numpy())  # (keeps the pinned memory alive while it is read)
-        host.copy_(torch.stack(flags) if len(flags) > 1 else flags[0].reshape(1), non_blocking=True)
+        for j in range(i, i + n):
+            mv[j] = -2.0
+        self._ring[i: i + n].copy_(torch.stack(flags) if n > 1 else flags[0].reshape(1), non_blocking=True)
+        self._next = i + n
         for j, e in enumerate(owners):
-            e[2].append((mv, j))
+            e[2].append(i + j)
 
     def _wait_oldest(self):
         """The host is _PENDING steps ahead of the device: wait for the oldest verdict (the
         device is the bottleneck then; the wait is a read of host memory, no CUDA call)."""
         if self._pending[0][1]:
             self._send()
-        locs = self._pending[0][2]
-        while any(mv[i] == -2.0 for mv, i in locs):
+        mv, locs = self._ring_mv, self._pending[0][2]
+        while any(mv[i] == -2.0 for i in locs):
             time.sleep(20e-6)
         self.poll()
 
@@ -372,14 +396,17 @@ class StepWatch:
             self._send()
             if self.dev.type == "cuda":
                 torch.cuda.synchronize(self.dev)
+        mv = self._ring_mv
         while p:
             step, unsent, locs, data = p[0]
             if unsent:
                 return
-            vals = [mv[i] for mv, i in locs]
+            vals = [mv[i] for i in locs]
             if -2.0 in vals:
                 return
             p.popleft()
+            for i in locs:
+                mv[i] = -1.0
             if self._first is None and max(vals) > 0:
                 self._first = step
                 self._freeze(step, *data)
@@ -582,25 +609,15 @@ def enter_region(config):
         yield
 
 
-_GENERATORS: dict = {}
-
-
-def cuda_rng_state(dev, cap):
-    """The CUDA generator's state a replay of a step on ``dev`` needs (host side, no device
-    read; None under a graph capture (``cap``), whose replays advance it on the device)."""
-    if dev.type != "cuda" or cap:
-        return None
-    g = _GENERATORS.get(dev)
-    if g is None:
-        g = _GENERATORS[dev] = torch.cuda.default_generators[
-            dev.index if dev.index is not None else torch.cuda.current_device()]
-    return ("cuda", g, g.initial_seed(), g.get_offset())
+def cuda_generator(dev):
+    """The CUDA generator of ``dev`` (its default one), whose state a replay needs."""
+    return torch.cuda.default_generators[dev.index if dev.index is not None else torch.cuda.current_device()]
 
 
 @contextlib.contextmanager
 def replay_rng(state):
-    """Run with the random state ``state`` (("cuda", generator, seed, offset) of
-    :func:`cuda_rng_state`, or ("cpu", the CPU generator's bytes)); put the current one back."""
+    """Run with the random state ``state`` (("cuda", generator, seed, offset), or ("cpu",
+    the CPU generator's bytes)); put the current one back."""
     if state is None:
         yield
         return
