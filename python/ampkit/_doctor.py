@@ -216,6 +216,8 @@ class doctor:
         self._rng_dev = next((d for d in self._watches if d.type == "cuda"), None)  # whose generator is logged
         self._rng_gen = _step_watch.cuda_generator(self._rng_dev) if self._rng_dev is not None else None
         self._one = len(self._watches) == 1
+        for w in self._watches.values():
+            w.take = self._taker(w, None)
         if not self._one:  # a model over devices: each step's bytes placed by the device
             for w in self._watches.values():
                 w.host_verdicts = False
@@ -321,10 +323,9 @@ class doctor:
             self._remember(cfg)
         return None
 
-    def _hook_grad(self, out, w, dst):
-        """Take ``out``'s gradient when the backward reaches it: a tensor hook, put in the
-        tensor's hook table as ``Tensor.register_hook`` does, without the removable handle
-        it makes (nothing removes it: the tensor is the step's; a third of the cost)."""
+    def _taker(self, w, dst):
+        """The hook that takes an output's gradient for watch ``w`` (into ``dst``, or held
+        when ``dst`` is None)."""
         def take(grad):
             w.keep_grad(dst, grad)
             w.pending = None  # (the backward came: no forward-only check)
@@ -334,6 +335,14 @@ class doctor:
                     self._bw_queued = True
                     torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
 
+        return take
+
+    def _hook_grad(self, out, w, dst):
+        """Take ``out``'s gradient when the backward reaches it: a tensor hook, put in the
+        tensor's hook table as ``Tensor.register_hook`` does, without the removable handle
+        it makes (nothing removes it: the tensor is the step's; a third of the cost). A held
+        gradient's hook is made once per watch."""
+        take = w.take if dst is None else self._taker(w, dst)
         hooks = out._backward_hooks
         if hooks is None:
             node = out.grad_fn

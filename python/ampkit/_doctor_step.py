@@ -13,11 +13,12 @@ eagerly). So the doctor splits the work:
   step's *replay data* is held, not copied: its tensor inputs, the output gradient, the
   CPU generator's state (and with ``keep_weights`` the weights' bytes). Two ways on:
   - *the host's verdict* (eager steps whose inputs are new tensors, the usual loop): the
-    check's flag is held (no op), and every 8 steps the held flags are stacked and copied,
-    asynchronously, to pinned host memory over a sentinel; the steps wait in a queue
-    holding their tensors. A later step (or a reader) sees the flags there once the device
-    got that far: a clean step lets go, the first bad one has its tensors copied into the
-    frozen bytes then. The host waits only if it runs 32 steps ahead of the device.
+    check's flag is held (no op), and every 32 steps (sooner once the steps not sent hold
+    64 MiB) the held flags are stacked and copied, asynchronously, to pinned host memory
+    over a sentinel; the steps wait in a queue holding their tensors. A later step (or a
+    reader) sees the flags there once the device got that far: a clean step lets go, the
+    first bad one has its tensors copied into the frozen bytes then. The host waits only
+    if it runs 64 steps ahead of the device.
   - *the device's copy* (inside a CUDA graph capture, inputs that are the last step's
     buffers refilled in place, ``keep_weights``, a model over several devices): after
     the verdict one conditional copy per held tensor puts them into the frozen bytes only
@@ -30,7 +31,7 @@ eagerly). So the doctor splits the work:
 
 Memory: the frozen inputs and output gradients (one step's), and with ``keep_weights``
 one copy of the weights; a step's inputs and output gradient are held until its verdict
-(8 to 10 steps later, at most 32).
+(up to about 34 steps later; at most 64).
 """
 
 from __future__ import annotations
@@ -127,10 +128,11 @@ def _record_kernel():
 
 _CHUNK = 1 << 16
 _BIG = 32 << 20  # bytes: a held tensor this large is copied by the Triton kernel
-_BATCH = 8  # steps whose flags go to the host in one copy
-_RING = 1024  # host slots for the flags on their way (pinned on CUDA)
-_FLAGS = 16  # flags a step sends at most (more checks in a step are folded into its last)
-_PENDING = 32  # eager steps whose verdicts the host may wait for, holding their tensors
+_BATCH = 32  # steps whose flags go to the host in one copy (two launches)
+_BATCH_BYTES = 64 << 20  # ... or fewer, once the steps not sent hold this much
+_RING = 2048  # host slots for the flags on their way (pinned on CUDA)
+_FLAGS = 8  # flags a step sends at most (more checks in a step are folded into its last)
+_PENDING = 64  # eager steps whose verdicts the host may wait for, holding their tensors
 
 
 class StepWatch:
@@ -172,7 +174,8 @@ class StepWatch:
         # memory over a sentinel, asynchronously; a later step (or a reader) sees the verdicts
         # there once the device got that far. The step's tensors are held until then and
         # copied only if it is the first bad one.
-        self._unsent = 0
+        self._unsent = self._unsent_bytes = 0
+        self.step_bytes = 0  # what this step holds (inputs, output gradients)
         self._ring = torch.full((_RING,), -1.0, pin_memory=not self._cpu)  # -1 free, -2 on its way
         self._ring_mv = memoryview(self._ring.numpy())  # (Python floats, read and written in ns)
         self._next = 0
@@ -215,19 +218,23 @@ class StepWatch:
                 args = (a,)
             ins = args
             ptrs = {a.data_ptr()}
-            small = a.nbytes <= _BIG
+            nbytes = a.nbytes
+            small = nbytes <= _BIG
         else:
             plain = not kwargs and all(type(a) is torch.Tensor for a in args)
             if plain and any(a.requires_grad for a in args):
                 args = tuple(a.detach() for a in args)
             ins = args if plain else [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
             ptrs = {a.data_ptr() for a in ins}
-            small = all(a.nbytes <= _BIG for a in ins)
+            sizes = [a.nbytes for a in ins]
+            nbytes = sum(sizes)
+            small = all(n <= _BIG for n in sizes)
         last = self._last_ptrs
         self._last_in = ins  # (held: a pointer seen again is the same buffer, not new memory)
         self._last_ptrs = ptrs
         self.host_mode = self.host_verdicts and not cap and small and last is not None and not (last & ptrs)
         if self.host_mode:
+            self.step_bytes = nbytes
             self.args = (args, kwargs)
             self.ins = ins
             self.grads = []
@@ -279,7 +286,9 @@ class StepWatch:
         """The forward ended: where each output's gradient will go in the frozen bytes (None
         for a step held as it is: its gradients are placed only if it is the first bad one)."""
         if self.host_mode:
-            if not any(t.nbytes > _BIG for t in outs):
+            sizes = [t.nbytes for t in outs]
+            if not any(n > _BIG for n in sizes):
+                self.step_bytes += sum(sizes)
                 return None
             # a gradient this large is not held for steps: the device copies this step
             self.host_mode = False
@@ -343,14 +352,15 @@ class StepWatch:
                 self._counted = self.host_step
                 self.host_steps += 1
         self._unsent += 1
-        if self._unsent >= _BATCH:
+        self._unsent_bytes += self.step_bytes
+        if self._unsent >= _BATCH or self._unsent_bytes > _BATCH_BYTES:
             self._send()
 
     def _send(self):
         """Send the flags held so far to the host in one asynchronous copy (of their stack,
         into the next free run of the pinned ring, over the sentinel -2): two launches for
         _BATCH steps, no allocation of host memory."""
-        self._unsent = 0
+        self._unsent = self._unsent_bytes = 0
         n = sum(len(e[1]) for e in self._pending)
         if not n:
             return

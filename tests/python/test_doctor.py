@@ -400,7 +400,7 @@ def test_the_bad_batch_is_replayed_whether_steps_get_new_tensors_or_refill_one(d
     assert new.input_absmax == xs[3].abs().max().item()
 
 
-@pytest.mark.parametrize("batch,pending", [(1, 1), (3, 2), (8, 32)])
+@pytest.mark.parametrize("batch,pending", [(1, 1), (3, 2), (32, 64)])
 def test_the_verdicts_sent_in_batches_or_waited_for_name_the_same_step(monkeypatch, batch, pending):
     # the host sends the held flags every `batch` steps and waits once `pending` steps
     # hold their tensors: however they are set, the first bad step is the one replayed
