@@ -216,6 +216,7 @@ class doctor:
         self._rng_dev = next((d for d in self._watches if d.type == "cuda"), None)  # whose generator is logged
         self._rng_gen = _step_watch.cuda_generator(self._rng_dev) if self._rng_dev is not None else None
         self._one = len(self._watches) == 1
+        self._types = tuple({d.type for d in self._watches})
         for w in self._watches.values():
             w.take = self._taker(w, None)
         if not self._one:  # a model over devices: each step's bytes placed by the device
@@ -307,7 +308,7 @@ class doctor:
         self._bw_queued = False
         if self._out_grads:
             self._out_grads = []
-        cfg = _step_watch.region_config()
+        cfg = _step_watch.region_config(self._types)
         placed = False
         one = self._one
         for dev, w in self._watches.items():

@@ -589,15 +589,17 @@ _ENGINE = []  # ampkit._autocast.thread_engine, once imported (it imports the do
 _NO_REGIONS: dict = {}
 
 
-def region_config():
-    """The autocast regions in force (ampkit's and torch's), to enter again in a replay."""
+def region_config(types=("cpu", "cuda")):
+    """The autocast regions in force, to enter again in a replay: ampkit's (all), and
+    torch's own for the device types ``types`` (the model's: another type's region casts
+    none of its ops) where no ampkit region is."""
     if not _ENGINE:
         from ampkit._autocast import thread_engine
 
         _ENGINE.append(thread_engine)
     devs = _ENGINE[0]().devs()  # {device_type: (enabled, dtype, policy, cache)}: one object per region, never changed
     plain = _NO_REGIONS
-    for dt in ("cpu", "cuda"):
+    for dt in types:
         if dt not in devs and torch.is_autocast_enabled(dt):
             if plain is _NO_REGIONS:
                 plain = {}
