@@ -14,7 +14,7 @@ eagerly). So the doctor splits the work:
   CPU generator's state (and with ``keep_weights`` the weights' bytes). Two ways on:
   - *the host's verdict* (eager steps whose inputs are new tensors, the usual loop): the
     check's flag is held (no op), and every 32 steps (sooner once the steps not sent hold
-    64 MiB) the held flags are stacked and copied, asynchronously, to pinned host memory
+    256 MiB) the held flags are stacked and copied, asynchronously, to pinned host memory
     over a sentinel; the steps wait in a queue holding their tensors. A later step (or a
     reader) sees the flags there once the device got that far: a clean step lets go, the
     first bad one has its tensors copied into the frozen bytes then. The host waits only
@@ -129,7 +129,7 @@ def _record_kernel():
 _CHUNK = 1 << 16
 _BIG = 32 << 20  # bytes: a held tensor this large is copied by the Triton kernel
 _BATCH = 32  # steps whose flags go to the host in one copy (two launches)
-_BATCH_BYTES = 64 << 20  # ... or fewer, once the steps not sent hold this much
+_BATCH_BYTES = 256 << 20  # ... or fewer, once the steps not sent hold this much
 _RING = 2048  # host slots for the flags on their way (pinned on CUDA)
 _FLAGS = 8  # flags a step sends at most (more checks in a step are folded into its last)
 _PENDING = 64  # eager steps whose verdicts the host may wait for, holding their tensors
