@@ -250,11 +250,15 @@ class doctor:
         return False
 
     def close(self):
-        """Disarm: remove the hooks (and the op-level watch's mode; records stay readable)."""
+        """Disarm: remove the hooks (and the op-level watch's mode; records stay readable).
+        The steps still waiting for their verdict get it now (one wait for the device), so
+        that nothing they held stays alive with the closed doctor."""
         if not self.armed:
             return
         if threading.get_ident() != self._thread:
             raise RuntimeError("ampkit.doctor.close(): close the doctor in the thread that armed it")
+        for w in self._watches.values():
+            w.release()
         self._fold_sampled()
         self._ops_off()
         for h in self._handles:

@@ -483,6 +483,14 @@ class StepWatch:
         self._first = None
         self.stale = self.frozen_meta = None
 
+    def release(self):
+        """Let go of everything a step holds (the doctor is closed): read the verdicts still
+        waited for first (one wait for the device)."""
+        self.poll(wait=True)
+        self._last_in, self._last_ptrs = (), None
+        self.args = self.ins = self.grads = self.rng = None
+        self.held, self.pending = [], None
+
     def sync_step(self):
         """Before a CUDA graph capture: the device's step count catches up with the host's
         (eager steps whose verdict the host reads do not write it)."""

@@ -414,6 +414,30 @@ def test_the_verdicts_sent_in_batches_or_waited_for_name_the_same_step(monkeypat
     assert f.input_absmax == xs[3].abs().max().item()
 
 
+def test_closing_lets_go_of_the_steps_still_waiting_for_their_verdict():
+    # the host holds each step's batch until its verdict (up to 32 steps): closing the
+    # doctor reads the verdicts, and the batches are freed once the caller drops them
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = ampkit.GradScaler("cpu", init_scale=1.0)
+    doc = ampkit.doctor(model)
+    refs = []
+    for _ in range(5):
+        x = torch.randn(3, 4)
+        refs.append(weakref.ref(x))
+        _fp16_step(model, opt, scaler, x, "cpu")
+    del x
+    gc.collect()
+    assert sum(r() is not None for r in refs) >= 3  # held while armed, waiting for verdicts
+    doc.close()
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
 def test_a_batch_changed_in_place_before_its_verdict_is_named_in_a_warning():
     # the bad step's new tensor is zeroed right after its step, before the host read the
     # step's verdict (at the next step): the replay cannot run the bytes the step ran, and

@@ -64,6 +64,38 @@ def test_eager_step_armed_adds_no_sync():
         assert doc.first_nonfinite() is None
 
 
+def test_host_verdicts_add_no_sync(monkeypatch):
+    # new batches each step: the host reads the verdicts; with sends every 2 steps, the
+    # flags' stack and its copy to pinned memory run inside the checked steps too
+    from ampkit import _doctor_step
+
+    monkeypatch.setattr(_doctor_step, "_BATCH", 2)
+    built = build_case("seed_mlp", "tiny", device="cuda")
+    model = built.new_model()
+    opt = built.new_optimizer(model, fused=True)
+    scaler = ampkit.GradScaler("cuda")
+    xs = [torch.randn_like(built.batches[0][0]) for _ in range(10)]
+    y = built.batches[0][1]
+
+    def step(x):
+        with ampkit.autocast("cuda", dtype=torch.float16):
+            loss = built.loss_fn(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+
+    with ampkit.doctor(model) as doc:
+        for x in xs[:3]:  # the first step makes the per-op constants
+            step(x)
+        torch.cuda.synchronize()
+        with SyncError():
+            for x in xs[3:]:
+                step(x)
+        assert doc.host_verdict_steps >= 8
+        assert doc.first_nonfinite() is None
+
+
 @pytest.mark.parametrize("phase", ["forward", "backward"])
 def test_a_large_output_is_kept_by_the_conditional_copy_and_replayed(phase):
     # a 64 MiB float16 output (over the doctor's 32 MiB line): an eager step's record is the

@@ -42,6 +42,8 @@ ALLOWED = {
     ("tests/python/test_autocast_narrow.py", "ampkit._narrow_casts"): WHITE_BOX,
     ("tests/python/test_doctor.py", "ampkit._doctor_step"):
         "the host's batch and queue sizes, set small to run the send and wait paths on a short run",
+    ("tests/python/test_doctor_cuda.py", "ampkit._doctor_step"):
+        "the host's batch size, set small so that a send runs inside the no-sync check",
     ("benchmarks/probes/doctor_host_cost.py", "ampkit._doctor"):
         "a probe that times the doctor's hooks one by one inside a step (wrapped with a clock)",
     ("benchmarks/probes/doctor_host_cost.py", "ampkit._doctor_step"):
