@@ -67,8 +67,9 @@ from torch.utils._pytree import tree_leaves
 _LOW = (torch.float16, torch.bfloat16)
 _OUTSIDE = "<outside model>"
 _TAG = "ampkit_doctor_module"
-_ARMED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> doctor
-_DOCTORS: list = []  # weak references to the armed doctors (a plain list: the scaler reads it every step)
+# Weak references to the armed doctors: a plain list, which the scaler reads every step; a
+# doctor collected with its model, never closed, leaves it by its reference's callback.
+_DOCTORS: list = []
 _CAST_OPS = ("_to_copy",)
 _current_node = torch._C._current_autograd_node
 _aten = torch.ops.aten
@@ -113,20 +114,20 @@ def replaying():
     return _REPLAYING[0]
 
 
-def _armed():
-    docs = [r() for r in _DOCTORS]
-    if None in docs:  # (a doctor collected with its model, never closed)
-        _DOCTORS[:] = [r for r in _DOCTORS if r() is not None]
-    return [d for d in docs if d is not None]
+def _disarmed(ref):
+    if ref in _DOCTORS:
+        _DOCTORS.remove(ref)
 
 
 def before_capture():
     """A CUDA graph capture of a step is about to begin (``make_train_step``): each armed
     doctor's device step count catches up with its host count (a captured step counts itself
     on the device; eager steps read by the host do not write it)."""
-    for doc in _armed():
-        for w in doc._watches.values():
-            w.sync_step()
+    for r in list(_DOCTORS):
+        doc = r()
+        if doc is not None:
+            for w in doc._watches.values():
+                w.sync_step()
 
 
 def scaler_checked(found_per_device, optimizer, combined_later=False):
@@ -176,7 +177,7 @@ class doctor:
             raise ValueError(f"ampkit.doctor: keep_weights must be True or False, got {keep_weights!r}")
         self.keep_weights = keep_weights
         self.policy = load_policy("torch_default" if policy is None else policy)
-        if model in _ARMED:
+        if any(getattr(r(), "model", None) is model for r in _DOCTORS):
             raise RuntimeError(
                 f"ampkit.doctor: a doctor is already armed on this {type(model).__name__}; "
                 "call .close() on it (or leave its `with` block) before arming another")
@@ -228,8 +229,8 @@ class doctor:
             self._records[dev] = torch.zeros(5, device=dev)
         self._handles.append(model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
         self._handles.append(model.register_forward_hook(self._root_post, always_call=True))
-        _ARMED[model] = self
-        _DOCTORS.append(weakref.ref(self))
+        self._ref = weakref.ref(self, _disarmed)
+        _DOCTORS.append(self._ref)
         self.armed = True
 
     @property
@@ -264,8 +265,7 @@ class doctor:
         for h in self._handles:
             h.remove()
         self._handles = []
-        _ARMED.pop(self.model, None)
-        _DOCTORS[:] = [r for r in _DOCTORS if r() is not None and r() is not self]
+        _disarmed(self._ref)
         self.armed = False
 
     # -- the op-level watch: on for sampled steps and replays ----------------------------

@@ -597,7 +597,7 @@ _ENGINE = []  # ampkit._autocast.thread_engine, once imported (it imports the do
 _NO_REGIONS: dict = {}
 
 
-def region_config(types=("cpu", "cuda")):
+def region_config(types):
     """The autocast regions in force, to enter again in a replay: ampkit's (all), and
     torch's own for the device types ``types`` (the model's: another type's region casts
     none of its ops) where no ampkit region is."""
