@@ -139,12 +139,13 @@ class StepWatch:
     """The per-step check and replay data of one device's parameters and buffers.
 
     Per step: ``begin`` holds the step's inputs; the output gradients are held as they
-    arrive; ``record`` (after the backward, given the check's verdict) copies what it holds
-    into the frozen bytes only if the step is the first bad one, and lets go. Where it holds
-    a tensor over 32 MiB (a language model's output gradient), or inside a CUDA graph
-    capture, on CUDA with Triton, ``record`` is one kernel launch whose blocks return at
-    once unless the step is the first bad one (no pass over the bytes); otherwise a few
-    torch ops (``where``)."""
+    arrive; ``record`` takes the check's verdict (a device flag). A step held as it is (new
+    input tensors, nothing over 32 MiB, eager) queues with its flag until the host reads the
+    verdict (``poll``; flags are sent in batches, ``_send``), and only the first bad one is
+    copied into the frozen bytes then (``_freeze``). Any other step is copied by the device
+    at once, only if it is the first bad one: inside a CUDA graph capture or for a tensor
+    over 32 MiB (on CUDA with Triton) one kernel launch whose blocks return at once
+    otherwise (no pass over the bytes); else a few torch ops (``where``)."""
 
     def __init__(self, dev, state, keep_weights=False):
         self.dev = dev
