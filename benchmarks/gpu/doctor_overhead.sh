@@ -16,9 +16,11 @@ ab=${AB_ARGS:---chunk 20 --chunks 120}
 python3 -m pytest -q -p no:cacheprovider -m cuda tests/python/test_doctor_cuda.py tests/python/test_doctor.py tests/python/test_doctor_repair.py \
   tests/python/test_train_step.py tests/python/test_train_step_cuda.py > "$dest/pytest_doctor_cuda.log" 2>&1
 echo "pytest -m cuda (doctor, train step): rc=$? $(tail -1 "$dest/pytest_doctor_cuda.log")"
+python3 benchmarks/probes/doctor_ab.py $ab --noop-hooks --json "$dest/ab-seed_mlp-noop-hooks.json"
 for i in 1 2; do
   python3 benchmarks/probes/doctor_ab.py $ab --json "$dest/ab-seed_mlp-$i.json"
   python3 benchmarks/probes/doctor_ab.py $ab --control --json "$dest/ab-seed_mlp-control-$i.json"
 done
 python3 benchmarks/probes/doctor_host_cost.py --steps 400 | tee "$dest/host_cost.txt"
 python3 benchmarks/probes/doctor_profile_diff.py --steps 600 --top 40 | tee "$dest/profile_diff.txt"
+python3 benchmarks/probes/doctor_ab.py --case transformer --chunk 4 --chunks 30 --json "$dest/ab-transformer.json"

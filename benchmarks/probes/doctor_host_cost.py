@@ -45,7 +45,7 @@ def timed(owner, name):
 
 for owner, name in [(_doctor.doctor, "_root_pre"), (_doctor.doctor, "_root_post"), (_doctor.doctor, "_hook_grad"),
                     (_doctor_step.StepWatch, "record"), (_doctor_step.StepWatch, "_send"),
-                    (_doctor_step.StepWatch, "poll"), (_doctor_step.StepWatch, "begin"),
+                    (_doctor_step.StepWatch, "poll"), (_doctor_step.StepWatch, "begin"), (_doctor_step.StepWatch, "begin_one"),
                     (_doctor_step.StepWatch, "keep_grad")]:
     timed(owner, name)
 orig_checked = _doctor.scaler_checked
@@ -80,7 +80,9 @@ for i in range(a.steps + 10):
     if i == 9:
         samples.clear()
 torch.cuda.synchronize()
-print(f"{torch.cuda.get_device_name()}: host verdicts {doc.host_verdict_steps}, median us per step")
+print(f"{torch.cuda.get_device_name()}: host verdicts {doc.host_verdict_steps}; us: median and mean a call, "
+      "and the total a step")
 for k, v in sorted(samples.items(), key=lambda kv: -statistics.median(kv[1])):
-    print(f"  {k}: {statistics.median(v) * 1e6:.1f} (calls/step {len(v) / a.steps:.1f})")
+    print(f"  {k}: median {statistics.median(v) * 1e6:.1f}, mean {statistics.fmean(v) * 1e6:.1f}, "
+          f"per step {sum(v) / a.steps * 1e6:.1f} (calls/step {len(v) / a.steps:.2f})")
 doc.close()

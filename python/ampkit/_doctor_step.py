@@ -127,7 +127,7 @@ def _record_kernel():
 
 
 _CHUNK = 1 << 16
-_BIG = 32 << 20  # bytes: a held tensor this large is copied by the Triton kernel
+BIG = _BIG = 32 << 20  # bytes: a held tensor this large is copied by the Triton kernel
 _BATCH = 32  # steps whose flags go to the host in one copy (two launches)
 _BATCH_BYTES = 256 << 20  # ... or fewer, once the steps not sent hold this much
 _RING = 2048  # host slots for the flags on their way (pinned on CUDA)
@@ -178,9 +178,13 @@ class StepWatch:
         self._unsent = self._unsent_bytes = 0
         self.step_bytes = 0  # what this step holds (inputs, output gradients)
         self._ring = torch.full((_RING,), -1.0, pin_memory=not self._cpu)  # -1 free, -2 on its way
-        self._ring_mv = memoryview(self._ring.numpy())  # (Python floats, read and written in ns)
-        self._next = 0
-        self._pending = collections.deque()  # [host step, flags not sent, ring slots of those sent, held]
+        self._ring_np = self._ring.numpy()  # (runs of slots set at once)
+        self._ring_mv = memoryview(self._ring_np)  # (one slot, read and written in ns)
+        # Flags are numbered in the order they are made; flag f sits in ring slot f % _RING.
+        self._flags = []  # the flags not sent yet: numbers _sent .. _made - 1
+        self._made = self._sent = 0
+        self._pending = collections.deque()  # [host step, its first flag's number, its flag count, held]
+        self.out = None  # the output of a step whose gradient the output retains (see doctor)
         self._first = None  # the first bad step the host has seen the verdict of
         # a step's bytes placed by the host after its verdict (off: by the device at once,
         # as with keep_weights, whose weights change before a verdict arrives)
@@ -208,6 +212,7 @@ class StepWatch:
         with their places in the frozen bytes, for the device's conditional copy."""
         self.host_step = host_step
         self.cap = cap
+        self.out = None
         if cap:
             self.step.add_(1)
         elif self._pending:
@@ -243,6 +248,35 @@ class StepWatch:
             return
         self.args = None
         self._place_inputs(args, kwargs)
+
+    def begin_one(self, a, kwargs, host_step):
+        """``begin`` for the usual call, ``model(x)`` with ``x`` a tensor, in an eager step
+        (not inside a capture): the same, in fewer steps (it runs every step)."""
+        self.host_step = host_step
+        self.cap = False
+        self.out = None
+        p = self._pending
+        if p and p[0][1] < self._sent:  # the oldest step's flag was sent: its verdict may be back
+            self.poll()
+        if a.requires_grad:
+            a = a.detach()
+        ins = (a,)
+        ptr = a.data_ptr()
+        last = self._last_ptrs
+        self._last_in = ins
+        self._last_ptrs = {ptr}
+        nbytes = a.nbytes
+        if self.host_verdicts and nbytes <= _BIG and last is not None and ptr not in last:
+            self.host_mode = True
+            self.step_bytes = nbytes
+            self.args = (ins, kwargs)
+            self.ins = ins
+            self.grads = []
+            self.rng = torch.get_rng_state() if self._cpu else None
+            return
+        self.host_mode = False
+        self.args = None
+        self._place_inputs(ins, kwargs)
 
     def _place_inputs(self, args, kwargs, rng=None):
         """Hold the inputs with their places in the frozen bytes (the device's copy)."""
@@ -335,20 +369,28 @@ class StepWatch:
             return
         if bad.dtype != torch.float32:
             bad = bad.float()
+        out = self.out
+        if out is not None:  # the output retained its gradient (see doctor._root_post)
+            self.out = None
+            self.pending = None  # (the backward came: no forward-only check)
+            if out.grad is not None:
+                self.grads.append(out.grad)
         p = self._pending
         if p and p[-1][0] == self.host_step:  # a second check in this step: one more flag
-            flags = p[-1][1]
-            if len(flags) < _FLAGS:
-                flags.append(bad)
-            elif flags:  # (many checks in one step: folded on the device)
-                flags[-1] = torch.maximum(flags[-1], bad)
-            else:  # (its flags were sent: this one joins the next send)
-                flags.append(bad)
+            e = p[-1]
+            if e[2] >= _FLAGS and e[1] + e[2] > self._sent:  # (many checks: folded on the device)
+                self._flags[-1] = torch.maximum(self._flags[-1], bad)
+            else:
+                self._flags.append(bad)
+                e[2] += 1
+                self._made += 1
         else:
             if len(p) >= _PENDING:
                 self._wait_oldest()
             vers = [t._version for t in self.ins] + [g._version for g in self.grads]
-            p.append([self.host_step, [bad], [], (self.args, self.ins, self.grads, self.rng, self.cfg, vers)])
+            p.append([self.host_step, self._made, 1, (self.args, self.ins, self.grads, self.rng, self.cfg, vers)])
+            self._flags.append(bad)  # (after the wait: a send makes a new list)
+            self._made += 1
             if self._counted != self.host_step:
                 self._counted = self.host_step
                 self.host_steps += 1
@@ -358,43 +400,42 @@ class StepWatch:
             self._send()
 
     def _send(self):
-        """Send the flags held so far to the host in one asynchronous copy (of their stack,
-        into the next free run of the pinned ring, over the sentinel -2): two launches for
-        _BATCH steps, no allocation of host memory."""
+        """Send the flags made so far to the host in one asynchronous copy (of their stack,
+        into their ring slots, over the sentinel -2): two launches for _BATCH steps, no
+        allocation of host memory."""
         self._unsent = self._unsent_bytes = 0
-        n = sum(len(e[1]) for e in self._pending)
+        flags = self._flags
+        n = len(flags)
         if not n:
             return
-        mv = self._ring_mv
-        if n > len(mv):
-            raise RuntimeError(f"ampkit.doctor: {n} flags wait to be sent, more than the ring's {len(mv)}")
-        i = self._next if self._next + n <= len(mv) else 0
-        if any(mv[j] != -1.0 for j in range(i, i + n)):  # (never with _PENDING x _FLAGS < _RING / 2)
+        if n > _RING:
+            raise RuntimeError(f"ampkit.doctor: {n} flags wait to be sent, more than the ring's {_RING}")
+        first = self._sent
+        runs = [(first % _RING, 0, min(n, _RING - first % _RING))]  # (slot, flag, count): one run, or two
+        if runs[0][2] < n:
+            runs.append((0, runs[0][2], n - runs[0][2]))
+        ring = self._ring_np
+        if any((ring[i: i + k] != -1.0).any() for i, _, k in runs):  # (never with _PENDING x _FLAGS < _RING / 2)
             if self.dev.type == "cuda":
                 torch.cuda.synchronize(self.dev)
             self.poll()
-            if any(mv[j] != -1.0 for j in range(i, i + n)):
+            if any((ring[i: i + k] != -1.0).any() for i, _, k in runs):
                 raise RuntimeError("ampkit.doctor: the verdict ring is full (a bug: please report it)")
-        flags, owners = [], []
-        for e in self._pending:
-            if e[1]:
-                owners += [e] * len(e[1])
-                flags += e[1]
-                e[1] = []
-        for j in range(i, i + n):
-            mv[j] = -2.0
-        self._ring[i: i + n].copy_(torch.stack(flags) if n > 1 else flags[0].reshape(1), non_blocking=True)
-        self._next = i + n
-        for j, e in enumerate(owners):
-            e[2].append(i + j)
+        self._flags = []
+        self._sent = first + n
+        src = torch.stack(flags) if n > 1 else flags[0].reshape(1)
+        for i, j, k in runs:
+            ring[i: i + k] = -2.0
+            self._ring[i: i + k].copy_(src[j: j + k] if len(runs) > 1 else src, non_blocking=True)
 
     def _wait_oldest(self):
         """The host is _PENDING steps ahead of the device: wait for the oldest verdict (the
         device is the bottleneck then; the wait is a read of host memory, no CUDA call)."""
-        if self._pending[0][1]:
+        _, first, k, _ = self._pending[0]
+        if first + k > self._sent:
             self._send()
-        mv, locs = self._ring_mv, self._pending[0][2]
-        while any(mv[i] == -2.0 for i in locs):
+        mv = self._ring_mv
+        while any(mv[(first + j) % _RING] == -2.0 for j in range(k)):
             time.sleep(20e-6)
         self.poll()
 
@@ -409,14 +450,15 @@ class StepWatch:
                 torch.cuda.synchronize(self.dev)
         mv = self._ring_mv
         while p:
-            step, unsent, locs, data = p[0]
-            if unsent:
+            step, first, k, data = p[0]
+            if first + k > self._sent:
                 return
-            vals = [mv[i] for i in locs]
+            slots = [(first + j) % _RING for j in range(k)] if k > 1 else (first % _RING,)
+            vals = [mv[i] for i in slots]
             if -2.0 in vals:
                 return
             p.popleft()
-            for i in locs:
+            for i in slots:
                 mv[i] = -1.0
             if self._first is None and max(vals) > 0:
                 self._first = step
@@ -489,7 +531,7 @@ class StepWatch:
         waited for first (one wait for the device)."""
         self.poll(wait=True)
         self._last_in, self._last_ptrs = (), None
-        self.args = self.ins = self.grads = self.rng = None
+        self.args = self.ins = self.grads = self.rng = self.out = None
         self.held, self.pending = [], None
 
     def sync_step(self):
