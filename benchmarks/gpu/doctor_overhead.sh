@@ -24,3 +24,4 @@ done
 python3 benchmarks/probes/doctor_host_cost.py --steps 400 | tee "$dest/host_cost.txt"
 python3 benchmarks/probes/doctor_profile_diff.py --steps 600 --top 40 | tee "$dest/profile_diff.txt"
 python3 benchmarks/probes/doctor_ab.py --case transformer --chunk 4 --chunks 30 --json "$dest/ab-transformer.json"
+python3 benchmarks/probes/doctor_phases.py --chunks 60 2>&1 | grep -v Warning | tee "$dest/phases.txt"

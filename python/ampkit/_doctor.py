@@ -340,11 +340,7 @@ class doctor:
             n = output.nbytes
             if n <= _step_watch.BIG:
                 w.step_bytes += n
-                if self._scaler_seen:  # the scaler's report takes the retained gradient
-                    output.retain_grad()
-                    w.out = output
-                else:
-                    self._hook_grad(output, w, None)
+                self._hook_grad(output, w, None)
                 return None
         every = [output] if type(output) is torch.Tensor else \
             [o for o in tree_leaves(output) if isinstance(o, torch.Tensor)]

@@ -184,7 +184,6 @@ class StepWatch:
         self._flags = []  # the flags not sent yet: numbers _sent .. _made - 1
         self._made = self._sent = 0
         self._pending = collections.deque()  # [host step, its first flag's number, its flag count, held]
-        self.out = None  # the output of a step whose gradient the output retains (see doctor)
         self._first = None  # the first bad step the host has seen the verdict of
         # a step's bytes placed by the host after its verdict (off: by the device at once,
         # as with keep_weights, whose weights change before a verdict arrives)
@@ -212,7 +211,6 @@ class StepWatch:
         with their places in the frozen bytes, for the device's conditional copy."""
         self.host_step = host_step
         self.cap = cap
-        self.out = None
         if cap:
             self.step.add_(1)
         elif self._pending:
@@ -254,7 +252,6 @@ class StepWatch:
         (not inside a capture): the same, in fewer steps (it runs every step)."""
         self.host_step = host_step
         self.cap = False
-        self.out = None
         p = self._pending
         if p and p[0][1] < self._sent:  # the oldest step's flag was sent: its verdict may be back
             self.poll()
@@ -369,12 +366,6 @@ class StepWatch:
             return
         if bad.dtype != torch.float32:
             bad = bad.float()
-        out = self.out
-        if out is not None:  # the output retained its gradient (see doctor._root_post)
-            self.out = None
-            self.pending = None  # (the backward came: no forward-only check)
-            if out.grad is not None:
-                self.grads.append(out.grad)
         p = self._pending
         if p and p[-1][0] == self.host_step:  # a second check in this step: one more flag
             e = p[-1]
@@ -531,7 +522,7 @@ class StepWatch:
         waited for first (one wait for the device)."""
         self.poll(wait=True)
         self._last_in, self._last_ptrs = (), None
-        self.args = self.ins = self.grads = self.rng = self.out = None
+        self.args = self.ins = self.grads = self.rng = None
         self.held, self.pending = [], None
 
     def sync_step(self):

@@ -48,6 +48,10 @@ ALLOWED = {
         "a probe that times the doctor's hooks one by one inside a step (wrapped with a clock)",
     ("benchmarks/probes/doctor_host_cost.py", "ampkit._doctor_step"):
         "a probe that times the doctor's per-step watch one method at a time",
+    ("benchmarks/probes/doctor_phases.py", "ampkit._doctor_step"):
+        "a probe that turns one copy's per-step record into a no-op, to time the hooks alone",
+    ("benchmarks/probes/doctor_phases.py", "_watches"):
+        "the same probe picks that copy's watches out of its doctor",
     ("tests/python/test_autocast_kernels.py", "ampkit._kernels"):
         "the kernel route's switch and its registrations (held()), which have no public face",
     ("tests/python/test_autocast_kernels.py", "ampkit._autocast"):
