@@ -414,6 +414,125 @@ def test_the_verdicts_sent_in_batches_or_waited_for_name_the_same_step(monkeypat
     assert f.input_absmax == xs[3].abs().max().item()
 
 
+class _OwnCheckScaler(ampkit.GradScaler):
+    """A scaler whose gradient check is its own (flags in tensors it makes): the doctor's
+    slot is not written, and the scaler tells the doctor after its check. ``inject``: the
+    number of a check (counted from 0) that reports an inf whatever the gradients hold."""
+
+    def __init__(self, *args, inject=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.inject, self.calls = inject, 0
+
+    def found_inf(self, grouped, unscale):
+        out = {}
+        for (dev, _), grads in grouped.items():
+            bad = torch.stack([torch.isfinite(g).all().logical_not() for g in grads]).any().float()
+            if unscale:
+                inv = self._scale.reciprocal()
+                for g in grads:
+                    g.mul_(inv)
+            out[dev] = torch.maximum(out[dev], bad) if dev in out else bad
+        if self.calls == self.inject:
+            out = {d: torch.ones_like(f) for d, f in out.items()}
+        self.calls += 1
+        return out
+
+
+@pytest.mark.parametrize("optimizers,scaler_kind", [(1, "slot"), (3, "slot"), (3, "own")])
+def test_the_flag_ring_wraps_and_folds_many_checks_of_a_step(monkeypatch, optimizers, scaler_kind):
+    # a ring of 32 flag slots, sent every 3 steps, is passed 3 times by 40 steps; with three
+    # optimizers a step has three checks, and at most 2 flags: the third check is folded into
+    # the second. "slot": the scaler's own check writes the first flag into the slot the
+    # doctor hands out, the others are recorded after their checks; step 33's batch
+    # overflows. "own": a scaler with a check of its own (no slot), which reports an inf at
+    # the third check of step 33 only (the replay then finds no op: the step is what counts).
+    # Either way step 33 is named: its flags are among those sent across the ring's end.
+    from ampkit import _doctor_step
+
+    monkeypatch.setattr(_doctor_step, "_RING", 32)
+    monkeypatch.setattr(_doctor_step, "_BATCH", 3)
+    monkeypatch.setattr(_doctor_step, "_PENDING", 4)
+    monkeypatch.setattr(_doctor_step, "_FLAGS", 2)
+    monkeypatch.setattr(_doctor_step, "_ZERO", 5)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    params = list(model.parameters())
+    opts = [torch.optim.SGD(params[i::optimizers], lr=1e-3) for i in range(optimizers)]
+    if scaler_kind == "own":
+        scaler = _OwnCheckScaler("cpu", init_scale=1.0, inject=33 * optimizers + 2)
+    else:
+        scaler = ampkit.GradScaler("cpu", init_scale=1.0)
+    xs = [torch.randn(4, 8) for _ in range(40)]
+    if scaler_kind == "slot":
+        xs[33][1, 2] = 1e6
+    with ampkit.doctor(model) as doc:
+        for x in xs:
+            for o in opts:
+                o.zero_grad()
+            with ampkit.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().sum()
+            scaler.scale(loss).backward()
+            for o in opts:
+                scaler.step(o)
+            scaler.update()
+        f = doc.first_nonfinite()
+        host = doc.host_verdict_steps
+    assert host == 39  # (step 0 has no last step to compare its inputs with: the device copies it)
+    assert f.step == 33 and scaler.stats().skipped == 1
+    if scaler_kind == "slot":
+        assert (f.module, f.phase) == ("0", "forward")
+        assert f.input_absmax == xs[33].abs().max().item()
+
+
+def test_the_scaler_trains_alike_with_its_flags_in_the_doctors_slots(monkeypatch):
+    # the scaler's check writes its flag into a slot the doctor zeroes ahead (5 at a time,
+    # cut at the ring's end); slots are reused each lap of the ring: a slot not zeroed again
+    # would make the scaler skip a later good step. The oracle: the same run unarmed (every
+    # parameter bitwise, the scale, the skipped steps)
+    from ampkit import _doctor_step
+
+    monkeypatch.setattr(_doctor_step, "_RING", 32)
+    monkeypatch.setattr(_doctor_step, "_BATCH", 3)
+    monkeypatch.setattr(_doctor_step, "_ZERO", 5)
+
+    def run(armed):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        scaler = ampkit.GradScaler("cpu", init_scale=2.0**8, growth_interval=4)
+        xs = [torch.randn(4, 8) for _ in range(70)]
+        for k in (33, 40):  # (the flag of step 33 sits in slot 0, reused by step 65's)
+            xs[k][1, 2] = 1e6
+        doc = ampkit.doctor(model) if armed else None
+        for x in xs:
+            _fp16_step(model, opt, scaler, x, "cpu")
+        if doc is not None:
+            doc.close()
+        return [p.detach().clone() for p in model.parameters()], scaler.get_scale(), scaler.stats().skipped
+
+    params, scale, skipped = run(True)
+    params0, scale0, skipped0 = run(False)
+    assert skipped == skipped0 and skipped0 >= 2 and scale == scale0  # (the growth overflows too)
+    assert all(torch.equal(a, b) for a, b in zip(params, params0))
+
+
+def test_a_scaler_whose_check_is_its_own_still_gives_the_doctor_its_flag():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = _OwnCheckScaler("cpu", init_scale=1.0)
+    xs = [torch.randn(4, 8) for _ in range(9)]
+    xs[5][0, 1] = 1e6
+    with ampkit.doctor(model) as doc:
+        for x in xs:
+            _fp16_step(model, opt, scaler, x, "cpu")
+        f = doc.first_nonfinite()
+        host = doc.host_verdict_steps
+    assert host == 8 and scaler.stats().skipped == 1
+    assert (f.module, f.phase, f.step) == ("0", "forward", 5)
+    assert f.input_absmax == xs[5].abs().max().item()
+
+
 def test_closing_lets_go_of_the_steps_still_waiting_for_their_verdict():
     # the host holds each step's batch until its verdict (up to 32 steps): closing the
     # doctor reads the verdicts, and the batches are freed once the caller drops them
