@@ -46,18 +46,9 @@ def timed(owner, name):
 for owner, name in [(_doctor.doctor, "_root_pre"), (_doctor.doctor, "_root_post"), (_doctor.doctor, "_hook_grad"),
                     (_doctor_step.StepWatch, "record"), (_doctor_step.StepWatch, "_send"),
                     (_doctor_step.StepWatch, "poll"), (_doctor_step.StepWatch, "begin"), (_doctor_step.StepWatch, "begin_one"),
-                    (_doctor_step.StepWatch, "keep_grad")]:
+                    (_doctor_step.StepWatch, "keep_grad"), (_doctor_step.StepWatch, "hand_out"),
+                    (_doctor, "flag_slots"), (_doctor, "scaler_checked")]:  # (the scaler calls these through the module)
     timed(owner, name)
-orig_checked = _doctor.scaler_checked
-
-
-def checked(*args):
-    t = time.perf_counter()
-    orig_checked(*args)
-    samples.setdefault("scaler_checked", []).append(time.perf_counter() - t)
-
-
-_doctor.scaler_checked = checked  # (the scaler calls it through the module)
 flag = torch.zeros((), device="cuda")
 pinned = torch.full((64,), -1.0, pin_memory=True)
 dev_ring = torch.zeros(64, device="cuda")
