@@ -53,10 +53,8 @@ from __future__ import annotations
 import array
 import collections
 import dataclasses
-import functools
 import math
 import threading
-import types
 import warnings
 import weakref
 
@@ -252,10 +250,8 @@ class doctor:
         self._optimizers: dict = {}  # id(optimizer) -> (weak reference, whether it steps the model)
         for dev in self._watches:
             self._records[dev] = torch.zeros(5, device=dev)
-        self._forward = self._watch_forward(model)
-        if self._forward is None:
-            self._handles.append(model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
-            self._handles.append(model.register_forward_hook(self._root_post, always_call=True))
+        self._handles.append(model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
+        self._handles.append(model.register_forward_hook(self._root_post, always_call=True))
         self._ref = weakref.ref(self, _disarmed)
         _DOCTORS.append(self._ref)
         self.armed = True
@@ -292,41 +288,8 @@ class doctor:
         for h in self._handles:
             h.remove()
         self._handles = []
-        if self._forward is not None and self.model.__dict__.get("forward") is self._forward:
-            del self.model.forward
-        self._forward = None
         _disarmed(self._ref)
         self.armed = False
-
-    def _watch_forward(self, model):
-        """Watch the model's forward by standing in for it (an instance ``forward`` that
-        runs the root's two hooks around its class's forward), when the model has no
-        instance forward and no forward hooks yet: torch's module call then takes its path
-        without hooks, a few µs a step less than two root hooks. Returns the bound method,
-        or None (the caller registers the two hooks). A copy of the model (``copy.deepcopy``)
-        runs its class's forward, unwatched."""
-        if "forward" in model.__dict__ or model._forward_hooks or model._forward_pre_hooks:
-            return None
-        cls_forward = type(model).forward
-        ref = weakref.ref(self)
-
-        @functools.wraps(cls_forward)
-        def forward(module, *args, **kwargs):
-            doc = ref()
-            if doc is None or doc.model is not module:
-                return cls_forward(module, *args, **kwargs)
-            doc._root_pre(module, args, kwargs)
-            try:
-                out = cls_forward(module, *args, **kwargs)
-            except Exception:
-                doc._root_post(module, args, None)  # (as torch calls a hook with always_call)
-                raise
-            doc._root_post(module, args, out)
-            return out
-
-        bound = types.MethodType(forward, model)
-        model.forward = bound
-        return bound
 
     # -- the op-level watch: on for sampled steps and replays ----------------------------
     def _ops_on(self):
