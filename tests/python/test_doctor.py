@@ -144,6 +144,32 @@ def test_off_costs_nothing():
     assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
 
 
+def test_a_forward_that_raises_in_a_sampled_step_leaves_the_watch_clean():
+    # the root's post-hook runs also when the forward raises (torch's always_call): the
+    # op-level watch's stack is emptied, and the next step is watched as usual
+    class BoomOnce(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.armed = True
+
+        def forward(self, x):
+            if self.armed:
+                self.armed = False
+                raise ValueError("boom")
+            return x
+
+    model = _mlp()
+    model.append(BoomOnce())
+    before = len(_get_current_dispatch_mode_stack())
+    with ampkit.doctor(model, every=1) as doc:
+        with pytest.raises(ValueError, match="boom"):
+            model(torch.randn(2, 8))
+        model(torch.randn(2, 8))  # its rows name the modules
+        modules = {r["module"] for r in doc.stats() if r["step"] == 1}
+    assert {"0", "1", "2"} <= modules
+    assert len(_get_current_dispatch_mode_stack()) == before
+
+
 def test_backward_finding_names_the_module_and_the_step():
     torch.manual_seed(0)
     model = _mlp()
