@@ -214,43 +214,25 @@ class StepWatch:
         bytes placed only if the step turns out the first bad one (the host's verdict,
         ``poll``); a buffer refilled in place, a capture, or ``keep_weights`` holds them
         with their places in the frozen bytes, for the device's conditional copy."""
+        if not cap and not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:
+            self.begin_one(args[0], kwargs, host_step)  # model(x): the usual call
+            return
         self.host_step = host_step
         self.cap = cap
         if cap:
             self.step.add_(1)
         elif self._pending:
             self.poll()
-        if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:  # model(x): the usual call
-            a = args[0]
-            if a.requires_grad:  # (held without the graph that made it)
-                a = a.detach()
-                args = (a,)
-            ins = args
-            ptrs = {a.data_ptr()}
-            nbytes = a.nbytes
-            small = nbytes <= _BIG
-        else:
-            plain = not kwargs and all(type(a) is torch.Tensor for a in args)
-            if plain and any(a.requires_grad for a in args):
-                args = tuple(a.detach() for a in args)
-            ins = args if plain else [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-            ptrs = {a.data_ptr() for a in ins}
-            sizes = [a.nbytes for a in ins]
-            nbytes = sum(sizes)
-            small = all(n <= _BIG for n in sizes)
+        plain = not kwargs and all(type(a) is torch.Tensor for a in args)
+        if plain and any(a.requires_grad for a in args):  # (held without the graph that made it)
+            args = tuple(a.detach() for a in args)
+        ins = args if plain else [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        ptrs = {a.data_ptr() for a in ins}
+        sizes = [a.nbytes for a in ins]
         last = self._last_ptrs
-        self._last_in = ins  # (held: a pointer seen again is the same buffer, not new memory)
-        self._last_ptrs = ptrs
-        self.host_mode = self.host_verdicts and not cap and small and last is not None and not (last & ptrs)
-        if self.host_mode:
-            self.step_bytes = nbytes
-            self.args = (args, kwargs)
-            self.ins = ins
-            self.grads = []
-            self.rng = torch.get_rng_state() if self._cpu else None
-            return
-        self.args = None
-        self._place_inputs(args, kwargs)
+        host = self.host_verdicts and not cap and all(n <= _BIG for n in sizes) and last is not None \
+            and not (last & ptrs)
+        self._hold(args, kwargs, ins, ptrs, sum(sizes), host)
 
     def begin_one(self, a, kwargs, host_step):
         """``begin`` for the usual call, ``model(x)`` with ``x`` a tensor, in an eager step
@@ -262,23 +244,27 @@ class StepWatch:
             self.poll()
         if a.requires_grad:
             a = a.detach()
-        ins = (a,)
         ptr = a.data_ptr()
-        last = self._last_ptrs
-        self._last_in = ins
-        self._last_ptrs = {ptr}
         nbytes = a.nbytes
-        if self.host_verdicts and nbytes <= _BIG and last is not None and ptr not in last:
-            self.host_mode = True
+        last = self._last_ptrs
+        host = self.host_verdicts and nbytes <= _BIG and last is not None and ptr not in last
+        self._hold((a,), kwargs, (a,), {ptr}, nbytes, host)
+
+    def _hold(self, args, kwargs, ins, ptrs, nbytes, host):
+        """Hold this step's inputs ``ins`` (data pointers ``ptrs``): as they are until the
+        host reads the verdict (``host``), else with their places in the frozen bytes."""
+        self._last_in = ins  # (held: a pointer seen again is the same buffer, not new memory)
+        self._last_ptrs = ptrs
+        self.host_mode = host
+        if host:
             self.step_bytes = nbytes
-            self.args = (ins, kwargs)
+            self.args = (args, kwargs)
             self.ins = ins
             self.grads = []
             self.rng = torch.get_rng_state() if self._cpu else None
             return
-        self.host_mode = False
         self.args = None
-        self._place_inputs(ins, kwargs)
+        self._place_inputs(args, kwargs)
 
     def _place_inputs(self, args, kwargs, rng=None):
         """Hold the inputs with their places in the frozen bytes (the device's copy)."""
