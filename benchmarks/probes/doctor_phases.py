@@ -49,14 +49,6 @@ def record(self, bad):  # the no-op record of the third copy's watch
 
 
 _doctor_step.StepWatch.record = record
-_hand_out = _doctor_step.StepWatch.hand_out
-
-
-def hand_out(self):  # nor does the third copy's watch hand the scaler a slot for its flag
-    return None if id(self) in _QUIET else _hand_out(self)
-
-
-_doctor_step.StepWatch.hand_out = hand_out
 
 
 def make(kind):

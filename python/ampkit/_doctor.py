@@ -130,25 +130,6 @@ def before_capture():
                 w.sync_step()
 
 
-def flag_slots(optimizer):
-    """Before an ``ampkit.GradScaler`` checks ``optimizer``'s gradients: ``{device: slot}``
-    for its flags when the one armed doctor watches the model ``optimizer`` steps in a step
-    held as it is (see ``StepWatch.hand_out``), else None. The check writes its flag there,
-    and the step has its verdict on the way with no further call (``scaler_checked`` is then
-    not needed)."""
-    if len(_DOCTORS) != 1:
-        return None
-    doc = _DOCTORS[0]()
-    w = None if doc is None else doc._fast
-    if w is None or not doc._steps(optimizer):
-        return None
-    slot = w.hand_out()
-    if slot is None:
-        return None
-    doc._scaler_seen = True
-    return {w.dev: slot}
-
-
 def scaler_checked(found_per_device, optimizer, combined_later=False):
     """An ``ampkit.GradScaler`` checked the gradients of ``optimizer``'s parameters
     (``{device: flag}``, 1.0 = an inf or a NaN): the doctor armed on the model they belong

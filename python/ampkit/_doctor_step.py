@@ -132,7 +132,6 @@ _BATCH = 32  # steps whose flags go to the host in one copy (two launches)
 _BATCH_BYTES = 256 << 20  # ... or fewer, once the steps not sent hold this much
 _RING = 2048  # host slots for the flags on their way (pinned on CUDA)
 _FLAGS = 8  # flags a step sends at most (more checks in a step are folded into its last)
-_ZERO = 64  # slots zeroed at once, ahead of the flags a scaler's check writes into them
 _PENDING = 64  # eager steps whose verdicts the host may wait for, holding their tensors
 
 
@@ -172,22 +171,18 @@ class StepWatch:
         self._key = None
         self.cap = False  # this step runs inside a CUDA graph capture
         # Verdicts read by the host (eager steps whose inputs are new tensors): each step's
-        # check flag is written into a slot of a device buffer (by the scaler's own check,
-        # which is handed the slot: no op of the doctor's; or copied there); every _BATCH
-        # steps the run of new slots is copied to pinned host memory over a sentinel,
-        # asynchronously; a later step (or a reader) sees the verdicts there once the device
-        # got that far. The step's tensors are held until then and copied only if it is the
-        # first bad one. Flags are numbered in the order they are made: flag f sits in slot
-        # f % _RING of both buffers.
+        # check flag is held (no op); every _BATCH steps their stack is copied to pinned host
+        # memory over a sentinel, asynchronously; a later step (or a reader) sees the verdicts
+        # there once the device got that far. The step's tensors are held until then and
+        # copied only if it is the first bad one.
         self._unsent = self._unsent_bytes = 0
         self.step_bytes = 0  # what this step holds (inputs, output gradients)
-        self._ring = torch.full((_RING,), -1.0, pin_memory=not self._cpu)  # -1 free, -2 on its way
+        self._ring = torch.full((_RING,), -1.0, dtype=torch.float32, pin_memory=not self._cpu)  # -1 free, -2 on its way
         self._ring_np = self._ring.numpy()  # (runs of slots set at once)
         self._ring_mv = memoryview(self._ring_np)  # (one slot, read and written in ns)
-        self._flags = torch.zeros(_RING, device=dev)
-        self._slots = self._flags.unbind(0)  # (views made once: one a step costs a few us)
-        self._made = self._sent = 0  # flags made; flags sent (numbers below it)
-        self._zeroed = 0  # the slots of flags _made .. _zeroed - 1 hold zero (for a scaler's check)
+        # Flags are numbered in the order they are made; flag f sits in ring slot f % _RING.
+        self._flags = []  # the flags not sent yet: numbers _sent .. _made - 1
+        self._made = self._sent = 0
         self._pending = collections.deque()  # [host step, its first flag's number, its flag count, held]
         self._first = None  # the first bad step the host has seen the verdict of
         # a step's bytes placed by the host after its verdict (off: by the device at once,
@@ -355,80 +350,60 @@ class StepWatch:
             with torch.no_grad():  # (a held input may require grad; where's out= refuses those)
                 self._record(bad, held)
             return
-        if self._unsent >= _BATCH or self._unsent_bytes > _BATCH_BYTES:
-            self._send()  # (the flags of the steps before this one)
+        if bad.dtype != torch.float32:
+            bad = bad.float()
         p = self._pending
         if p and p[-1][0] == self.host_step:  # a second check in this step: one more flag
             e = p[-1]
             if e[2] >= _FLAGS and e[1] + e[2] > self._sent:  # (many checks: folded on the device)
-                last = self._slots[(self._made - 1) % _RING]
-                torch.maximum(last, bad.to(last.dtype), out=last)
-                return
-            e[2] += 1
+                self._flags[-1] = torch.maximum(self._flags[-1], bad)
+            else:
+                self._flags.append(bad)
+                e[2] += 1
+                self._made += 1
         else:
-            self._queue()
-        self._slots[self._made % _RING].copy_(bad)
-        self._made += 1
-
-    def hand_out(self):
-        """The slot this step's check is to write its flag into (a float32 zero on the
-        device), or None: the step is queued for its verdict with that slot as its flag. Only
-        for the first check of a step held as it is (the scaler's, before its check)."""
-        if not self.host_mode or self.host_step < 0:
-            return None
-        p = self._pending
-        if p and p[-1][0] == self.host_step:
-            return None
-        if self._unsent >= _BATCH or self._unsent_bytes > _BATCH_BYTES:
-            self._send()
-        k = self._made
-        if k >= self._zeroed:  # zero the next run of slots in one launch
-            i = k % _RING
-            self._flags[i: i + _ZERO].zero_()
-            self._zeroed = k + min(_ZERO, _RING - i)
-        self._queue()
-        self._made = k + 1
-        return self._slots[k % _RING]
-
-    def _queue(self):
-        """This step waits for its verdict, holding its tensors: its first flag is the next."""
-        p = self._pending
-        if len(p) >= _PENDING:
-            self._wait_oldest()
-        vers = [t._version for t in self.ins] + [g._version for g in self.grads]
-        p.append([self.host_step, self._made, 1, (self.args, self.ins, self.grads, self.rng, self.cfg, vers)])
-        if self._counted != self.host_step:
-            self._counted = self.host_step
-            self.host_steps += 1
+            if len(p) >= _PENDING:
+                self._wait_oldest()
+            vers = [t._version for t in self.ins] + [g._version for g in self.grads]
+            p.append([self.host_step, self._made, 1, (self.args, self.ins, self.grads, self.rng, self.cfg, vers)])
+            self._flags.append(bad)  # (after the wait: a send makes a new list)
+            self._made += 1
+            if self._counted != self.host_step:
+                self._counted = self.host_step
+                self.host_steps += 1
         self._unsent += 1
         self._unsent_bytes += self.step_bytes
+        if self._unsent >= _BATCH or self._unsent_bytes > _BATCH_BYTES:
+            self._send()
 
     def _send(self):
-        """Send the flags made since the last send to the host in one asynchronous copy
-        (a run of device slots into the same pinned slots, over the sentinel -2; two at the
-        ring's end): no allocation of host memory."""
+        """Send the flags made so far to the host in one asynchronous copy (of their stack,
+        into their ring slots, over the sentinel -2): two launches for _BATCH steps, no
+        allocation of host memory."""
         self._unsent = self._unsent_bytes = 0
-        first = self._sent
-        n = self._made - first
+        flags = self._flags
+        n = len(flags)
         if not n:
             return
-        if n > _RING // 2:
-            raise RuntimeError(f"ampkit.doctor: {n} flags wait to be sent, more than half the ring's {_RING}")
-        i = first % _RING
-        runs = [(i, min(n, _RING - i))]  # (slot, count): one run, or two
-        if runs[0][1] < n:
-            runs.append((0, n - runs[0][1]))
+        if n > _RING:
+            raise RuntimeError(f"ampkit.doctor: {n} flags wait to be sent, more than the ring's {_RING}")
+        first = self._sent
+        runs = [(first % _RING, 0, min(n, _RING - first % _RING))]  # (slot, flag, count): one run, or two
+        if runs[0][2] < n:
+            runs.append((0, runs[0][2], n - runs[0][2]))
         ring = self._ring_np
-        if any((ring[i: i + k] != -1.0).any() for i, k in runs):  # (never with _PENDING x _FLAGS < _RING / 2)
+        if any((ring[i: i + k] != -1.0).any() for i, _, k in runs):  # (never with _PENDING x _FLAGS < _RING / 2)
             if self.dev.type == "cuda":
                 torch.cuda.synchronize(self.dev)
             self.poll()
-            if any((ring[i: i + k] != -1.0).any() for i, k in runs):
+            if any((ring[i: i + k] != -1.0).any() for i, _, k in runs):
                 raise RuntimeError("ampkit.doctor: the verdict ring is full (a bug: please report it)")
+        self._flags = []
         self._sent = first + n
-        for i, k in runs:
+        src = torch.stack(flags) if n > 1 else flags[0].reshape(1)
+        for i, j, k in runs:
             ring[i: i + k] = -2.0
-            self._ring[i: i + k].copy_(self._flags[i: i + k], non_blocking=True)
+            self._ring[i: i + k].copy_(src[j: j + k] if len(runs) > 1 else src, non_blocking=True)
 
     def _wait_oldest(self):
         """The host is _PENDING steps ahead of the device: wait for the oldest verdict (the

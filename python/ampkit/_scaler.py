@@ -444,7 +444,6 @@ class GradScaler:
         self._device_counted = False
         self._per_optimizer: dict[int, _OptRecord] = {}
         self._ones: dict[torch.device, torch.Tensor] = {}  # the fused path's dummy inv scale
-        self._found_into = None  # {device: tensor} found_inf writes its flags into (see _checked)
         self._stat_steps: tuple | None = None  # device tables for the stats update
         self._views: tuple | None = None  # views of the device state the update writes
 
@@ -722,9 +721,7 @@ class GradScaler:
             for (device, _), grads in grouped.items():
                 found = found_per_device.get(device)
                 if found is None:
-                    into = self._found_into  # (an armed doctor's slot for this step's flag)
-                    found = None if into is None else into.get(device)
-                    found = found_per_device[device] = torch.zeros((), device=device) if found is None else found
+                    found = found_per_device[device] = torch.zeros((), device=device)
                 if inv_scale is None:
                     # DTensor gradients (FSDP2) are read on their local shards, where an
                     # empty shard is dropped (its inf-norm would raise on this rank alone),
@@ -742,20 +739,6 @@ class GradScaler:
         if mesh_groups:
             reduce_over(list(found_per_device.values()), mesh_groups)
         return found_per_device
-
-    def _checked(self, optimizer, grouped, unscale, combine):
-        """``found_inf`` for ``optimizer``'s gradients, its flags given to an armed doctor
-        watching the model (this rank's own: where a replay finds the op). The doctor may
-        hand out the tensors the flags are written into (no call after the check)."""
-        slots = None if combine else _doctor.flag_slots(optimizer)
-        self._found_into = slots
-        try:
-            found = self.found_inf(grouped, unscale=unscale)
-        finally:
-            self._found_into = None
-        if slots is None or len(found) != len(slots) or any(found.get(d) is not t for d, t in slots.items()):
-            _doctor.scaler_checked(found, optimizer, combine)  # (a check that wrote elsewhere: told after it)
-        return found
 
     def _one(self, device: torch.device) -> torch.Tensor:
         one = self._ones.get(device)
@@ -791,8 +774,9 @@ class GradScaler:
         self._require_scale("unscale_")
         self._check_ready_for_unscale(optimizer)
         grouped, grads = self._collect_grads(optimizer, allow_fp16=False)
+        found = self.found_inf(grouped, unscale=True)
         combine = self._sync.needed(optimizer)
-        found = self._checked(optimizer, grouped, True, combine)
+        _doctor.scaler_checked(found, optimizer, combine)  # an armed doctor takes it as its step's check
         if combine:
             self._sync.combine(found)
         self._per_optimizer[id(optimizer)] = _OptRecord(OptState.UNSCALED, found, grads=grads)
@@ -835,8 +819,9 @@ class GradScaler:
             if not grouped:
                 raise _NoGrads()
             # Fused: only read the gradients; the optimizer unscales them in its kernel.
+            found = self.found_inf(grouped, unscale=not fused)
             combine = self._sync.needed(optimizer)
-            found = self._checked(optimizer, grouped, not fused, combine)
+            _doctor.scaler_checked(found, optimizer, combine)  # (this rank's flags: where a replay finds the op)
             if combine:
                 self._sync.combine(found)
             if not fused:  # as unscale_() records it: a failing step() won't unscale twice

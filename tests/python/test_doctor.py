@@ -464,14 +464,13 @@ class _OwnCheckScaler(ampkit.GradScaler):
         return out
 
 
-@pytest.mark.parametrize("optimizers,scaler_kind", [(1, "slot"), (3, "slot"), (3, "own")])
+@pytest.mark.parametrize("optimizers,scaler_kind", [(1, "scaler"), (3, "scaler"), (3, "own")])
 def test_the_flag_ring_wraps_and_folds_many_checks_of_a_step(monkeypatch, optimizers, scaler_kind):
     # a ring of 32 flag slots, sent every 3 steps, is passed 3 times by 40 steps; with three
     # optimizers a step has three checks, and at most 2 flags: the third check is folded into
-    # the second. "slot": the scaler's own check writes the first flag into the slot the
-    # doctor hands out, the others are recorded after their checks; step 33's batch
-    # overflows. "own": a scaler with a check of its own (no slot), which reports an inf at
-    # the third check of step 33 only (the replay then finds no op: the step is what counts).
+    # the second. "scaler": an ampkit.GradScaler, step 33's batch overflows. "own": a scaler
+    # with a check of its own, which reports an inf at the third check of step 33 only (the
+    # replay then finds no op: the step is what counts; without the fold the flag is lost).
     # Either way step 33 is named: its flags are among those sent across the ring's end.
     from ampkit import _doctor_step
 
@@ -479,7 +478,6 @@ def test_the_flag_ring_wraps_and_folds_many_checks_of_a_step(monkeypatch, optimi
     monkeypatch.setattr(_doctor_step, "_BATCH", 3)
     monkeypatch.setattr(_doctor_step, "_PENDING", 4)
     monkeypatch.setattr(_doctor_step, "_FLAGS", 2)
-    monkeypatch.setattr(_doctor_step, "_ZERO", 5)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     params = list(model.parameters())
@@ -489,7 +487,7 @@ def test_the_flag_ring_wraps_and_folds_many_checks_of_a_step(monkeypatch, optimi
     else:
         scaler = ampkit.GradScaler("cpu", init_scale=1.0)
     xs = [torch.randn(4, 8) for _ in range(40)]
-    if scaler_kind == "slot":
+    if scaler_kind == "scaler":
         xs[33][1, 2] = 1e6
     with ampkit.doctor(model) as doc:
         for x in xs:
@@ -505,21 +503,20 @@ def test_the_flag_ring_wraps_and_folds_many_checks_of_a_step(monkeypatch, optimi
         host = doc.host_verdict_steps
     assert host == 39  # (step 0 has no last step to compare its inputs with: the device copies it)
     assert f.step == 33 and scaler.stats().skipped == 1
-    if scaler_kind == "slot":
+    if scaler_kind == "scaler":
         assert (f.module, f.phase) == ("0", "forward")
         assert f.input_absmax == xs[33].abs().max().item()
 
 
-def test_the_scaler_trains_alike_with_its_flags_in_the_doctors_slots(monkeypatch):
-    # the scaler's check writes its flag into a slot the doctor zeroes ahead (5 at a time,
-    # cut at the ring's end); slots are reused each lap of the ring: a slot not zeroed again
-    # would make the scaler skip a later good step. The oracle: the same run unarmed (every
-    # parameter bitwise, the scale, the skipped steps)
+def test_an_armed_run_trains_as_the_unarmed_one_and_names_its_first_skip(monkeypatch):
+    # the doctor takes each step's flag from the scaler and sends it around a small ring
+    # (32 slots, passed twice): the training must not change (the oracle: the same run
+    # unarmed, every parameter bitwise, the scale, the skipped steps), and the step the
+    # doctor names is the scaler's first skipped one
     from ampkit import _doctor_step
 
     monkeypatch.setattr(_doctor_step, "_RING", 32)
     monkeypatch.setattr(_doctor_step, "_BATCH", 3)
-    monkeypatch.setattr(_doctor_step, "_ZERO", 5)
 
     def run(armed):
         torch.manual_seed(0)
@@ -530,16 +527,44 @@ def test_the_scaler_trains_alike_with_its_flags_in_the_doctors_slots(monkeypatch
         for k in (33, 40):  # (the flag of step 33 sits in slot 0, reused by step 65's)
             xs[k][1, 2] = 1e6
         doc = ampkit.doctor(model) if armed else None
-        for x in xs:
+        first_skip = None
+        for i, x in enumerate(xs):
             _fp16_step(model, opt, scaler, x, "cpu")
+            if first_skip is None and scaler.stats().skipped:
+                first_skip = i
+        f = None
         if doc is not None:
+            f = doc.first_nonfinite()
             doc.close()
-        return [p.detach().clone() for p in model.parameters()], scaler.get_scale(), scaler.stats().skipped
+        params = [p.detach().clone() for p in model.parameters()]
+        return params, scaler.get_scale(), scaler.stats().skipped, first_skip, f
 
-    params, scale, skipped = run(True)
-    params0, scale0, skipped0 = run(False)
+    params, scale, skipped, first_skip, f = run(True)
+    params0, scale0, skipped0, first_skip0, _ = run(False)
     assert skipped == skipped0 and skipped0 >= 2 and scale == scale0  # (the growth overflows too)
     assert all(torch.equal(a, b) for a, b in zip(params, params0))
+    assert f is not None and f.step == first_skip == first_skip0
+
+
+def test_a_doctor_armed_under_another_default_dtype_checks_float32_training():
+    # the doctor's own buffers are float32 whatever the default dtype at arming
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = ampkit.GradScaler("cpu", init_scale=1.0)
+    xs = [torch.randn(4, 8) for _ in range(6)]
+    xs[4][0, 1] = 1e6
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        doc = ampkit.doctor(model)
+    finally:
+        torch.set_default_dtype(old)
+    with doc:
+        for x in xs:
+            _fp16_step(model, opt, scaler, x, "cpu")
+        f = doc.first_nonfinite()
+    assert (f.module, f.phase, f.step) == ("0", "forward", 4) and scaler.stats().skipped == 1
 
 
 def test_a_scaler_whose_check_is_its_own_still_gives_the_doctor_its_flag():
