@@ -120,13 +120,17 @@ def _disarmed(ref):
 
 
 def before_capture():
-    """A CUDA graph capture of a step is about to begin (``make_train_step``): each armed
-    doctor's device step count catches up with its host count (a captured step counts itself
-    on the device; eager steps read by the host do not write it)."""
+    """A CUDA graph capture of a step is about to begin (``make_train_step``): a forward
+    whose outputs got no backward (an evaluation between training steps) is checked now,
+    eagerly (inside the capture its check would be recorded into the graph, and its flag
+    sent from there would never reach the host); then each armed doctor's device step count
+    catches up with its host count (a captured step counts itself on the device; eager
+    steps read by the host do not write it)."""
     for r in list(_DOCTORS):
         doc = r()
         if doc is not None:
             for w in doc._watches.values():
+                w.check_pending(False)
                 w.sync_step()
 
 

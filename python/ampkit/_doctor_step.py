@@ -379,7 +379,10 @@ class StepWatch:
     def _send(self):
         """Send the flags made so far to the host in one asynchronous copy (of their stack,
         into their ring slots, over the sentinel -2): two launches for _BATCH steps, no
-        allocation of host memory."""
+        allocation of host memory. Not while a CUDA graph is being captured (the copy would
+        be recorded into the graph, not run): the flags wait for the next send then."""
+        if not self._cpu and capturing():
+            return
         self._unsent = self._unsent_bytes = 0
         flags = self._flags
         n = len(flags)

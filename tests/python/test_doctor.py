@@ -567,6 +567,31 @@ def test_a_doctor_armed_under_another_default_dtype_checks_float32_training():
     assert (f.module, f.phase, f.step) == ("0", "forward", 4) and scaler.stats().skipped == 1
 
 
+def test_an_evaluation_forward_is_checked_before_a_capture_begins():
+    # make_train_step calls before_capture() right before its CUDA graph capture: a forward
+    # whose output got no backward (here: an overflowing evaluation batch, its output kept)
+    # is checked then, eagerly, not inside the capture. The output is changed afterwards:
+    # only a check made at before_capture() still sees its inf
+    from ampkit import _doctor
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = ampkit.GradScaler("cpu", init_scale=1.0)
+    with ampkit.doctor(model) as doc:
+        for _ in range(3):
+            _fp16_step(model, opt, scaler, torch.randn(4, 8), "cpu")
+        x = torch.randn(4, 8)
+        x[0, 0] = 1e6
+        with torch.no_grad(), ampkit.autocast("cpu", dtype=torch.float16):
+            out = model(x)  # step 3, evaluation: no backward
+        assert not torch.isfinite(out).all()
+        _doctor.before_capture()
+        out.zero_()
+        f = doc.first_nonfinite()
+    assert f is not None and (f.module, f.phase, f.step) == ("0", "forward", 3)
+
+
 def test_a_scaler_whose_check_is_its_own_still_gives_the_doctor_its_flag():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))

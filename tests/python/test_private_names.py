@@ -40,6 +40,8 @@ ALLOWED = {
     ("tests/python/test_autocast_decompose.py", "_cross_entropy_functional"): WHITE_BOX,
     ("tests/python/test_autocast_decompose.py", "_cross_entropy_aten"): WHITE_BOX,
     ("tests/python/test_autocast_narrow.py", "ampkit._narrow_casts"): WHITE_BOX,
+    ("tests/python/test_doctor.py", "ampkit._doctor"):
+        "before_capture(), which make_train_step calls before a CUDA graph capture, run on the CPU",
     ("tests/python/test_doctor.py", "ampkit._doctor_step"):
         "the host's batch and queue sizes, set small to run the send and wait paths on a short run",
     ("tests/python/test_doctor_cuda.py", "ampkit._doctor_step"):
