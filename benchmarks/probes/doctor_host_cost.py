@@ -45,7 +45,7 @@ def timed(owner, name):
 
 for owner, name in [(_doctor.doctor, "_root_pre"), (_doctor.doctor, "_root_post"), (_doctor.doctor, "_hook_grad"),
                     (_doctor_step.StepWatch, "record"), (_doctor_step.StepWatch, "_send"),
-                    (_doctor_step.StepWatch, "poll"), (_doctor_step.StepWatch, "begin"), (_doctor_step.StepWatch, "begin_one"),
+                    (_doctor_step.StepWatch, "poll"), (_doctor_step.StepWatch, "begin"), (_doctor_step.StepWatch, "_begin_one"),
                     (_doctor_step.StepWatch, "keep_grad"),
                     (_doctor, "scaler_checked")]:  # (the scaler calls it through the module)
     timed(owner, name)

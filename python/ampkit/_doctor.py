@@ -227,10 +227,6 @@ class doctor:
         if not self._one:  # a model over devices: each step's bytes placed by the device
             for w in self._watches.values():
                 w.host_verdicts = False
-        # the one watch whose usual steps take the hooks' short path (see _root_pre)
-        self._fast = next(iter(self._watches.values())) if self._one else None
-        if self._fast is not None and not self._fast.host_verdicts:
-            self._fast = None
         self._scaler_seen = False  # an ampkit.GradScaler checks the gradients: its flag is used
         self._optimizers: dict = {}  # id(optimizer) -> (weak reference, whether it steps the model)
         for dev in self._watches:
@@ -303,23 +299,6 @@ class doctor:
 
     # -- hooks ----------------------------------------------------------------------
     def _root_pre(self, module, args, kwargs):
-        w = self._fast
-        if (w is not None and not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor
-                and w.pending is None and self._mode is None and not self._inner and not self._stack
-                and _REPLAYING[0] is None and (self._step + 1) % self.every and not _capturing()):
-            # the usual eager step, model(x) on one device, neither sampled nor replayed: what
-            # _new_step does, in one call (it runs every step)
-            step = self._step = self._step + 1
-            w.begin_one(args[0], kwargs, step)
-            g = self._rng_gen
-            if g is not None:
-                self._log_rng_now(g.initial_seed(), g.get_offset())
-            self._sampling = False
-            if self._acc:
-                self._acc = {}
-            if self._abs:
-                self._abs = {}
-            return None
         if _REPLAYING[0] is None and not self._stack:
             self._new_step(args, kwargs)
         if self._mode is not None:
@@ -331,21 +310,6 @@ class doctor:
             self._leave_forward("", output)
         if _REPLAYING[0] is not None or self._stack:
             return None
-        w = self._fast
-        if w is not None and w.host_mode and type(output) is torch.Tensor:
-            # the usual eager step, held as it is: one output, its gradient taken by a hook
-            self._bw_queued = False
-            if self._out_grads:
-                self._out_grads = []
-            w.pending = [weakref.ref(output)]
-            w.cfg = _step_watch.region_config(self._types)
-            if not (output.requires_grad and output.is_floating_point() and torch.is_grad_enabled()):
-                return None
-            n = output.nbytes
-            if n <= _step_watch.BIG:
-                w.step_bytes += n
-                self._hook_grad(output, w, None)
-                return None
         every = [output] if type(output) is torch.Tensor else \
             [o for o in tree_leaves(output) if isinstance(o, torch.Tensor)]
         grad = torch.is_grad_enabled()
@@ -443,11 +407,10 @@ class doctor:
         """The CUDA generator's state at this step's start (8 bytes a step; the seed where it
         changes), for the replay's random ops (the first CUDA device's generator; a captured
         step's replays advance it on the device: nothing to log)."""
-        if not cap:
-            g = self._rng_gen
-            self._log_rng_now(g.initial_seed(), g.get_offset())
-
-    def _log_rng_now(self, seed, offset):
+        if cap:
+            return
+        g = self._rng_gen
+        seed, offset = g.initial_seed(), g.get_offset()
         if self._rng_start is None or self._step - self._rng_start != len(self._rng_offsets):
             # the first, or after a gap: start over
             self._rng_start, self._rng_offsets, self._rng_seeds, self._rng_seed = self._step, array.array("q"), {}, None

@@ -127,7 +127,7 @@ def _record_kernel():
 
 
 _CHUNK = 1 << 16
-BIG = _BIG = 32 << 20  # bytes: a held tensor this large is copied by the Triton kernel
+_BIG = 32 << 20  # bytes: a held tensor this large is copied by the Triton kernel
 _BATCH = 32  # steps whose flags go to the host in one copy (two launches)
 _BATCH_BYTES = 256 << 20  # ... or fewer, once the steps not sent hold this much
 _RING = 2048  # host slots for the flags on their way (pinned on CUDA)
@@ -210,7 +210,7 @@ class StepWatch:
         ``poll``); a buffer refilled in place, a capture, or ``keep_weights`` holds them
         with their places in the frozen bytes, for the device's conditional copy."""
         if not cap and not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:
-            self.begin_one(args[0], kwargs, host_step)  # model(x): the usual call
+            self._begin_one(args[0], kwargs, host_step)  # model(x): the usual call
             return
         self.host_step = host_step
         self.cap = cap
@@ -229,7 +229,7 @@ class StepWatch:
             and not (last & ptrs)
         self._hold(args, kwargs, ins, ptrs, sum(sizes), host)
 
-    def begin_one(self, a, kwargs, host_step):
+    def _begin_one(self, a, kwargs, host_step):
         """``begin`` for the usual call, ``model(x)`` with ``x`` a tensor, in an eager step
         (not inside a capture): the same, in fewer steps (it runs every step)."""
         self.host_step = host_step
