@@ -2,7 +2,8 @@
 # The doctor's per-step cost on the GPU, in one device call: the CUDA tests (all of them
 # with ALL_CUDA=1, else the doctor's and the train step's), then seed_mlp's eager step armed
 # against off (doctor_ab.py, twice, and its control twice, interleaved; once with no-op
-# hooks only), each piece's host time (doctor_host_cost.py), the step's phases
+# hooks only), each piece's host time (doctor_host_cost.py), the host's cost of the calls
+# the doctor makes and a cProfile of armed steps (doctor_primitives.py), the step's phases
 # (doctor_phases.py) and the transformer's A/B. Everything is packed into all.tar.gz in the
 # folder given, beside card.txt and summary.txt (the device returns at most 8 files).
 #   bash benchmarks/gpu/doctor_overhead.sh "$OUT"   [AB_ARGS="--chunk 20 --chunks 120"]
@@ -34,6 +35,7 @@ for i in 1 2; do
   python3 benchmarks/probes/doctor_ab.py $ab --control --json "$out/ab-seed_mlp-control-$i.json"
 done
 python3 benchmarks/probes/doctor_host_cost.py --steps 400
+python3 benchmarks/probes/doctor_primitives.py
 python3 benchmarks/probes/doctor_phases.py --chunks 60
 python3 benchmarks/probes/doctor_ab.py --case transformer --chunk 4 --chunks 30 --json "$out/ab-transformer.json"
 } 2>&1 | tee "$out/summary.txt"
