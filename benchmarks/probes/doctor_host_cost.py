@@ -47,12 +47,39 @@ for owner, name in [(_doctor.doctor, "_root_pre"), (_doctor.doctor, "_root_post"
                     (_doctor_step.StepWatch, "record"), (_doctor_step.StepWatch, "_send"),
                     (_doctor_step.StepWatch, "poll"), (_doctor_step.StepWatch, "begin"), (_doctor_step.StepWatch, "_begin_one"),
                     (_doctor_step.StepWatch, "keep_grad"),
-                    (_doctor, "scaler_checked")]:  # (the scaler calls it through the module)
+                    (_doctor, "scaler_checked"),  # (the scaler calls it through the module)
+                    (_doctor, "_capturing"), (_doctor.doctor, "_log_rng"), (_doctor.doctor, "_new_step"),
+                    (_doctor_step.StepWatch, "check_pending"), (_doctor_step, "region_config"),
+                    (_doctor_step.StepWatch, "hold_output_grads"), (_doctor.doctor, "_scaler_report"),
+                    (_doctor.doctor, "_steps")]:
     timed(owner, name)
+
+
+class TimedGenerator:
+    """The CUDA generator, each call the doctor makes on it timed where it runs."""
+
+    def __init__(self, g):
+        self.g = g
+
+    def initial_seed(self):
+        t = time.perf_counter()
+        r = self.g.initial_seed()
+        samples.setdefault("(C) generator.initial_seed", []).append(time.perf_counter() - t)
+        return r
+
+    def get_offset(self):
+        t = time.perf_counter()
+        r = self.g.get_offset()
+        samples.setdefault("(C) generator.get_offset", []).append(time.perf_counter() - t)
+        return r
+
+
+raw_stream, get_device = torch._C._cuda_getCurrentRawStream, torch._C._cuda_getDevice
 flag = torch.zeros((), device="cuda")
 pinned = torch.full((64,), -1.0, pin_memory=True)
 dev_ring = torch.zeros(64, device="cuda")
 doc = ampkit.doctor(model, every=10**9)
+doc._rng_gen = TimedGenerator(doc._rng_gen)
 n = len(built.batches)
 for i in range(a.steps + 10):
     x, y = built.batches[i % n]
@@ -60,6 +87,12 @@ for i in range(a.steps + 10):
         loss = built.loss_fn(model(x), y)
     scaler.scale(loss).backward()
     scaler.step(opt)
+    t = time.perf_counter()
+    raw_stream(get_device())
+    samples.setdefault("(C) raw current stream, after step", []).append(time.perf_counter() - t)
+    t = time.perf_counter()
+    _doctor_step.capturing()
+    samples.setdefault("(C) capturing(), after step", []).append(time.perf_counter() - t)
     t = time.perf_counter()
     pinned[i % 64].copy_(flag, non_blocking=True)  # (what one flag a step sent at once would cost)
     samples.setdefault("(extra) d2h copy of a flag, after step", []).append(time.perf_counter() - t)

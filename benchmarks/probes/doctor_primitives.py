@@ -53,6 +53,7 @@ calls = {
     "python call": nothing,
     "list append+clear": lambda: (lst.append(flag), lst.clear()),
     "capturing()": _doctor_step.capturing,
+    "raw current stream": (lambda: torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())) if dev == "cuda" else nothing,
     "generator.initial_seed()": gen.initial_seed,
     "generator.get_offset()": gen.get_offset if dev == "cuda" else nothing,
     "torch.is_autocast_enabled(dev)": lambda: torch.is_autocast_enabled(dev),
