@@ -45,12 +45,12 @@ def timed(owner, name):
 
 for owner, name in [(_doctor.doctor, "_root_pre"), (_doctor.doctor, "_root_post"), (_doctor.doctor, "_hook_grad"),
                     (_doctor_step.StepWatch, "record"), (_doctor_step.StepWatch, "_send"),
-                    (_doctor_step.StepWatch, "poll"), (_doctor_step.StepWatch, "begin"), (_doctor_step.StepWatch, "_begin_one"),
+                    (_doctor_step.StepWatch, "poll"), (_doctor_step.StepWatch, "begin"), (_doctor_step.StepWatch, "begin_new"),
                     (_doctor_step.StepWatch, "keep_grad"),
                     (_doctor, "scaler_checked"),  # (the scaler calls it through the module)
                     (_doctor, "_capturing"), (_doctor.doctor, "_log_rng"), (_doctor.doctor, "_new_step"),
                     (_doctor_step.StepWatch, "check_pending"), (_doctor_step, "region_config"),
-                    (_doctor_step.StepWatch, "hold_output_grads"), (_doctor.doctor, "_scaler_report"),
+                    (_doctor_step.StepWatch, "hold_output_grads"),
                     (_doctor.doctor, "_steps")]:
     timed(owner, name)
 

@@ -142,10 +142,17 @@ def scaler_checked(found_per_device, optimizer, combined_later=False):
     them, this rank's own)."""
     for r in _DOCTORS:
         doc = r()
-        if doc is not None and doc._steps(optimizer):
+        if doc is None:
+            continue
+        seen = doc._optimizers.get(id(optimizer))  # (doc._steps, its common case inline)
+        if seen[1] if seen is not None and seen[0]() is optimizer else doc._steps(optimizer):
             if combined_later:
                 found_per_device = {d: f.clone() for d, f in found_per_device.items()}
-            doc._scaler_report(found_per_device)
+            doc._scaler_seen = True
+            for dev, found in found_per_device.items():
+                w = doc._watches.get(dev)
+                if w is not None and w.host_step >= 0:
+                    w.record(found)
 
 
 class doctor:
@@ -221,12 +228,16 @@ class doctor:
         self._rng_dev = next((d for d in self._watches if d.type == "cuda"), None)  # whose generator is logged
         self._rng_gen = _step_watch.cuda_generator(self._rng_dev) if self._rng_dev is not None else None
         self._one = len(self._watches) == 1
+        self._cfg = None  # the last step's autocast regions (region_config)
         self._types = tuple({d.type for d in self._watches})
         for w in self._watches.values():
             w.take = self._taker(w, None)
         if not self._one:  # a model over devices: each step's bytes placed by the device
             for w in self._watches.values():
                 w.host_verdicts = False
+        # the watch whose usual steps take the hooks' short path (one device, the host's verdicts)
+        self._lean = next(iter(self._watches.values())) if self._one and not keep_weights else None
+        self._lean_post = False  # the running forward took _root_pre's short path
         self._scaler_seen = False  # an ampkit.GradScaler checks the gradients: its flag is used
         self._optimizers: dict = {}  # id(optimizer) -> (weak reference, whether it steps the model)
         for dev in self._watches:
@@ -299,6 +310,22 @@ class doctor:
 
     # -- hooks ----------------------------------------------------------------------
     def _root_pre(self, module, args, kwargs):
+        w = self._lean
+        if (w is not None and len(args) == 1 and self._mode is None and w.pending is None and not kwargs
+                and _REPLAYING[0] is None and (self._step + 1) % self.every):
+            # the usual step, model(x), on one device, not sampled: _new_step's work for it,
+            # in as few lines as it takes (every line here costs the step's host time)
+            if not _capturing() and w.begin_new(args[0], self._step + 1):
+                self._step += 1
+                g = self._rng_gen
+                if g is not None:
+                    offs = self._rng_offsets
+                    if g.initial_seed() == self._rng_seed and self._step - self._rng_start == len(offs):
+                        offs.append(g.get_offset())
+                    else:
+                        self._log_rng(False)
+                self._lean_post = True
+                return None
         if _REPLAYING[0] is None and not self._stack:
             self._new_step(args, kwargs)
         if self._mode is not None:
@@ -306,6 +333,20 @@ class doctor:
         return None
 
     def _root_post(self, module, args, output):
+        if self._lean_post:  # after _root_pre's short path: _root_post's work for its step
+            self._lean_post = False
+            if type(output) is torch.Tensor and self._scaler_seen and output.nbytes <= _step_watch.BIG:
+                w = self._lean
+                w.pending = (weakref.ref(output),)
+                if output.grad_fn is not None:
+                    w.step_bytes += output.nbytes  # (its gradient's, held until the verdict)
+                    hooks = output._backward_hooks
+                    if hooks is None:
+                        hooks = output._backward_hooks = collections.OrderedDict()
+                        output.grad_fn._register_hook_dict(output)
+                    hooks[self] = w.take
+                w.cfg = self._cfg = _step_watch.region_config(self._types, self._cfg)
+                return None
         if self._mode is not None:
             self._leave_forward("", output)
         if _REPLAYING[0] is not None or self._stack:
@@ -316,7 +357,7 @@ class doctor:
         self._bw_queued = False
         if self._out_grads:
             self._out_grads = []
-        cfg = _step_watch.region_config(self._types)
+        cfg = self._cfg = _step_watch.region_config(self._types, self._cfg)
         placed = False
         one = self._one
         for dev, w in self._watches.items():
@@ -336,7 +377,10 @@ class doctor:
         """The hook that takes an output's gradient for watch ``w`` (into ``dst``, or held
         when ``dst`` is None)."""
         def take(grad):
-            w.keep_grad(dst, grad)
+            if w.host_mode:
+                w.grads.append(grad)
+            else:
+                w.keep_grad(dst, grad)
             w.pending = None  # (the backward came: no forward-only check)
             if not self._scaler_seen:  # else the scaler's own check records the step
                 self._out_grads.append(grad)
@@ -382,15 +426,6 @@ class doctor:
         mine = any(id(p) in ids for g in getattr(optimizer, "param_groups", ()) for p in g["params"])
         self._optimizers[id(optimizer)] = (weakref.ref(optimizer), mine)
         return mine
-
-    def _scaler_report(self, found_per_device):
-        """An ``ampkit.GradScaler`` checked the gradients: its flags (1.0 = inf or NaN) are
-        this step's check, with no pass of the doctor's own over the gradients."""
-        self._scaler_seen = True
-        for dev, found in found_per_device.items():
-            w = self._watches.get(dev)
-            if w is not None and w.host_step >= 0:
-                w.record(found)
 
     def _remember(self, cfg):
         """What a replay of this step needs from the host, for a step whose bytes the device

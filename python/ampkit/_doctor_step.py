@@ -41,6 +41,7 @@ import contextlib
 import dataclasses
 import time
 
+import numpy
 import torch
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
@@ -127,7 +128,7 @@ def _record_kernel():
 
 
 _CHUNK = 1 << 16
-_BIG = 32 << 20  # bytes: a held tensor this large is copied by the Triton kernel
+BIG = 32 << 20  # bytes: a held tensor this large is copied by the Triton kernel
 _BATCH = 32  # steps whose flags go to the host in one copy (two launches)
 _BATCH_BYTES = 256 << 20  # ... or fewer, once the steps not sent hold this much
 _RING = 2048  # host slots for the flags on their way (pinned on CUDA)
@@ -209,9 +210,8 @@ class StepWatch:
         bytes placed only if the step turns out the first bad one (the host's verdict,
         ``poll``); a buffer refilled in place, a capture, or ``keep_weights`` holds them
         with their places in the frozen bytes, for the device's conditional copy."""
-        if not cap and not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:
-            self._begin_one(args[0], kwargs, host_step)  # model(x): the usual call
-            return
+        if not cap and not kwargs and len(args) == 1 and self.begin_new(args[0], host_step):
+            return  # model(x): the usual call
         self.host_step = host_step
         self.cap = cap
         if cap:
@@ -225,25 +225,38 @@ class StepWatch:
         ptrs = {a.data_ptr() for a in ins}
         sizes = [a.nbytes for a in ins]
         last = self._last_ptrs
-        host = self.host_verdicts and not cap and all(n <= _BIG for n in sizes) and last is not None \
+        host = self.host_verdicts and not cap and all(n <= BIG for n in sizes) and last is not None \
             and not (last & ptrs)
         self._hold(args, kwargs, ins, ptrs, sum(sizes), host)
 
-    def _begin_one(self, a, kwargs, host_step):
-        """``begin`` for the usual call, ``model(x)`` with ``x`` a tensor, in an eager step
-        (not inside a capture): the same, in fewer steps (it runs every step)."""
-        self.host_step = host_step
-        self.cap = False
+    def begin_new(self, a, host_step):
+        """``begin`` for the usual step, ``model(x)`` eager (not inside a capture: the
+        caller knows) with ``x`` a new tensor (not the last step's buffer) of at most BIG
+        bytes: held as it is until the host reads the verdict. Returns False, having changed
+        nothing, for any other step (``begin``'s general path takes it). Every step runs it:
+        it is written in as few lines as it takes."""
+        last = self._last_ptrs
+        if type(a) is not torch.Tensor or last is None or not self.host_verdicts:
+            return False
+        ptr = a.data_ptr()
+        nbytes = a.nbytes
+        if ptr in last or nbytes > BIG:
+            return False
         p = self._pending
         if p and p[0][1] < self._sent:  # the oldest step's flag was sent: its verdict may be back
             self.poll()
-        if a.requires_grad:
+        if a.requires_grad:  # (held without the graph that made it)
             a = a.detach()
-        ptr = a.data_ptr()
-        nbytes = a.nbytes
-        last = self._last_ptrs
-        host = self.host_verdicts and nbytes <= _BIG and last is not None and ptr not in last
-        self._hold((a,), kwargs, (a,), {ptr}, nbytes, host)
+        self.host_step = host_step
+        self.cap = False
+        self._last_in = self.ins = (a,)
+        self._last_ptrs = {ptr}
+        self.host_mode = True
+        self.step_bytes = nbytes
+        self.args = ((a,), {})
+        self.grads = []
+        self.rng = torch.get_rng_state() if self._cpu else None
+        return True
 
     def _hold(self, args, kwargs, ins, ptrs, nbytes, host):
         """Hold this step's inputs ``ins`` (data pointers ``ptrs``): as they are until the
@@ -305,7 +318,7 @@ class StepWatch:
         for a step held as it is: its gradients are placed only if it is the first bad one)."""
         if self.host_mode:
             sizes = [t.nbytes for t in outs]
-            if not any(n > _BIG for n in sizes):
+            if not any(n > BIG for n in sizes):
                 self.step_bytes += sum(sizes)
                 return None
             # a gradient this large is not held for steps: the device copies this step
@@ -428,21 +441,35 @@ class StepWatch:
             self._send()
             if self.dev.type == "cuda":
                 torch.cuda.synchronize(self.dev)
-        mv = self._ring_mv
-        while p:
-            step, first, k, data = p[0]
-            if first + k > self._sent:
-                return
-            slots = [(first + j) % _RING for j in range(k)] if k > 1 else (first % _RING,)
-            vals = [mv[i] for i in slots]
-            if -2.0 in vals:
-                return
-            p.popleft()
-            for i in slots:
-                mv[i] = -1.0
-            if self._first is None and max(vals) > 0:
-                self._first = step
-                self._freeze(step, *data)
+        if not p:
+            return
+        f0, end = p[0][1], self._sent  # the flags sent and not read: numbers f0 .. end - 1
+        n = end - f0
+        if n <= 0:
+            return
+        ring, i0 = self._ring_np, f0 % _RING
+        vals = ring[i0: i0 + n] if i0 + n <= _RING else numpy.concatenate((ring[i0:], ring[: i0 + n - _RING]))
+        waiting = numpy.flatnonzero(vals == -2.0)
+        arrived = f0 + (int(waiting[0]) if len(waiting) else n)  # flags f0 .. arrived - 1 are back
+        done = []
+        while p and p[0][1] + p[0][2] <= arrived:  # the steps whose every flag is back, oldest first
+            done.append(p.popleft())
+        if not done:
+            return
+        m = done[-1][1] + done[-1][2] - f0
+        bad = numpy.flatnonzero(vals[:m] > 0)  # (read before the slots are freed below)
+        if i0 + m <= _RING:
+            ring[i0: i0 + m] = -1.0
+        else:
+            ring[i0:] = -1.0
+            ring[: i0 + m - _RING] = -1.0
+        if self._first is None and len(bad):
+            fb = f0 + int(bad[0])
+            for step, first, k, data in done:
+                if first <= fb < first + k:
+                    self._first = step
+                    self._freeze(step, *data)
+                    break
 
     def _freeze(self, step, args, ins, grads, rng, cfg, vers):
         """Place step ``step``'s inputs (and CPU generator bytes) and output gradients in the
@@ -467,7 +494,7 @@ class StepWatch:
         self.frozen_meta = (step, lay, gslots, cfg)
 
     def _record(self, bad, held):
-        if self._kernel is not None and (self.cap or any(s.numel() * s.element_size() > _BIG for s, _ in held)):
+        if self._kernel is not None and (self.cap or any(s.numel() * s.element_size() > BIG for s, _ in held)):
             self._launch(bad, held)  # one launch (one node of a graph), no pass over the held bytes
             return
         # eager, small tensors: torch ops (a Triton launch costs more host time than a few)
@@ -620,10 +647,11 @@ _ENGINE = []  # ampkit._autocast.thread_engine, once imported (it imports the do
 _NO_REGIONS: dict = {}
 
 
-def region_config(types):
+def region_config(types, last=None):
     """The autocast regions in force, to enter again in a replay: ampkit's (all), and
     torch's own for the device types ``types`` (the model's: another type's region casts
-    none of its ops) where no ampkit region is."""
+    none of its ops) where no ampkit region is. ``last``: the last step's, returned when
+    equal (the usual loop enters the same regions each step: one object for all)."""
     if not _ENGINE:
         from ampkit._autocast import thread_engine
 
@@ -635,6 +663,8 @@ def region_config(types):
             if plain is _NO_REGIONS:
                 plain = {}
             plain[dt] = torch.get_autocast_dtype(dt)
+    if last is not None and last[0] is devs and (last[1] is plain or last[1] == plain):
+        return last
     return devs, plain
 
 

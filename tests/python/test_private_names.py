@@ -50,6 +50,8 @@ ALLOWED = {
         "a probe that times the doctor's hooks one by one inside a step (wrapped with a clock)",
     ("benchmarks/probes/doctor_host_cost.py", "ampkit._doctor_step"):
         "a probe that times the doctor's per-step watch one method at a time",
+    ("benchmarks/probes/doctor_primitives.py", "ampkit._doctor_step"):
+        "a probe that times the calls the doctor makes per step (its capture test, the generator)",
     ("benchmarks/probes/doctor_phases.py", "ampkit._doctor_step"):
         "a probe that turns one copy's per-step record into a no-op, to time the hooks alone",
     ("benchmarks/probes/doctor_phases.py", "_watches"):
