@@ -31,6 +31,9 @@ ap.add_argument("--control", action="store_true",
 ap.add_argument("--noop-hooks", action="store_true",
                 help="give the 'armed' copy only the doctor's two root hooks, doing nothing: what "
                      "torch's module hook path costs by itself")
+ap.add_argument("--floor", action="store_true",
+                help="give the 'armed' copy the doctor's two root hooks doing only what no design "
+                     "can skip: the post-hook puts a no-op hook on the output's gradient")
 a = ap.parse_args()
 dev = a.device
 dtype = torch.float16 if dev == "cuda" else torch.bfloat16
@@ -51,10 +54,19 @@ def make():
 
 off_model, off_step = make()
 on_model, on_step = make()
-doc = None if a.control or a.noop_hooks else ampkit.doctor(on_model, every=10**9)
+doc = None if a.control or a.noop_hooks or a.floor else ampkit.doctor(on_model, every=10**9)
 if a.noop_hooks:
     on_model.register_forward_pre_hook(lambda m, args, kwargs: None, with_kwargs=True)
     on_model.register_forward_hook(lambda m, args, out: None, always_call=True)
+if a.floor:
+    def _noop_grad(g):
+        return None
+
+    def _post(m, args, out):
+        out.register_hook(_noop_grad)
+
+    on_model.register_forward_pre_hook(lambda m, args, kwargs: None, with_kwargs=True)
+    on_model.register_forward_hook(_post, always_call=True)
 n = len(built.batches)
 for step in (off_step, on_step):
     for i in range(10):
@@ -76,12 +88,12 @@ host = doc.host_verdict_steps if doc else 0
 if doc:
     doc.close()
 q = statistics.quantiles(ratios, n=4)
-res = {"control": a.control, "noop_hooks": a.noop_hooks, "case": a.case, "profile": a.profile, "device": dev,
+res = {"control": a.control, "noop_hooks": a.noop_hooks, "floor": a.floor, "case": a.case, "profile": a.profile, "device": dev,
        "card": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
        "off_ms": statistics.median(times["off"]) * 1e3, "armed_ms": statistics.median(times["armed"]) * 1e3,
        "ratio": statistics.median(ratios), "ratio_q1": q[0], "ratio_q3": q[2],
        "steps_host_verdict": host, "steps_armed": 10 + a.chunk * a.chunks}
-print(f"{'control (both off) ' if a.control else 'no-op hooks ' if a.noop_hooks else ''}{a.case}/{a.profile} {dev}: off {res['off_ms']:.3f} ms, armed {res['armed_ms']:.3f} ms, "
+print(f"{'control (both off) ' if a.control else 'no-op hooks ' if a.noop_hooks else 'floor ' if a.floor else ''}{a.case}/{a.profile} {dev}: off {res['off_ms']:.3f} ms, armed {res['armed_ms']:.3f} ms, "
       f"armed/off x{res['ratio']:.3f} [{q[0]:.3f}, {q[2]:.3f}], host verdicts {host}/{res['steps_armed']}")
 if a.json:
     with open(a.json, "w") as f:

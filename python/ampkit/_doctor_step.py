@@ -130,7 +130,7 @@ def _record_kernel():
 _CHUNK = 1 << 16
 BIG = 32 << 20  # bytes: a held tensor this large is copied by the Triton kernel
 _BATCH = 32  # steps whose flags go to the host in one copy (two launches)
-_BATCH_BYTES = 256 << 20  # ... or fewer, once the steps not sent hold this much
+_BATCH_BYTES = 512 << 20  # ... or fewer, once the steps not sent hold this much (at most 1% of a GPU's memory)
 _RING = 2048  # host slots for the flags on their way (pinned on CUDA)
 _FLAGS = 8  # flags a step sends at most (more checks in a step are folded into its last)
 _PENDING = 64  # eager steps whose verdicts the host may wait for, holding their tensors
@@ -177,6 +177,8 @@ class StepWatch:
         # there once the device got that far. The step's tensors are held until then and
         # copied only if it is the first bad one.
         self._unsent = self._unsent_bytes = 0
+        self._batch_bytes = _BATCH_BYTES if dev.type != "cuda" else \
+            min(_BATCH_BYTES, torch.cuda.get_device_properties(dev).total_memory // 100)
         self.step_bytes = 0  # what this step holds (inputs, output gradients)
         self._ring = torch.full((_RING,), -1.0, dtype=torch.float32, pin_memory=not self._cpu)  # -1 free, -2 on its way
         self._ring_np = self._ring.numpy()  # (runs of slots set at once)
@@ -386,7 +388,7 @@ class StepWatch:
                 self.host_steps += 1
         self._unsent += 1
         self._unsent_bytes += self.step_bytes
-        if self._unsent >= _BATCH or self._unsent_bytes > _BATCH_BYTES:
+        if self._unsent >= _BATCH or self._unsent_bytes > self._batch_bytes:
             self._send()
 
     def _send(self):
@@ -643,7 +645,7 @@ def state_of(model, keep_weights=False):
     return by_dev
 
 
-_ENGINE = []  # ampkit._autocast.thread_engine, once imported (it imports the doctor's users)
+_ENGINE = []  # ampkit._autocast.current_regions, once imported (it imports the doctor's users)
 _NO_REGIONS: dict = {}
 
 
@@ -653,10 +655,10 @@ def region_config(types, last=None):
     none of its ops) where no ampkit region is. ``last``: the last step's, returned when
     equal (the usual loop enters the same regions each step: one object for all)."""
     if not _ENGINE:
-        from ampkit._autocast import thread_engine
+        from ampkit._autocast import current_regions
 
-        _ENGINE.append(thread_engine)
-    devs = _ENGINE[0]().devs()  # {device_type: (enabled, dtype, policy, cache)}: one object per region, never changed
+        _ENGINE.append(current_regions)
+    devs = _ENGINE[0]()  # {device_type: (enabled, dtype, policy, cache)}: one object per region, never changed
     plain = _NO_REGIONS
     for dt in types:
         if dt not in devs and torch.is_autocast_enabled(dt):
