@@ -1,6 +1,6 @@
 """ampkit's eager AMP loop against torch's, case by case, interleaved in one process.
 
-    python3 benchmarks/gpu/eager_vs_torch.py [--profile full] [--cases a,b] [--repeats 7] [--json PATH]
+    python3 benchmarks/gpu/eager_vs_torch.py [--profile full] [--cases a,b] [--repeats 7 | --per-step N] [--json PATH]
 
 For each benchmark case (shared_specs/benchmarks) three loops train fresh, identically
 seeded copies of the case's model with the case's optimizer and data:
@@ -22,7 +22,10 @@ seeded copies of the case's model with the case's optimizer and data:
 
 Each repeat times one epoch of every loop, in an order that rotates from repeat to
 repeat, after a warm-up; the device is synchronized before each clock read. Reported:
-the median ms/step per loop and the median of the per-repeat ratios to torch_amp.
+the median ms/step per loop and the median of the per-repeat ratios to torch_amp. With
+``--per-step N`` the loops take single steps in turn instead (each synchronized before and
+after), N each: the mean ms/step and the ratio of the means, with the ratios of each
+half's means as their spread (finer than epochs, whose ratios move by several percent).
 Timings are printed (and written as JSON), never asserted.
 """
 
@@ -72,12 +75,42 @@ def epoch(step, built):
     return (time.perf_counter() - t0) * 1000.0 / built.num_batches
 
 
-def run_case(case, profile, device, repeats, names=LOOPS):
+def per_step_samples(loops, built, steps):
+    """``steps`` steps of each loop, one by one in a rotating order, each timed alone from an
+    idle device to its end (synchronized before and after): ms per step, per loop. Drift of
+    the host or the card between loops cancels; the price is a sync per step, paid alike."""
+    names = list(loops)
+    samples = {name: [] for name in names}
+    for s in range(steps):
+        x, y = built.batches[s % built.num_batches]
+        r = s % len(names)
+        for name in names[r:] + names[:r]:
+            bench.synchronize(built.device)
+            t0 = time.perf_counter()
+            loops[name](x, y)
+            bench.synchronize(built.device)
+            samples[name].append((time.perf_counter() - t0) * 1000.0)
+    return samples
+
+
+def run_case(case, profile, device, repeats, names=LOOPS, per_step=0):
     built = bench.build_case(case, profile, seed=0, device=device)
     loops = {name: make_loop(name, built) for name in names}
     for step in loops.values():  # warm-up: allocator, cuDNN/cuBLAS heuristics, first-call costs
         for i in range(max(3, built.warmup_steps)):
             step(*built.batches[i % built.num_batches])
+    if per_step:  # the ratio of the mean step times; its spread: the ratios of each half's means
+        samples = per_step_samples(loops, built, per_step)
+        half = per_step // 2
+        mean = {n: statistics.fmean(s) for n, s in samples.items()}
+        halves = {n: sorted(statistics.fmean(samples[n][i:i + half]) / statistics.fmean(samples["torch_amp"][i:i + half])
+                            for i in (0, half)) for n in names[1:]}
+        out = {"case": case, "per_step": per_step, "ms_per_step": mean,
+               "time_vs_torch_amp": {n: mean[n] / mean["torch_amp"] for n in names[1:]},
+               "time_vs_torch_amp_halves": halves}
+        if "torch_compile_amp" in names:
+            out["compiled_ampkit_vs_torch"] = mean["ampkit_compile_amp"] / mean["torch_compile_amp"]
+        return out
     samples = {name: [] for name in names}
     for r in range(repeats):
         order = names[r % len(names):] + names[:r % len(names)]
@@ -106,23 +139,30 @@ def main(argv=None):
     ap.add_argument("--compiled", action="store_true", help="also the torch.compile'd loops")
     ap.add_argument("--split", action="store_true", help="also ampkit.autocast with torch's scaler")
     ap.add_argument("--control", action="store_true", help="also torch_amp a second time (the noise floor)")
+    ap.add_argument("--per-step", type=int, default=0, metavar="N",
+                    help="in place of repeats of epochs: N single steps of each loop, interleaved one "
+                         "by one, each synchronized (ratio of the mean step times)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     names = LOOPS + (COMPILED if a.compiled else ()) + (SPLIT if a.split else ()) + (CONTROL if a.control else ())
     device = bench.resolve_device(a.device)
     cases = a.cases.split(",") if a.cases else list(bench.load_cases())
     card = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    print(f"{card}, torch {torch.__version__}, profile {a.profile}, {a.repeats} interleaved repeats, medians")
+    how = f"{a.per_step} single steps interleaved, means" if a.per_step else f"{a.repeats} interleaved repeats, medians"
+    print(f"{card}, torch {torch.__version__}, profile {a.profile}, {how}")
     print(f"{'case':<16} {'torch_amp':>10} {'ampkit_amp':>11} {'ratio':>6} {'1 override':>11} {'ratio':>6} {'1 handler ov.':>13} {'ratio':>6}  (ms/step; ratio = time vs torch_amp)")
     results = []
     for case in cases:
-        r = run_case(case, a.profile, device, a.repeats, names)
+        r = run_case(case, a.profile, device, a.repeats, names, a.per_step)
         m, q = r["ms_per_step"], r["time_vs_torch_amp"]
         line = (f"{case:<16} {m['torch_amp']:>10.3f} {m['ampkit_amp']:>11.3f} {q['ampkit_amp']:>6.3f}"
                 f" {m['ampkit_override']:>11.3f} {q['ampkit_override']:>6.3f}"
                 f" {m['ampkit_handler']:>13.3f} {q['ampkit_handler']:>6.3f}")
         if a.control:
             line += f"   control torch_amp again: ratio {q['torch_amp_again']:.3f}"
+        if a.per_step:
+            lo, hi = r["time_vs_torch_amp_halves"]["ampkit_amp"]
+            line += f"   ampkit_amp halves [{lo:.3f}, {hi:.3f}]"
         if a.split:
             line += f"   ampkit region + torch scaler {m['ampkit_region_torch_scaler']:.3f} ratio {q['ampkit_region_torch_scaler']:.3f}"
         if a.compiled:

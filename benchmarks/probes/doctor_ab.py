@@ -34,6 +34,13 @@ ap.add_argument("--noop-hooks", action="store_true",
 ap.add_argument("--floor", action="store_true",
                 help="give the 'armed' copy the doctor's two root hooks doing only what no design "
                      "can skip: the post-hook puts a no-op hook on the output's gradient")
+ap.add_argument("--floor-retain", action="store_true",
+                help="as --floor, with the output retaining its gradient (a C++ hook that clones "
+                     "it) in place of the Python hook")
+ap.add_argument("--per-step", type=int, default=0, metavar="N",
+                help="instead of chunks: N steps of each, alternating one by one, each timed on the "
+                     "host without a sync (the step is host-bound): the ratio of the mean step times "
+                     "(the flag sends every 32 steps included) and of the medians")
 a = ap.parse_args()
 dev = a.device
 dtype = torch.float16 if dev == "cuda" else torch.bfloat16
@@ -54,16 +61,19 @@ def make():
 
 off_model, off_step = make()
 on_model, on_step = make()
-doc = None if a.control or a.noop_hooks or a.floor else ampkit.doctor(on_model, every=10**9)
+doc = None if a.control or a.noop_hooks or a.floor or a.floor_retain else ampkit.doctor(on_model, every=10**9)
 if a.noop_hooks:
     on_model.register_forward_pre_hook(lambda m, args, kwargs: None, with_kwargs=True)
     on_model.register_forward_hook(lambda m, args, out: None, always_call=True)
-if a.floor:
+if a.floor or a.floor_retain:
     def _noop_grad(g):
         return None
 
     def _post(m, args, out):
-        out.register_hook(_noop_grad)
+        if a.floor_retain:
+            out.retain_grad()
+        else:
+            out.register_hook(_noop_grad)
 
     on_model.register_forward_pre_hook(lambda m, args, kwargs: None, with_kwargs=True)
     on_model.register_forward_hook(_post, always_call=True)
@@ -74,6 +84,20 @@ for step in (off_step, on_step):
 sync()
 times = {"off": [], "armed": []}
 ratios = []
+if a.per_step:
+    a.chunks = 0
+    clock = time.perf_counter
+    for s in range(a.per_step):
+        x, y = built.batches[s % n]
+        for key, step in ((("off", off_step), ("armed", on_step)) if s % 2 == 0 else (("armed", on_step), ("off", off_step))):
+            t = clock()
+            step(x, y)
+            times[key].append(clock() - t)
+    sync()
+    half = a.per_step // 2
+    mean = {k: statistics.fmean(v) for k, v in times.items()}
+    halves = [statistics.fmean(times["armed"][i:i + half]) / statistics.fmean(times["off"][i:i + half]) for i in (0, half)]
+    ratios = [mean["armed"] / mean["off"]] * 3
 for c in range(a.chunks):
     pair = {}
     for key, step in ((("off", off_step), ("armed", on_step)) if c % 2 == 0 else (("armed", on_step), ("off", off_step))):
@@ -87,14 +111,24 @@ for c in range(a.chunks):
 host = doc.host_verdict_steps if doc else 0
 if doc:
     doc.close()
-q = statistics.quantiles(ratios, n=4)
-res = {"control": a.control, "noop_hooks": a.noop_hooks, "floor": a.floor, "case": a.case, "profile": a.profile, "device": dev,
+if a.per_step:  # the ratio of the mean step times; its "quartiles": the ratios of each half's means
+    q = [min(halves), max(halves)]
+else:
+    q = statistics.quantiles(ratios, n=4)[::2]
+res = {"control": a.control, "noop_hooks": a.noop_hooks, "floor": a.floor, "floor_retain": a.floor_retain,
+       "case": a.case, "profile": a.profile, "device": dev,
        "card": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
        "off_ms": statistics.median(times["off"]) * 1e3, "armed_ms": statistics.median(times["armed"]) * 1e3,
-       "ratio": statistics.median(ratios), "ratio_q1": q[0], "ratio_q3": q[2],
-       "steps_host_verdict": host, "steps_armed": 10 + a.chunk * a.chunks}
-print(f"{'control (both off) ' if a.control else 'no-op hooks ' if a.noop_hooks else 'floor ' if a.floor else ''}{a.case}/{a.profile} {dev}: off {res['off_ms']:.3f} ms, armed {res['armed_ms']:.3f} ms, "
-      f"armed/off x{res['ratio']:.3f} [{q[0]:.3f}, {q[2]:.3f}], host verdicts {host}/{res['steps_armed']}")
+       "ratio": statistics.median(ratios), "ratio_q1": q[0], "ratio_q3": q[1],
+       "steps_host_verdict": host, "per_step": a.per_step,
+       "median_ratio": statistics.median(times["armed"]) / statistics.median(times["off"]),
+       "steps_armed": 10 + (a.per_step or a.chunk * a.chunks)}
+kind = ("control (both off) " if a.control else "no-op hooks " if a.noop_hooks else "floor " if a.floor
+        else "floor (retain_grad) " if a.floor_retain else "")
+how = f"per step x{a.per_step}, ratio of means" if a.per_step else f"{a.chunks} chunks of {a.chunk}, median ratio"
+print(f"{kind}{a.case}/{a.profile} {dev} ({how}): off {res['off_ms']:.3f} ms, armed {res['armed_ms']:.3f} ms, "
+      f"armed/off x{res['ratio']:.3f} [{q[0]:.3f}, {q[1]:.3f}], medians x{res['median_ratio']:.3f}, "
+      f"host verdicts {host}/{res['steps_armed']}")
 if a.json:
     with open(a.json, "w") as f:
         json.dump(res, f, indent=1)
