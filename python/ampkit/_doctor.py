@@ -235,9 +235,6 @@ class doctor:
         if not self._one:  # a model over devices: each step's bytes placed by the device
             for w in self._watches.values():
                 w.host_verdicts = False
-        # the watch whose usual steps take the hooks' short path (one device, the host's verdicts)
-        self._lean = next(iter(self._watches.values())) if self._one and not keep_weights else None
-        self._lean_post = False  # the running forward took _root_pre's short path
         self._scaler_seen = False  # an ampkit.GradScaler checks the gradients: its flag is used
         self._optimizers: dict = {}  # id(optimizer) -> (weak reference, whether it steps the model)
         for dev in self._watches:
@@ -310,22 +307,6 @@ class doctor:
 
     # -- hooks ----------------------------------------------------------------------
     def _root_pre(self, module, args, kwargs):
-        w = self._lean
-        if (w is not None and len(args) == 1 and self._mode is None and w.pending is None and not kwargs
-                and _REPLAYING[0] is None and (self._step + 1) % self.every):
-            # the usual step, model(x), on one device, not sampled: _new_step's work for it,
-            # in as few lines as it takes (every line here costs the step's host time)
-            if not _capturing() and w.begin_new(args[0], self._step + 1):
-                self._step += 1
-                g = self._rng_gen
-                if g is not None:
-                    offs = self._rng_offsets
-                    if g.initial_seed() == self._rng_seed and self._step - self._rng_start == len(offs):
-                        offs.append(g.get_offset())
-                    else:
-                        self._log_rng(False)
-                self._lean_post = True
-                return None
         if _REPLAYING[0] is None and not self._stack:
             self._new_step(args, kwargs)
         if self._mode is not None:
@@ -333,20 +314,6 @@ class doctor:
         return None
 
     def _root_post(self, module, args, output):
-        if self._lean_post:  # after _root_pre's short path: _root_post's work for its step
-            self._lean_post = False
-            if type(output) is torch.Tensor and self._scaler_seen and output.nbytes <= _step_watch.BIG:
-                w = self._lean
-                w.pending = (weakref.ref(output),)
-                if output.grad_fn is not None:
-                    w.step_bytes += output.nbytes  # (its gradient's, held until the verdict)
-                    hooks = output._backward_hooks
-                    if hooks is None:
-                        hooks = output._backward_hooks = collections.OrderedDict()
-                        output.grad_fn._register_hook_dict(output)
-                    hooks[self] = w.take
-                w.cfg = self._cfg = _step_watch.region_config(self._types, self._cfg)
-                return None
         if self._mode is not None:
             self._leave_forward("", output)
         if _REPLAYING[0] is not None or self._stack:

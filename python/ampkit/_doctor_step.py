@@ -128,7 +128,7 @@ def _record_kernel():
 
 
 _CHUNK = 1 << 16
-BIG = 32 << 20  # bytes: a held tensor this large is copied by the Triton kernel
+_BIG = 32 << 20  # bytes: a held tensor this large is copied by the Triton kernel
 _BATCH = 32  # steps whose flags go to the host in one copy (two launches)
 _BATCH_BYTES = 512 << 20  # ... or fewer, once the steps not sent hold this much (at most 1% of a GPU's memory)
 _RING = 2048  # host slots for the flags on their way (pinned on CUDA)
@@ -227,22 +227,21 @@ class StepWatch:
         ptrs = {a.data_ptr() for a in ins}
         sizes = [a.nbytes for a in ins]
         last = self._last_ptrs
-        host = self.host_verdicts and not cap and all(n <= BIG for n in sizes) and last is not None \
+        host = self.host_verdicts and not cap and all(n <= _BIG for n in sizes) and last is not None \
             and not (last & ptrs)
         self._hold(args, kwargs, ins, ptrs, sum(sizes), host)
 
     def begin_new(self, a, host_step):
         """``begin`` for the usual step, ``model(x)`` eager (not inside a capture: the
-        caller knows) with ``x`` a new tensor (not the last step's buffer) of at most BIG
+        caller knows) with ``x`` a new tensor (not the last step's buffer) of at most _BIG
         bytes: held as it is until the host reads the verdict. Returns False, having changed
-        nothing, for any other step (``begin``'s general path takes it). Every step runs it:
-        it is written in as few lines as it takes."""
+        nothing, for any other step (``begin``'s general path takes it)."""
         last = self._last_ptrs
         if type(a) is not torch.Tensor or last is None or not self.host_verdicts:
             return False
         ptr = a.data_ptr()
         nbytes = a.nbytes
-        if ptr in last or nbytes > BIG:
+        if ptr in last or nbytes > _BIG:
             return False
         p = self._pending
         if p and p[0][1] < self._sent:  # the oldest step's flag was sent: its verdict may be back
@@ -320,7 +319,7 @@ class StepWatch:
         for a step held as it is: its gradients are placed only if it is the first bad one)."""
         if self.host_mode:
             sizes = [t.nbytes for t in outs]
-            if not any(n > BIG for n in sizes):
+            if not any(n > _BIG for n in sizes):
                 self.step_bytes += sum(sizes)
                 return None
             # a gradient this large is not held for steps: the device copies this step
@@ -496,7 +495,7 @@ class StepWatch:
         self.frozen_meta = (step, lay, gslots, cfg)
 
     def _record(self, bad, held):
-        if self._kernel is not None and (self.cap or any(s.numel() * s.element_size() > BIG for s, _ in held)):
+        if self._kernel is not None and (self.cap or any(s.numel() * s.element_size() > _BIG for s, _ in held)):
             self._launch(bad, held)  # one launch (one node of a graph), no pass over the held bytes
             return
         # eager, small tensors: torch ops (a Triton launch costs more host time than a few)
