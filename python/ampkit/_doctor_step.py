@@ -13,9 +13,9 @@ eagerly). So the doctor splits the work:
   step's *replay data* is held, not copied: its tensor inputs, the output gradient, the
   CPU generator's state (and with ``keep_weights`` the weights' bytes). Two ways on:
   - *the host's verdict* (eager steps whose inputs are new tensors, the usual loop): the
-    check's flag is held (no op), and every 32 steps (sooner once the steps not sent hold
-    256 MiB) the held flags are stacked and copied, asynchronously, to pinned host memory
-    over a sentinel; the steps wait in a queue holding their tensors. A later step (or a
+    check's flag is held (no op), and every 32 steps (sooner once the steps not sent
+    hold 512 MiB, or 1% of the GPU's memory) the held flags are stacked and copied,
+    asynchronously, to pinned host memory over a sentinel; the steps wait in a queue holding their tensors. A later step (or a
     reader) sees the flags there once the device got that far: a clean step lets go, the
     first bad one has its tensors copied into the frozen bytes then. The host waits only
     if it runs 64 steps ahead of the device.
