@@ -36,12 +36,13 @@ one copy of the weights; a step's inputs and output gradient are held until its 
 
 from __future__ import annotations
 
+import array
 import collections
 import contextlib
+import ctypes
 import dataclasses
 import time
 
-import numpy
 import torch
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
@@ -181,8 +182,9 @@ class StepWatch:
             min(_BATCH_BYTES, torch.cuda.get_device_properties(dev).total_memory // 100)
         self.step_bytes = 0  # what this step holds (inputs, output gradients)
         self._ring = torch.full((_RING,), -1.0, dtype=torch.float32, pin_memory=not self._cpu)  # -1 free, -2 on its way
-        self._ring_np = self._ring.numpy()  # (runs of slots set at once)
-        self._ring_mv = memoryview(self._ring_np)  # (one slot, read and written in ns)
+        # the ring's host memory as a Python buffer (a slot read and written in ns; without
+        # numpy, which ampkit does not require): the tensor outlives it
+        self._ring_mv = memoryview((ctypes.c_float * self._ring.numel()).from_address(self._ring.data_ptr())).cast("B").cast("f")
         # Flags are numbered in the order they are made; flag f sits in ring slot f % _RING.
         self._flags = []  # the flags not sent yet: numbers _sent .. _made - 1
         self._made = self._sent = 0
@@ -408,18 +410,18 @@ class StepWatch:
         runs = [(first % _RING, 0, min(n, _RING - first % _RING))]  # (slot, flag, count): one run, or two
         if runs[0][2] < n:
             runs.append((0, runs[0][2], n - runs[0][2]))
-        ring = self._ring_np
-        if any((ring[i: i + k] != -1.0).any() for i, _, k in runs):  # (never with _PENDING x _FLAGS < _RING / 2)
+        mv = self._ring_mv
+        if not all(_all_free(mv, i, k) for i, _, k in runs):  # (never with _PENDING x _FLAGS < _RING / 2)
             if self.dev.type == "cuda":
                 torch.cuda.synchronize(self.dev)
             self.poll()
-            if any((ring[i: i + k] != -1.0).any() for i, _, k in runs):
+            if not all(_all_free(mv, i, k) for i, _, k in runs):
                 raise RuntimeError("ampkit.doctor: the verdict ring is full (a bug: please report it)")
         self._flags = []
         self._sent = first + n
         src = torch.stack(flags) if n > 1 else flags[0].reshape(1)
         for i, j, k in runs:
-            ring[i: i + k] = -2.0
+            mv[i: i + k] = array.array("f", (-2.0,)) * k
             self._ring[i: i + k].copy_(src[j: j + k] if len(runs) > 1 else src, non_blocking=True)
 
     def _wait_oldest(self):
@@ -442,35 +444,21 @@ class StepWatch:
             self._send()
             if self.dev.type == "cuda":
                 torch.cuda.synchronize(self.dev)
-        if not p:
-            return
-        f0, end = p[0][1], self._sent  # the flags sent and not read: numbers f0 .. end - 1
-        n = end - f0
-        if n <= 0:
-            return
-        ring, i0 = self._ring_np, f0 % _RING
-        vals = ring[i0: i0 + n] if i0 + n <= _RING else numpy.concatenate((ring[i0:], ring[: i0 + n - _RING]))
-        waiting = numpy.flatnonzero(vals == -2.0)
-        arrived = f0 + (int(waiting[0]) if len(waiting) else n)  # flags f0 .. arrived - 1 are back
-        done = []
-        while p and p[0][1] + p[0][2] <= arrived:  # the steps whose every flag is back, oldest first
-            done.append(p.popleft())
-        if not done:
-            return
-        m = done[-1][1] + done[-1][2] - f0
-        bad = numpy.flatnonzero(vals[:m] > 0)  # (read before the slots are freed below)
-        if i0 + m <= _RING:
-            ring[i0: i0 + m] = -1.0
-        else:
-            ring[i0:] = -1.0
-            ring[: i0 + m - _RING] = -1.0
-        if self._first is None and len(bad):
-            fb = f0 + int(bad[0])
-            for step, first, k, data in done:
-                if first <= fb < first + k:
-                    self._first = step
-                    self._freeze(step, *data)
-                    break
+        mv = self._ring_mv
+        while p:
+            step, first, k, data = p[0]
+            if first + k > self._sent:
+                return
+            slots = [(first + j) % _RING for j in range(k)] if k > 1 else (first % _RING,)
+            vals = [mv[i] for i in slots]
+            if -2.0 in vals:
+                return
+            p.popleft()
+            for i in slots:
+                mv[i] = -1.0
+            if self._first is None and max(vals) > 0:
+                self._first = step
+                self._freeze(step, *data)
 
     def _freeze(self, step, args, ins, grads, rng, cfg, vers):
         """Place step ``step``'s inputs (and CPU generator bytes) and output gradients in the
@@ -571,6 +559,11 @@ class StepWatch:
         args, kwargs = tree_unflatten(leaves, layout.spec)
         grads = [_typed(self.g_frozen, off, shape, dtype) for off, shape, dtype in grad_layout]
         return args, kwargs, grads, rng
+
+
+def _all_free(mv, i, k):
+    """Whether ring slots i .. i + k - 1 are free (-1)."""
+    return all(v == -1.0 for v in mv[i: i + k].tolist())
 
 
 def _grad_slots(outs):
