@@ -255,6 +255,8 @@ class StepWatch:
         self._last_in = self.ins = (a,)
         self._last_ptrs = {ptr}
         self.host_mode = True
+        if self.held:  # (the last step's, if the device placed it)
+            self.held = []
         self.step_bytes = nbytes
         self.args = ((a,), {})
         self.grads = []
@@ -268,6 +270,7 @@ class StepWatch:
         self._last_ptrs = ptrs
         self.host_mode = host
         if host:
+            self.held = []  # (the last step's, if the device placed it)
             self.step_bytes = nbytes
             self.args = (args, kwargs)
             self.ins = ins
@@ -359,12 +362,13 @@ class StepWatch:
         scaler's float 1.0/0.0) is set and no other step is recorded. A step held as it is:
         the flag goes to the host ring and the step waits there for its verdict (``poll``);
         otherwise the device copies what the step holds into the frozen bytes only if it is
-        the first bad one. Lets go of what it held. Idempotent within a step."""
+        the first bad one (what such a step holds is let go of when the next step begins:
+        each check of the step may be the bad one). Idempotent within a step."""
         if not self.host_mode:
-            held = self.held + self.weights
-            self.held = []
+            # what the step holds stays held until the next step begins: a second check in
+            # this step (a second optimizer's) may be the bad one and copies it then
             with torch.no_grad():  # (a held input may require grad; where's out= refuses those)
-                self._record(bad, held)
+                self._record(bad, self.held + self.weights)
             return
         if bad.dtype != torch.float32:
             bad = bad.float()

@@ -790,3 +790,42 @@ def test_an_input_that_requires_grad_is_replayed():
             loss.backward()
         f = doc.first_nonfinite()
     assert (f.op, f.module, f.phase, f.step, f.input_absmax) == ("_to_copy", "0", "forward", 1, x.abs().max().item())
+
+
+@pytest.mark.parametrize("placed_by", ["keep_weights", "refilled_buffer"])
+def test_a_step_checked_twice_keeps_its_data_for_the_bad_second_check(placed_by):
+    # two optimizers through one scaler check a step twice; only the second one's gradients
+    # overflow. On the device's path (keep_weights, or one input buffer refilled each step)
+    # the step's inputs must still be kept for the second, bad check (they were let go at the
+    # first, and the replay then failed). The oracle: the same run with one optimizer over
+    # every parameter (one check a step) names the same op, module, phase and step.
+    def run(split):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        with torch.no_grad():
+            m[2].weight.fill_(1e-3)
+        opts = [torch.optim.SGD(m[0].parameters(), lr=0.0), torch.optim.SGD(m[2].parameters(), lr=0.0)] \
+            if split else [torch.optim.SGD(m.parameters(), lr=0.0)]
+        scaler = ampkit.GradScaler("cpu", init_scale=2.0**12, growth_interval=10**6)
+        xs = [torch.rand(4, 8) * 0.1 for _ in range(6)]
+        xs[4] = torch.rand(4, 8) * 10 + 5  # layer 2's weight gradient overflows float16, layer 0's does not
+        buf = torch.empty(4, 8)
+        with ampkit.doctor(m, keep_weights=placed_by == "keep_weights") as doc:
+            for x in xs:
+                if placed_by == "refilled_buffer":
+                    x = buf.copy_(x)
+                for o in opts:
+                    o.zero_grad()
+                with ampkit.autocast("cpu", dtype=torch.float16):
+                    loss = m(x).float().sum()
+                scaler.scale(loss).backward()
+                for o in opts:
+                    scaler.step(o)
+                scaler.update()
+            f = doc.first_nonfinite()
+        return f, scaler.stats().skipped
+
+    (f2, skipped2), (f1, skipped1) = run(True), run(False)
+    assert skipped1 == skipped2 == 1
+    assert f1 is not None and f1.step == 4 and f1.op != "<not reproduced>"
+    assert f2 is not None and (f2.op, f2.module, f2.phase, f2.step) == (f1.op, f1.module, f1.phase, f1.step)
