@@ -31,7 +31,8 @@ eagerly). So the doctor splits the work:
 
 Memory: the frozen inputs and output gradients (one step's), and with ``keep_weights``
 one copy of the weights; a step's inputs and output gradient are held until its verdict
-(up to about 34 steps later; at most 64).
+(up to about 34 steps later; at most 64), or, for a step the device copies, until the next
+step begins (each of the step's checks may be the bad one).
 """
 
 from __future__ import annotations
