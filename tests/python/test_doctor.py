@@ -332,12 +332,16 @@ def test_suggest_pins_a_module_whose_casts_underflow():
 
 # -- the replay: a bad step that was not sampled ------------------------------------------
 def _fp16_step(model, opt, scaler, x, device):
-    """One training step in float16 with the scaler, the loss the output's sum."""
-    opt.zero_grad()
+    """One training step in float16 with the scaler, the loss the output's sum (``opt``: an
+    optimizer, or a list of them, each stepped through the scaler)."""
+    opts = opt if isinstance(opt, list) else [opt]
+    for o in opts:
+        o.zero_grad()
     with ampkit.autocast(device, dtype=torch.float16):
         loss = model(x).float().sum()
     scaler.scale(loss).backward()
-    scaler.step(opt)
+    for o in opts:
+        scaler.step(o)
     scaler.update()
 
 
@@ -491,14 +495,7 @@ def test_the_flag_ring_wraps_and_folds_many_checks_of_a_step(monkeypatch, optimi
         xs[33][1, 2] = 1e6
     with ampkit.doctor(model) as doc:
         for x in xs:
-            for o in opts:
-                o.zero_grad()
-            with ampkit.autocast("cpu", dtype=torch.float16):
-                loss = model(x).float().sum()
-            scaler.scale(loss).backward()
-            for o in opts:
-                scaler.step(o)
-            scaler.update()
+            _fp16_step(model, opts, scaler, x, "cpu")
         f = doc.first_nonfinite()
         host = doc.host_verdict_steps
     assert host == 39  # (step 0 has no last step to compare its inputs with: the device copies it)
@@ -812,16 +809,7 @@ def test_a_step_checked_twice_keeps_its_data_for_the_bad_second_check(placed_by)
         buf = torch.empty(4, 8)
         with ampkit.doctor(m, keep_weights=placed_by == "keep_weights") as doc:
             for x in xs:
-                if placed_by == "refilled_buffer":
-                    x = buf.copy_(x)
-                for o in opts:
-                    o.zero_grad()
-                with ampkit.autocast("cpu", dtype=torch.float16):
-                    loss = m(x).float().sum()
-                scaler.scale(loss).backward()
-                for o in opts:
-                    scaler.step(o)
-                scaler.update()
+                _fp16_step(m, opts, scaler, buf.copy_(x) if placed_by == "refilled_buffer" else x, "cpu")
             f = doc.first_nonfinite()
         return f, scaler.stats().skipped
 
