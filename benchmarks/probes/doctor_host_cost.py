@@ -50,7 +50,7 @@ for owner, name in [(_doctor.doctor, "_root_pre"), (_doctor.doctor, "_root_post"
                     (_doctor, "scaler_checked"),  # (the scaler calls it through the module)
                     (_doctor, "_capturing"), (_doctor.doctor, "_log_rng"), (_doctor.doctor, "_new_step"),
                     (_doctor_step.StepWatch, "check_pending"), (_doctor_step, "region_config"),
-                    (_doctor_step.StepWatch, "hold_output_grads"),
+                    (_doctor_step.StepWatch, "hold_output_grads"), (_doctor.doctor, "_scaler_report"),
                     (_doctor.doctor, "_steps")]:
     timed(owner, name)
 

@@ -346,16 +346,6 @@ def thread_engine():
     return _engine()
 
 
-def current_regions() -> dict:
-    """{device_type: (enabled, dtype, policy, cache_enabled)} of this thread's innermost
-    ampkit region ({} outside any): one object per region, never changed (the doctor reads
-    it every step, so in one call)."""
-    try:
-        return _tls.engine.levels[-1][0].devs
-    except AttributeError:
-        return _engine().devs()
-
-
 class _Mode(TorchFunctionMode):
     """The one handler. Kept minimal: it runs for every torch call while pushed."""
 

@@ -142,17 +142,10 @@ def scaler_checked(found_per_device, optimizer, combined_later=False):
     them, this rank's own)."""
     for r in _DOCTORS:
         doc = r()
-        if doc is None:
-            continue
-        seen = doc._optimizers.get(id(optimizer))  # (doc._steps, its common case inline)
-        if seen[1] if seen is not None and seen[0]() is optimizer else doc._steps(optimizer):
+        if doc is not None and doc._steps(optimizer):
             if combined_later:
                 found_per_device = {d: f.clone() for d, f in found_per_device.items()}
-            doc._scaler_seen = True
-            for dev, found in found_per_device.items():
-                w = doc._watches.get(dev)
-                if w is not None and w.host_step >= 0:
-                    w.record(found)
+            doc._scaler_report(found_per_device)
 
 
 class doctor:
@@ -228,7 +221,6 @@ class doctor:
         self._rng_dev = next((d for d in self._watches if d.type == "cuda"), None)  # whose generator is logged
         self._rng_gen = _step_watch.cuda_generator(self._rng_dev) if self._rng_dev is not None else None
         self._one = len(self._watches) == 1
-        self._cfg = None  # the last step's autocast regions (region_config)
         self._types = tuple({d.type for d in self._watches})
         for w in self._watches.values():
             w.take = self._taker(w, None)
@@ -324,7 +316,7 @@ class doctor:
         self._bw_queued = False
         if self._out_grads:
             self._out_grads = []
-        cfg = self._cfg = _step_watch.region_config(self._types, self._cfg)
+        cfg = _step_watch.region_config(self._types)
         placed = False
         one = self._one
         for dev, w in self._watches.items():
@@ -344,10 +336,7 @@ class doctor:
         """The hook that takes an output's gradient for watch ``w`` (into ``dst``, or held
         when ``dst`` is None)."""
         def take(grad):
-            if w.host_mode:
-                w.grads.append(grad)
-            else:
-                w.keep_grad(dst, grad)
+            w.keep_grad(dst, grad)
             w.pending = None  # (the backward came: no forward-only check)
             if not self._scaler_seen:  # else the scaler's own check records the step
                 self._out_grads.append(grad)
@@ -393,6 +382,15 @@ class doctor:
         mine = any(id(p) in ids for g in getattr(optimizer, "param_groups", ()) for p in g["params"])
         self._optimizers[id(optimizer)] = (weakref.ref(optimizer), mine)
         return mine
+
+    def _scaler_report(self, found_per_device):
+        """An ``ampkit.GradScaler`` checked the gradients: its flags (1.0 = inf or NaN) are
+        this step's check, with no pass of the doctor's own over the gradients."""
+        self._scaler_seen = True
+        for dev, found in found_per_device.items():
+            w = self._watches.get(dev)
+            if w is not None and w.host_step >= 0:
+                w.record(found)
 
     def _remember(self, cfg):
         """What a replay of this step needs from the host, for a step whose bytes the device

@@ -13,9 +13,9 @@ eagerly). So the doctor splits the work:
   step's *replay data* is held, not copied: its tensor inputs, the output gradient, the
   CPU generator's state (and with ``keep_weights`` the weights' bytes). Two ways on:
   - *the host's verdict* (eager steps whose inputs are new tensors, the usual loop): the
-    check's flag is held (no op), and every 32 steps (sooner once the steps not sent
-    hold 512 MiB, or 1% of the GPU's memory) the held flags are stacked and copied,
-    asynchronously, to pinned host memory over a sentinel; the steps wait in a queue holding their tensors. A later step (or a
+    check's flag is held (no op), and every 32 steps (sooner once the steps not sent hold
+    256 MiB) the held flags are stacked and copied, asynchronously, to pinned host memory
+    over a sentinel; the steps wait in a queue holding their tensors. A later step (or a
     reader) sees the flags there once the device got that far: a clean step lets go, the
     first bad one has its tensors copied into the frozen bytes then. The host waits only
     if it runs 64 steps ahead of the device.
@@ -132,7 +132,7 @@ def _record_kernel():
 _CHUNK = 1 << 16
 _BIG = 32 << 20  # bytes: a held tensor this large is copied by the Triton kernel
 _BATCH = 32  # steps whose flags go to the host in one copy (two launches)
-_BATCH_BYTES = 512 << 20  # ... or fewer, once the steps not sent hold this much (at most 1% of a GPU's memory)
+_BATCH_BYTES = 256 << 20  # ... or fewer, once the steps not sent hold this much
 _RING = 2048  # host slots for the flags on their way (pinned on CUDA)
 _FLAGS = 8  # flags a step sends at most (more checks in a step are folded into its last)
 _PENDING = 64  # eager steps whose verdicts the host may wait for, holding their tensors
@@ -179,8 +179,6 @@ class StepWatch:
         # there once the device got that far. The step's tensors are held until then and
         # copied only if it is the first bad one.
         self._unsent = self._unsent_bytes = 0
-        self._batch_bytes = _BATCH_BYTES if dev.type != "cuda" else \
-            min(_BATCH_BYTES, torch.cuda.get_device_properties(dev).total_memory // 100)
         self.step_bytes = 0  # what this step holds (inputs, output gradients)
         self._ring = torch.full((_RING,), -1.0, dtype=torch.float32, pin_memory=not self._cpu)  # -1 free, -2 on its way
         # the ring's host memory as a Python buffer (a slot read and written in ns; without
@@ -394,7 +392,7 @@ class StepWatch:
                 self.host_steps += 1
         self._unsent += 1
         self._unsent_bytes += self.step_bytes
-        if self._unsent >= _BATCH or self._unsent_bytes > self._batch_bytes:
+        if self._unsent >= _BATCH or self._unsent_bytes > _BATCH_BYTES:
             self._send()
 
     def _send(self):
@@ -642,28 +640,25 @@ def state_of(model, keep_weights=False):
     return by_dev
 
 
-_ENGINE = []  # ampkit._autocast.current_regions, once imported (it imports the doctor's users)
+_ENGINE = []  # ampkit._autocast.thread_engine, once imported (it imports the doctor's users)
 _NO_REGIONS: dict = {}
 
 
-def region_config(types, last=None):
+def region_config(types):
     """The autocast regions in force, to enter again in a replay: ampkit's (all), and
     torch's own for the device types ``types`` (the model's: another type's region casts
-    none of its ops) where no ampkit region is. ``last``: the last step's, returned when
-    equal (the usual loop enters the same regions each step: one object for all)."""
+    none of its ops) where no ampkit region is."""
     if not _ENGINE:
-        from ampkit._autocast import current_regions
+        from ampkit._autocast import thread_engine
 
-        _ENGINE.append(current_regions)
-    devs = _ENGINE[0]()  # {device_type: (enabled, dtype, policy, cache)}: one object per region, never changed
+        _ENGINE.append(thread_engine)
+    devs = _ENGINE[0]().devs()  # {device_type: (enabled, dtype, policy, cache)}: one object per region, never changed
     plain = _NO_REGIONS
     for dt in types:
         if dt not in devs and torch.is_autocast_enabled(dt):
             if plain is _NO_REGIONS:
                 plain = {}
             plain[dt] = torch.get_autocast_dtype(dt)
-    if last is not None and last[0] is devs and (last[1] is plain or last[1] == plain):
-        return last
     return devs, plain
 
 
