@@ -345,6 +345,15 @@ def _fp16_step(model, opt, scaler, x, device):
     scaler.update()
 
 
+def _armed_run(model, opt, scaler, xs):
+    """A doctor armed over float16 CPU steps on the batches ``xs``: (its first finding, the
+    steps whose verdict the host read)."""
+    with ampkit.doctor(model) as doc:
+        for x in xs:
+            _fp16_step(model, opt, scaler, x, "cpu")
+        return doc.first_nonfinite(), doc.host_verdict_steps
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_an_unsampled_bad_step_is_replayed_with_its_inputs_weights_and_dropout(device):
     # the last of 5 steps of a run armed with every=100 (only step 0 is sampled) overflows
@@ -493,11 +502,7 @@ def test_the_flag_ring_wraps_and_folds_many_checks_of_a_step(monkeypatch, optimi
     xs = [torch.randn(4, 8) for _ in range(40)]
     if scaler_kind == "scaler":
         xs[33][1, 2] = 1e6
-    with ampkit.doctor(model) as doc:
-        for x in xs:
-            _fp16_step(model, opts, scaler, x, "cpu")
-        f = doc.first_nonfinite()
-        host = doc.host_verdict_steps
+    f, host = _armed_run(model, opts, scaler, xs)
     assert host == 39  # (step 0 has no last step to compare its inputs with: the device copies it)
     assert f.step == 33 and scaler.stats().skipped == 1
     if scaler_kind == "scaler":
@@ -596,11 +601,7 @@ def test_a_scaler_whose_check_is_its_own_still_gives_the_doctor_its_flag():
     scaler = _OwnCheckScaler("cpu", init_scale=1.0)
     xs = [torch.randn(4, 8) for _ in range(9)]
     xs[5][0, 1] = 1e6
-    with ampkit.doctor(model) as doc:
-        for x in xs:
-            _fp16_step(model, opt, scaler, x, "cpu")
-        f = doc.first_nonfinite()
-        host = doc.host_verdict_steps
+    f, host = _armed_run(model, opt, scaler, xs)
     assert host == 8 and scaler.stats().skipped == 1
     assert (f.module, f.phase, f.step) == ("0", "forward", 5)
     assert f.input_absmax == xs[5].abs().max().item()
