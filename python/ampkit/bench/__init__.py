@@ -70,6 +70,9 @@ from ampkit.bench._runner import peak_memory
 from ampkit.bench._runner import precision_flags
 from ampkit.bench._runner import progress
 from ampkit.bench._runner import reset_peak_memory
+from ampkit.bench._runner import VariantRun
+from ampkit.bench._runner import rotation
+from ampkit.bench._runner import run_interleaved
 from ampkit.bench._runner import run_variant
 from ampkit.bench._runner import skipped_from_scale
 from ampkit.bench._runner import synchronize
@@ -93,6 +96,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "StepCost",
     "Variant",
+    "VariantRun",
     "build_case",
     "calibrate",
     "capability_from",
@@ -126,6 +130,8 @@ __all__ = [
     "read_events",
     "reset_peak_memory",
     "resolve_device",
+    "rotation",
+    "run_interleaved",
     "run_items",
     "run_variant",
     "resolve_run",

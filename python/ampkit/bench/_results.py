@@ -180,11 +180,13 @@ def _num(x):
 
 def make_record(run, *, status: str = "ok", samples_ms=None, final_loss=None, peak_memory_bytes=None,
                 final_scale=None, skipped_steps=None, reason=None, error=None, torch_threads=None,
-                wall_s=None, graph_captured=None, compile_s=None) -> dict:
+                wall_s=None, graph_captured=None, compile_s=None, interleaved=None) -> dict:
     """One record, the same fields from either language: ``run`` (a ResolvedRun, see
     ``resolve_run``) says what ran; the keywords what it measured. samples_ms holds one
     ms/step value per timed repeat; compile_s the first warm-up step of a compiled variant
-    (torch.compile's compilation)."""
+    (torch.compile's compilation); ``interleaved`` ({"group": [variants], "rounds": R,
+    "positions": [this variant's place in each round]}, see ``run_interleaved``) says the
+    samples were taken in rounds in turn with the group's other variants (absent: alone)."""
     import torch
     if status not in ("ok", "skipped", "failed"):
         raise ValueError("status must be 'ok', 'skipped' or 'failed', got %r" % (status,))
@@ -238,6 +240,9 @@ def make_record(run, *, status: str = "ok", samples_ms=None, final_loss=None, pe
         "time_vs_python": None,
         "loss_rel_diff_vs_fp32": None,
     }
+    if interleaved is not None:
+        rec["interleaved"] = {"group": [str(v) for v in interleaved["group"]], "rounds": int(interleaved["rounds"]),
+                              "positions": [int(p) for p in interleaved.get("positions", [])]}
     if run.world_size is not None:  # across processes: where, and the throughput of all ranks
         batch = run.sizes.get("batch_size")
         rec.update(world_size=int(run.world_size), engine=run.engine, engine_options=dict(run.engine_options or {}),
@@ -246,10 +251,23 @@ def make_record(run, *, status: str = "ok", samples_ms=None, final_loss=None, pe
     return rec
 
 
+def interleaved_together(a: dict, b: dict) -> bool:
+    """Whether records ``a`` and ``b`` were timed in the same interleaved group (the same
+    case, language and placement, each in the other's group): their samples then come from
+    the same rounds, in the same minutes."""
+    ia, ib = a.get("interleaved"), b.get("interleaved")
+    return bool(ia and ib and ia["group"] == ib["group"] and a["variant"] in ia["group"]
+                and b["variant"] in ia["group"] and a["variant"] != b["variant"]
+                and (a["case"], a["language"], a.get("profile"), a.get("device")) ==
+                (b["case"], b["language"], b.get("profile"), b.get("device"))
+                and placement_key(a) == placement_key(b))
+
+
 def _ratio(num: dict, den: dict, speedup: bool = False):
     """num.median / den.median with a conservative [low, high] from the extremes of the samples.
 
     A time ratio (speedup=False) below 1 is faster; a speedup (fp32 time / this time) above 1 is.
+    When both were timed in the same interleaved group the ratio says so ("interleaved": true).
     """
     if num is None or den is None or num is den or num.get("status") != "ok" or den.get("status") != "ok":
         return None
@@ -258,7 +276,10 @@ def _ratio(num: dict, den: dict, speedup: bool = False):
     below, above = high < 1 - NOISE, low > 1 + NOISE
     change = ("faster" if above else "slower" if below else "same") if speedup else \
              ("faster" if below else "slower" if above else "same")
-    return {"value": value, "low": low, "high": high, "change": change}
+    out = {"value": value, "low": low, "high": high, "change": change}
+    if interleaved_together(num, den):
+        out["interleaved"] = True
+    return out
 
 
 def placement_key(rec: dict) -> tuple:

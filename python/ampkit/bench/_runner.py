@@ -12,6 +12,13 @@ The timing protocol (the R runner, benchmarks/run.R, follows it line by line):
      (the loop itself never syncs with the host);
   5. skipped steps from the scaler: with fewer steps than its growth interval the scale
      only ever halves, once per skipped step, so skipped = log2(init_scale / final_scale).
+
+``run_variant`` runs these steps for one variant. ``run_interleaved`` (the runner across
+processes uses it) runs steps 1-2 for each of several variants, then 3 as `repeats` rounds
+of one epoch per variant, the order rotating (round r starts at variant r mod k), so that
+the variants' samples come from the same minutes; both are made of ``VariantRun``'s pieces
+(build, warm_up, epoch, record), one implementation. A variant's turns keep its own random
+state, so a run trains the same, step for step, alone or interleaved.
 """
 
 from __future__ import annotations
@@ -187,79 +194,250 @@ def skipped_from_scale(final_scale, total_steps: int):
     return max(0, int(round(math.log2(INIT_SCALE / final_scale))))
 
 
+def rotation(k: int, rounds: int) -> list:
+    """The order in which ``k`` interleaved variants run in each of ``rounds`` rounds (one
+    timed epoch each a round): round r starts at variant r mod k and goes on in order.
+
+    >>> rotation(3, 4)
+    [[0, 1, 2], [1, 2, 0], [2, 0, 1], [0, 1, 2]]
+    """
+    return [[(r + j) % k for j in range(k)] for r in range(rounds)]
+
+
+def _allocated(device: str):
+    return int(torch.cuda.memory_allocated()) if device == "cuda" else None
+
+
+def _rng_state(device: str):
+    return torch.get_rng_state(), (torch.cuda.get_rng_state() if device == "cuda" else None)
+
+
+def _set_rng_state(state) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda)
+
+
+def _check_variant(variant, caller: str) -> None:
+    if not isinstance(variant, Variant):
+        raise TypeError(
+            "%s(built, variant): variant must be an ampkit.bench.Variant, got %r; "
+            "get one with ampkit.bench.load_variants()[%r] (names: %s)"
+            % (caller, variant, variant if isinstance(variant, str) else "fp32",
+               ", ".join(sorted(load_variants()))))
+
+
+class VariantRun:
+    """One variant of a built case being measured, in pieces, so that the same code times
+    it alone (``run_variant``) or in turn with others (``run_interleaved``):
+
+        build()    a fresh seeded model (wrapped by the placement), its optimizer, scaler, step
+        warm_up()  the untimed steps (a compiled variant's first one timed apart)
+        epoch()    sync, clock, one epoch over the batches, sync, clock: one sample
+        record()   the record (across processes a collective: every rank calls it in turn)
+        close()    drop the model, optimizer, scaler and step
+
+    Each piece is a turn of this variant: it runs under the variant's precision flags with
+    its own random state (saved at the end of its turn, restored at the start of the next:
+    a dropout mask does not depend on what ran in between), and its time is added to
+    ``wall_s``. Peak memory on CUDA is its own: the allocator's peak during each of its
+    turns, less what the others held then (``floor``: what was allocated before any of the
+    group was built, the case's batches; ``held``: what this variant's turns left allocated).
+    ``attempt(piece)`` runs a piece and keeps the error instead of raising; across processes
+    every rank then agrees (``Placement.first_error``) and a failed variant is closed on all.
+    """
+
+    def __init__(self, built: BuiltCase, variant: Variant, language: str = "python", placement=None):
+        _check_variant(variant, "VariantRun")
+        self.built, self.variant, self.placement = built, variant, placement
+        self.device = built.device
+        self.run = resolve_run(built, variant, language, placement=placement)
+        self.skip = variant.skip_reason(self.device)
+        self.error = None
+        self.model = self.opt = self.scaler = self.step = None
+        self.samples, self.losses, self.positions = [], [], []
+        self.compile_s = self.counts = None
+        self.wall_s = 0.0
+        self.floor = _allocated(self.device)
+        self.held, self.peak = 0, None
+        self.rng = None
+
+    @contextlib.contextmanager
+    def _turn(self):
+        t0 = time.perf_counter()
+        if self.rng is not None:
+            _set_rng_state(self.rng)
+        base = _allocated(self.device)
+        if base is not None:
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            with precision_flags(self.variant, self.device):
+                yield
+        finally:
+            self.rng = _rng_state(self.device)
+            if base is not None:
+                top = int(torch.cuda.max_memory_allocated()) - base + self.floor + self.held
+                self.peak = top if self.peak is None else max(self.peak, top)
+                self.held += _allocated(self.device) - base
+            self.wall_s += time.perf_counter() - t0
+
+    def sync(self) -> None:
+        if self.placement is None:
+            synchronize(self.device)
+        else:
+            self.placement.sync()
+
+    def build(self) -> None:
+        with self._turn():
+            built, variant, placement = self.built, self.variant, self.placement
+            model = built.new_model()
+            if placement is not None:
+                model = placement.wrap(model)
+            self.model = model
+            self.opt = built.new_optimizer(model, fused=variant.fused_optimizer)
+            self.scaler = make_scaler(variant, self.device)
+            self.step = make_step(variant, built, model, self.opt, self.scaler,
+                                  **({} if placement is None else dict(train_step_warmup=placement.train_step_warmup())))
+
+    def warm_up(self) -> None:
+        with self._turn():
+            batches, n = self.built.batches, self.built.num_batches
+            before = compile_counts()
+            for i in range(self.run.warmup_steps):
+                t0 = time.perf_counter()
+                self.step(*batches[i % n])
+                if i == 0 and self.variant.compile != "none":
+                    synchronize(self.device)
+                    self.compile_s = time.perf_counter() - t0
+            self.counts = (before, compile_counts())
+
+    def epoch(self) -> None:
+        with self._turn():
+            losses = []
+            self.sync()
+            t0 = time.perf_counter()
+            for x, y in self.built.batches:
+                losses.append(self.step(x, y))
+            self.sync()
+            self.samples.append((time.perf_counter() - t0) * 1000.0 / self.built.num_batches)
+            self.losses = losses
+
+    def attempt(self, piece) -> bool:
+        """Run ``piece`` (a method of this class, unbound); False when it failed here or, across
+        processes, on any rank (the error is then the first failing rank's, on every rank)."""
+        if self.error is None:
+            try:
+                piece(self)
+            except Exception as e:  # a failure is a result: record it, with the error, and go on
+                self.error = "%s: %s" % (type(e).__name__, e)
+        if self.placement is not None:
+            self.error = self.placement.first_error(self.error)
+        if self.error is not None:
+            self.close()
+        return self.error is None
+
+    def close(self) -> None:
+        self.model = self.opt = self.scaler = self.step = None
+        self.losses = []
+        gc.collect()
+
+    def record(self, interleaved=None) -> dict:
+        """The record: skipped (with the reason), failed (with the error) or ok. ``interleaved``
+        (a dict: the group's variants and the rounds) goes in the record of a variant that was
+        measured in turn with others, with this variant's place in each round."""
+        run = self.run
+        if self.skip:
+            return make_record(run, status="skipped", reason=self.skip)
+        extra = {} if interleaved is None else dict(interleaved=dict(interleaved, positions=list(self.positions)))
+        if self.error is None:
+            try:
+                final_loss = self.built.mean_loss(self.losses)
+                final_scale = float(self.scaler.get_scale()) if self.scaler is not None else None
+                if self.variant.runner == "train_step":
+                    captured, note = getattr(self.step, "captured", None), getattr(self.step, "reason", None)
+                else:
+                    captured = None
+                    note = compile_note(self.variant, self.run.warmup_steps, *self.counts, compile_counts())
+            except Exception as e:  # noqa: BLE001 - recorded
+                self.error = "%s: %s" % (type(e).__name__, e)
+            if self.placement is not None:
+                self.error = self.placement.first_error(self.error)
+        if self.error is not None:
+            return make_record(run, status="failed", error=self.error, wall_s=self.wall_s, **extra)
+        samples, peak = self.samples, self.peak
+        if self.placement is not None:  # the slowest rank sets the pace, the largest the peak
+            samples = self.placement.slowest(samples)
+            peak = None if peak is None else int(self.placement.slowest([peak])[0])
+        return make_record(run, status="ok", samples_ms=samples, final_loss=final_loss,
+                           graph_captured=captured, reason=note, compile_s=self.compile_s,
+                           peak_memory_bytes=peak, final_scale=final_scale,
+                           skipped_steps=skipped_from_scale(final_scale, run.warmup_steps + len(samples) *
+                                                            self.built.num_batches),
+                           wall_s=self.wall_s, **extra)
+
+
+def run_interleaved(built: BuiltCase, variants, language: str = "python", placement=None,
+                    before_piece=None) -> list:
+    """Train ``built`` under each of ``variants`` in turn and time them in the same window;
+    one record per variant, in order (each as ``run_variant`` makes it).
+
+    Every variant is built and warmed up first (one after the other), then ``built.repeats``
+    rounds each time one epoch of every variant, round r starting at variant r mod k
+    (``rotation``): a drift of the machine over the minutes of the measure hits every
+    variant alike, and each sample pairs with the others' of the same round. A variant that
+    fails (in its build, warm-up or an epoch) is recorded as failed and freed; the others go
+    on. Across processes (``placement``) every rank must call this with the same variants:
+    after each piece the ranks agree on whether it failed, so that each records the same.
+    With several variants each record's ``interleaved`` names the group, the rounds and the
+    variant's place in each round. A compiled variant cannot share a group (torch.compile's
+    state is reset per compiled variant): measure it alone. ``before_piece()`` is called
+    before each piece (the distributed runner re-arms its watchdog there)."""
+    for v in variants:
+        _check_variant(v, "run_interleaved")
+    runs = [VariantRun(built, v, language, placement) for v in variants]
+    if len(runs) > 1 and any(r.variant.compile != "none" for r in runs):
+        raise ValueError("run_interleaved: compiled variants (%s) are measured alone; torch.compile's state "
+                         "is reset for each" % ", ".join(r.variant.name for r in runs if r.variant.compile != "none"))
+    before = before_piece or (lambda: None)
+    try:
+        reset_peak_memory(built.device)
+        floor = _allocated(built.device)
+        for r in runs:
+            r.floor = floor
+            if not r.skip:
+                for piece in (VariantRun.build, VariantRun.warm_up):
+                    before()
+                    if not r.attempt(piece):
+                        break
+        for order in rotation(len(runs), built.repeats):
+            place = 0
+            for j in order:
+                r = runs[j]
+                if r.skip or r.error is not None:
+                    continue
+                before()
+                if r.attempt(VariantRun.epoch):
+                    r.positions.append(place)
+                place += 1
+        took_part = [r.variant.name for r in runs if not r.skip]
+        group = {"group": took_part, "rounds": built.repeats} if len(took_part) > 1 else None
+        return [r.record(group) for r in runs]
+    finally:
+        for r in runs:
+            r.close()
+        del runs
+        reset_peak_memory(built.device)
+
+
 def run_variant(built: BuiltCase, variant: Variant, language: str = "python", placement=None) -> dict:
     """Train `built` under `variant`; a record with status ok, skipped (with the reason) or
     failed (with the error), never a zero. ``placement`` (``ampkit.bench.Placement``): run
     across processes, on every rank at once: the model wrapped in its engine, a barrier
     before each clock read, each sample the slowest rank's, and a run that failed on one
-    rank failed on all."""
-    if not isinstance(variant, Variant):
-        raise TypeError(
-            "run_variant(built, variant): variant must be an ampkit.bench.Variant, got %r; "
-            "get one with ampkit.bench.load_variants()[%r] (names: %s)"
-            % (variant, variant if isinstance(variant, str) else "fp32",
-               ", ".join(sorted(load_variants()))))
-    device = built.device
-    run = resolve_run(built, variant, language, placement=placement)
-    common = dict(run=run)
-    reason = variant.skip_reason(device)
-    if reason:
-        return make_record(status="skipped", reason=reason, **common)
-    sync = (lambda: synchronize(device)) if placement is None else placement.sync
-    t_start = time.perf_counter()
-    model = opt = scaler = step = None
-    try:
-        reset_peak_memory(device)
-        with precision_flags(variant, device):
-            model = built.new_model()
-            if placement is not None:
-                model = placement.wrap(model)
-            opt = built.new_optimizer(model, fused=variant.fused_optimizer)
-            scaler = make_scaler(variant, device)
-            step = make_step(variant, built, model, opt, scaler,
-                             **({} if placement is None else dict(train_step_warmup=placement.train_step_warmup())))
-            batches, n = built.batches, built.num_batches
-            warmup, compile_s, counts0 = run.warmup_steps, None, compile_counts()
-            for i in range(warmup):
-                t0 = time.perf_counter()
-                step(*batches[i % n])
-                if i == 0 and variant.compile != "none":
-                    synchronize(device)
-                    compile_s = time.perf_counter() - t0
-            counts_warm = compile_counts()
-            samples, losses = [], []
-            for _ in range(built.repeats):
-                losses = []
-                sync()
-                t0 = time.perf_counter()
-                for x, y in batches:
-                    losses.append(step(x, y))
-                sync()
-                samples.append((time.perf_counter() - t0) * 1000.0 / n)
-            final_loss = built.mean_loss(losses)
-            peak = peak_memory(device)
-            if placement is not None:  # the slowest rank sets the pace, the largest the peak
-                samples = placement.slowest(samples)
-                peak = None if peak is None else int(placement.slowest([peak])[0])
-            final_scale = float(scaler.get_scale()) if scaler is not None else None
-            captured = getattr(step, "captured", None) if variant.runner == "train_step" else None
-            note = getattr(step, "reason", None) if variant.runner == "train_step" else \
-                compile_note(variant, warmup, counts0, counts_warm, compile_counts())
-        error = None
-    except Exception as e:  # a failure is a result: record it, with the error, and go on
-        error = "%s: %s" % (type(e).__name__, e)
-    finally:
-        del model, opt, scaler, step
-        reset_peak_memory(device)
-    if placement is not None:
-        error = placement.first_error(error)
-    if error is not None:
-        return make_record(status="failed", error=error, wall_s=time.perf_counter() - t_start, **common)
-    return make_record(status="ok", samples_ms=samples, final_loss=final_loss,
-                       graph_captured=captured, reason=note, compile_s=compile_s,
-                       peak_memory_bytes=peak, final_scale=final_scale,
-                       skipped_steps=skipped_from_scale(final_scale, run.warmup_steps + built.repeats * n),
-                       wall_s=time.perf_counter() - t_start, **common)
+    rank failed on all. The same pieces as ``run_interleaved``, for one variant."""
+    _check_variant(variant, "run_variant")
+    return run_interleaved(built, [variant], language, placement)[0]
 
 
 _PROGRESS: dict = {}  # language -> seconds the finished runs of this runner took (their wall_s)
