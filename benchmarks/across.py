@@ -1,14 +1,15 @@
 """benchmarks/run.py --gpus N: the benchmark across processes, launched through torchrun.
 
 For each world size (1, then N), one torchrun launch runs the whole plan
-(``ampkit.bench.plan_runs``: per case, the capture checks, then engine x variant) with
+(``ampkit.bench.plan_runs``: per case, the capture checks, then engine x variant, the
+variants of each engine configuration timed interleaved unless --sequential) with
 ``python -m ampkit.bench --engines ...``; rank 0 logs each item to
 ``<out>/events-x<world>.jsonl`` as it goes and the launch's output is kept in
 ``<out>/launch-x<world>.log``. When a launch ends before its plan does (the runner's
-watchdog stopped a stalled item, or a rank died), the item it was on is recorded as
-failed, with the exit status and the tail of the output, and a new launch starts after
-it. The records of all launches are merged into results.json (the one schema) and the
-report gains its multi-GPU section.
+watchdog stopped a stalled item, or a rank died), the items it was on (a check, or the
+variants of an interleaved group) are recorded as failed, with the exit status and the
+tail of the output, and a new launch starts after them. The records of all launches are
+merged into results.json (the one schema) and the report gains its multi-GPU section.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ def validate(a, bench):
     if a.repeats is not None and a.repeats < 1:
         raise ValueError("--repeats must be >= 1, got %d" % a.repeats)
     cases, variants = bench.plan(a.profile, a.cases or DEFAULT_CASES, a.variants or DEFAULT_VARIANTS)
+    if not a.sequential:  # a compiled variant is timed alone: after the group of the others, not inside it
+        variants = sorted(variants, key=lambda v: v.compile != "none")
     engines = bench.parse_engines(a.engines, a.ddp_options)
     device = bench.resolve_device(a.device)
     if device == "cuda":
@@ -68,6 +71,8 @@ def worker_cmd(a, device, cases, variants, world, start, events, threads, deadli
         cmd += ["--ddp-options", spec]
     if a.check and world > 1:
         cmd.append("--check")
+    if a.sequential:
+        cmd.append("--sequential")
     if a.repeats is not None:
         cmd += ["--repeats", str(a.repeats)]
     if threads:
@@ -112,7 +117,8 @@ def failed_item(item, error, a, device, world, bench):
         return None, dict(case=item.case, engine=item.engine.name, engine_options=item.engine.options_dict(),
                           world_size=world, error=error)
     variant = bench.load_variants()[item.variant]
-    run = bench.resolve_run(bench.load_cases()[item.case], variant, "python", a.profile, device, repeats=a.repeats,
+    repeats = bench.repeats_for(item.case, a.profile, a.repeats, not a.sequential)
+    run = bench.resolve_run(bench.load_cases()[item.case], variant, "python", a.profile, device, repeats=repeats,
                             placement=bench.Placement(item.engine, device, world_size=world))
     return bench.make_record(run, status="failed", error=error), None
 
@@ -141,17 +147,20 @@ def run_world(a, device, cases, variants, engines, world, env, out: Path, bench,
         left = [i for i in range(start, len(items)) if i not in done]
         if not left:
             break
-        at = got["started"] if got["started"] is not None and got["started"] in left else None
+        at = [i for i in got["started_items"] if i in left] if got["started"] in left else []
         how = " / ".join(tail) or "(no output)"
-        if at is None:  # the launch died before starting an item: no point in retrying each one
+        if not at:  # the launch died before starting an item: no point in retrying each one
             for i in left:
                 failed[i] = "the launch with %d process(es) exited with status %d before this run: %s" % (world, rc, how)
             break
-        failed[at] = ("did not finish: the launch with %d process(es) ended (status %d) during this run, "
-                      "after the %g s limit a run has (--run-timeout) or when a rank died; the stack of "
-                      "every rank is in launch-x%d.log: %s" % (world, rc, a.run_timeout, world, how))
-        print("== %s: FAILED (%s)" % (items[at].describe(), failed[at][:300]), file=sys.stderr, flush=True)
-        start = at + 1
+        together = "" if len(at) == 1 else " (%d runs interleaved: %s; each has the limit, the group %d times it)" % (
+            len(at), ", ".join(items[i].variant for i in at), len(at))
+        for i in at:
+            failed[i] = ("did not finish: the launch with %d process(es) ended (status %d) during this run%s, "
+                         "after the %g s limit a run has (--run-timeout) or when a rank died; the stack of "
+                         "every rank is in launch-x%d.log: %s" % (world, rc, together, a.run_timeout, world, how))
+            print("== %s: FAILED (%s)" % (items[i].describe(), failed[i][:300]), file=sys.stderr, flush=True)
+        start = max(at) + 1
     records, checks = [], []
     for i, item in enumerate(items):
         if i in failed:

@@ -3,13 +3,15 @@
     python benchmarks/run.py --profile cpu --langs python,r --out benchmarks/results \
         [--cases seed_mlp,transformer] [--variants fp32,torch_amp,ampkit_amp] [--repeats 5] \
         [--device auto|cpu|cuda] [--threads N] [--rscript "Rscript"]
-    python benchmarks/run.py --gpus N [--engines ddp,fsdp2] [--ddp-options SPEC ...] [--check] ...
+    python benchmarks/run.py --gpus N [--engines ddp,fsdp2] [--ddp-options SPEC ...] [--check] [--sequential] ...
 
 With --gpus N it runs across processes instead (Python only): torchrun launches the
 Python runner with 1 process and then with N (one per GPU; on the CPU, gloo processes),
 for each case x engine x variant (by default transformer and text_classifier, DDP and
 FSDP2, torch_amp, ampkit_amp and ampkit_step), so that each N-process record has its
-scaling efficiency. A run that stalls is stopped by the runner's watchdog (--run-timeout
+scaling efficiency. The variants of each case and engine configuration are timed
+interleaved (rounds of one epoch each, the order rotating), so that their ratios compare
+the same minutes; --sequential times each alone, its epochs in a row. A run that stalls is stopped by the runner's watchdog (--run-timeout
 seconds), recorded as failed with where it stalled, and the launch starts again after it.
 
 `make bench` calls this. Each language runs in its own process (the Python runner is
@@ -71,6 +73,10 @@ def parse_args(argv=None):
                         "static_graph, bucket_cap_mb; repeat to run several (default: DDP's defaults)")
     g.add_argument("--check", action="store_true",
                    help="with N > 1: also compare make_train_step captured and eager, per case and engine")
+    g.add_argument("--sequential", action="store_true",
+                   help="time each variant alone, its epochs in a row (default: the variants of each case and "
+                        "engine configuration interleaved, --repeats rounds of one epoch each, the order "
+                        "rotating; without --repeats the profile's repeats, at least 3)")
     g.add_argument("--run-timeout", type=float, default=300.0,
                    help="seconds one run (or check) may take before it is stopped and recorded as failed")
     return p.parse_args(argv)

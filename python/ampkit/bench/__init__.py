@@ -56,8 +56,11 @@ from ampkit.bench._engines import Engine
 from ampkit.bench._engines import Placement
 from ampkit.bench._engines import check_capture
 from ampkit.bench._engines import parse_engines
+from ampkit.bench._engines import MIN_ROUNDS
+from ampkit.bench._engines import plan_groups
 from ampkit.bench._engines import plan_runs
 from ampkit.bench._engines import read_events
+from ampkit.bench._engines import repeats_for
 from ampkit.bench._engines import run_items
 from ampkit.bench._results import placement_key
 from ampkit.bench._runner import GROWTH_INTERVAL
@@ -88,6 +91,7 @@ __all__ = [
     "Engine",
     "GROWTH_INTERVAL",
     "INIT_SCALE",
+    "MIN_ROUNDS",
     "PROFILES",
     "Placement",
     "RIVALS",
@@ -121,6 +125,7 @@ __all__ = [
     "notches",
     "parse_engines",
     "placement_key",
+    "plan_groups",
     "plan_runs",
     "peak_memory",
     "plan",
@@ -128,6 +133,7 @@ __all__ = [
     "progress",
     "read_document",
     "read_events",
+    "repeats_for",
     "reset_peak_memory",
     "resolve_device",
     "rotation",

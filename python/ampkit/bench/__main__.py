@@ -3,8 +3,11 @@
 benchmarks/run.py (make bench) calls this and benchmarks/run.R, then merges and reports.
 With --engines it runs across processes, under torchrun (benchmarks/run.py --gpus N
 launches it): python -m torch.distributed.run --nproc-per-node N -m ampkit.bench
---engines ddp,fsdp2 [--ddp-options SPEC ...] [--check] [--from-item K] --out events.jsonl
+--engines ddp,fsdp2 [--ddp-options SPEC ...] [--check] [--sequential] [--from-item K] --out events.jsonl
 (see ampkit/bench/_engines.py); --out is then a JSON-lines log that rank 0 appends to.
+There the variants of each case and engine configuration are timed interleaved (rounds
+of one epoch each, the order rotating; --repeats rounds, by default the profile's
+repeats and at least 3); --sequential times each variant alone, its epochs in a row.
 """
 
 from __future__ import annotations
@@ -37,6 +40,9 @@ def parse_args(argv=None):
                    help="a DDP configuration to run ('default' or key=value,... among %s); repeat "
                         "for several" % ", ".join(DDP_OPTIONS))
     p.add_argument("--check", action="store_true", help="with --engines: also check captured against eager steps")
+    p.add_argument("--sequential", action="store_true",
+                   help="with --engines: time each variant alone, its epochs in a row, instead of the variants "
+                        "of each case and engine configuration interleaved, round by round")
     p.add_argument("--from-item", type=int, default=0, help="with --engines: the first item of the plan to run")
     p.add_argument("--run-timeout", type=float, default=300.0,
                    help="with --engines: seconds one item may take before the process ends with its stack")
@@ -61,7 +67,7 @@ def main(argv=None) -> int:
     if engines is not None:
         items = plan_runs([c.name for c in cases], engines, [v.name for v in variants], a.check)
         run_items(items, a.from_item, profile=a.profile, device=device, seed=a.seed, repeats=a.repeats,
-                  out=a.out, run_timeout=a.run_timeout, deadline=a.deadline)
+                  out=a.out, run_timeout=a.run_timeout, deadline=a.deadline, interleave=not a.sequential)
         return 0
     variants = [v for v in variants if "python" in v.languages]
     total, records = len(cases) * len(variants), []

@@ -3,20 +3,33 @@
 ``benchmarks/run.py --gpus N`` launches the Python runner under torchrun, once with one
 process and once with N (one per GPU; on the CPU, gloo processes), and each process runs
 
-    for each item of plan_runs(cases, engines, variants, check):   # the same list on every rank
+    for each group of plan_groups(plan_runs(cases, engines, variants, check)):  # the same on every rank
         check:  make_train_step captured against eager on the engine (check_capture)
-        run:    run_variant(built, variant, placement=Placement(engine, ...))
+        runs:   run_interleaved(built, variants, placement=Placement(engine, ...))
 
-``run_variant`` is the single-process timing protocol with the placement's three hooks:
-the model is wrapped in the engine before its optimizer is built; every clock read is
-preceded by a device sync and a barrier; and each sample (and the peak memory) is the
-slowest rank's. Rank 0 appends what happens to a JSON-lines file as it goes (the
-context, a ``start`` line before each item, then its record or check), so that when a
-rank stalls the launcher knows which item it was, records it as failed and starts again
-after it (``--from-item``). A stalled item cannot hang the suite: a watchdog
-(``faulthandler.dump_traceback_later``, re-armed for the start-up, each item and the
-teardown) ends the process after ``run_timeout`` seconds with every thread's stack on
-stderr, and torchrun then stops the other ranks.
+A group of runs is the variants of one case and engine configuration: each is built and
+warmed up, then the group runs ``repeats`` rounds of one timed epoch per variant, the
+order rotating (round r starts at variant r mod k), so that a ratio between two variants
+compares epochs of the same minutes: a host-bound eager step drifts by tens of percent
+over a run, and variants timed one after the other each met another part of that drift.
+``repeats`` is the profile's, at least ``MIN_ROUNDS``, unless given (``repeats_for``).
+``interleave=False`` (``--sequential``) times each variant alone, its epochs in a row,
+as before; a compiled variant is always timed alone (torch.compile is reset for each).
+
+The timing protocol is the single-process one (``VariantRun``'s pieces, shared with
+``run_variant``) with the placement's three hooks: the model is wrapped in the engine
+before its optimizer is built; every clock read is preceded by a device sync and a
+barrier; and each sample (and the peak memory) is the slowest rank's. After each piece
+(a variant's build, warm-up, each epoch) the ranks agree on whether it failed, so that a
+variant that fails is recorded as failed on every rank and the rest of its group goes on.
+Rank 0 appends what happens to a JSON-lines file as it goes (the context, a ``start``
+line before each check or group, naming its items, then their records or check), so that
+when a rank stalls the launcher knows which items it was on, records them as failed and
+starts again after them (``--from-item``). A stalled item cannot hang the suite: a
+watchdog (``faulthandler.dump_traceback_later``, re-armed for the start-up, each check,
+each piece of a group and the teardown) ends the process after ``run_timeout`` seconds
+with every thread's stack on stderr (a group as a whole gets ``run_timeout`` per variant),
+and torchrun then stops the other ranks.
 
 Every rank trains on the same seeded batches (the timing does not depend on the values);
 throughput is world size x batch size / step time, and the scaling efficiency of an
@@ -46,6 +59,7 @@ DDP_OPTIONS = {"gradient_as_bucket_view": bool, "static_graph": bool, "bucket_ca
 DDP_CAPTURE_WARMUP = 11
 TRAIN_STEP_WARMUP = 3  # make_train_step's default
 CHECK_STEPS = 12
+MIN_ROUNDS = 3  # the least rounds an interleaved group runs unless --repeats says otherwise
 START_S = 120  # the least the watchdog gives the rendezvous and the teardown
 # The layers FSDP2 shards one by one (then the root): the encoder layers of the cases.
 SHARDED_LAYERS = ("EncoderLayer",)
@@ -152,11 +166,57 @@ def plan_runs(cases, engines, variants, check: bool = False) -> list:
     return items
 
 
+def repeats_for(case, profile: str, repeats=None, interleave: bool = True) -> int | None:
+    """The timed epochs per variant across processes: ``repeats`` when given; else, for an
+    interleaved group, its rounds: the profile's repeats, at least MIN_ROUNDS; else None
+    (the profile's). ``case``: a name or a Case.
+
+    >>> repeats_for("transformer", "tiny"), repeats_for("transformer", "tiny", 2)
+    (3, 2)
+    >>> repeats_for("transformer", "tiny", interleave=False) is None  # the profile's (1 here)
+    True
+    """
+    if repeats is not None or not interleave:
+        return repeats
+    from ampkit.bench._spec import load_cases
+
+    case = load_cases()[case] if isinstance(case, str) else case
+    return max(int(case.profile(profile)["repeats"]), MIN_ROUNDS)
+
+
+def plan_groups(items, start: int = 0, interleave: bool = True, variants=None) -> list:
+    """items[start:] of the plan cut into what runs together, as lists of indices: a check
+    alone; with ``interleave`` the consecutive runs of one case and engine configuration
+    together, else every run alone. Each compiled variant runs alone (``variants``,
+    {name: Variant}, says which are), and one in the middle of the variants would split
+    their group: benchmarks/run.py lists the compiled ones last.
+
+    >>> e = Engine("ddp")
+    >>> items = [Item("check", "t", e)] + [Item("run", "t", e, v) for v in ("a", "b", "c")]
+    >>> plan_groups(items), plan_groups(items, start=2), plan_groups(items, interleave=False)
+    ([[0], [1, 2, 3]], [[2, 3]], [[0], [1], [2], [3]])
+    """
+    def alone(item):
+        v = (variants or {}).get(item.variant)
+        return item.kind != "run" or not interleave or (v is not None and v.compile != "none")
+
+    groups: list = []
+    for i in range(start, len(items)):
+        item = items[i]
+        last = items[groups[-1][-1]] if groups else None
+        if groups and not alone(item) and not alone(last) and (last.case, last.engine) == (item.case, item.engine):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
 class Placement:
     """Where a variant runs across processes: the engine, this rank, the world size.
 
-    The hooks ``run_variant`` calls: ``wrap`` (the model in the engine), ``sync`` (device
-    sync and barrier before a clock read), ``slowest`` (each rank's values -> the max).
+    The hooks ``VariantRun`` calls (``run_variant``, ``run_interleaved``): ``wrap`` (the
+    model in the engine), ``sync`` (device sync and barrier before a clock read),
+    ``slowest`` (each rank's values -> the max) and ``first_error`` (every rank agrees).
     """
 
     def __init__(self, engine: Engine, device: str, world_size: int | None = None):
@@ -315,7 +375,7 @@ def _before(deadline) -> bool:
     return bool(t.item() == 1.0)
 
 
-def not_run(item, reason: str, *, profile: str, device: str, world: int, repeats):
+def not_run(item, reason: str, *, profile: str, device: str, world: int, repeats, interleave: bool = True):
     """(record, check) of an item left out (skipped, with the reason)."""
     import ampkit.bench as bench
 
@@ -323,15 +383,17 @@ def not_run(item, reason: str, *, profile: str, device: str, world: int, repeats
         return None, dict(case=item.case, engine=item.engine.name, engine_options=item.engine.options_dict(),
                           world_size=world, skipped=reason)
     run = bench.resolve_run(bench.load_cases()[item.case], bench.load_variants()[item.variant], "python", profile,
-                            device, repeats=repeats, placement=Placement(item.engine, device, world_size=world))
+                            device, repeats=repeats_for(item.case, profile, repeats, interleave),
+                            placement=Placement(item.engine, device, world_size=world))
     return bench.make_record(run, status="skipped", reason=reason), None
 
 
 def run_items(items, start: int, *, profile: str, device: str, seed: int, repeats, out: str,
-              run_timeout: float, deadline: float | None = None) -> None:
-    """The worker: items[start:] of the plan on this rank, logged by rank 0 to ``out``.
-    ``deadline`` (a ``time.time()``): the items not started by then are recorded as
-    skipped, with the reason."""
+              run_timeout: float, deadline: float | None = None, interleave: bool = True) -> None:
+    """The worker: items[start:] of the plan on this rank, logged by rank 0 to ``out``, the
+    runs of each case and engine configuration interleaved (``plan_groups``; with
+    ``interleave=False`` each alone). ``deadline`` (a ``time.time()``): the items not
+    started by then are recorded as skipped, with the reason."""
     import torch.distributed as dist
 
     import ampkit.bench as bench
@@ -352,22 +414,30 @@ def run_items(items, start: int, *, profile: str, device: str, seed: int, repeat
         if start == 0:
             events.write(context=context(profile, device, "python", seed=seed), world_size=world)
         built = None
-        for i in range(start, len(items)):
-            item = items[i]
+        for group in plan_groups(items, start, interleave, variants):
+            i, item = group[0], items[group[0]]
             if not _before(deadline):
                 reason = "not run: the time budget (--budget) ran out before it"
                 for j in range(i, len(items)):
-                    rec, chk = not_run(items[j], reason, profile=profile, device=device, world=world, repeats=repeats)
+                    rec, chk = not_run(items[j], reason, profile=profile, device=device, world=world, repeats=repeats,
+                                       interleave=interleave)
                     events.write(index=j, **({"record": rec} if rec is not None else {"check": chk}))
                 if rank == 0:
                     print("[ranks x%d] %d item(s) %s" % (world, len(items) - i, reason), file=sys.stderr, flush=True)
                 break
-            events.write(start=i, item=item.describe())
+            names = [items[j].variant for j in group]
+            what = item.describe() if len(group) == 1 else "%s / %s / %s interleaved" % (
+                item.case, item.engine.label(), ", ".join(names))
+            events.write(start=i, items=group, item=what)
+            # A check, or a group's case build: run_timeout; then each piece of a group
+            # (a variant's build, warm-up, an epoch) at most run_timeout, the group as a
+            # whole at most run_timeout per variant.
             faulthandler.dump_traceback_later(run_timeout, exit=True, file=sys.stderr)
             t0 = time.perf_counter()
             if built is None or built.name != item.case:
                 built = None  # free the previous case's batches first
-                built = bench.build_case(item.case, profile, seed=seed, device=device, repeats=repeats)
+                built = bench.build_case(item.case, profile, seed=seed, device=device,
+                                         repeats=repeats_for(item.case, profile, repeats, interleave))
             placement = Placement(item.engine, device)
             if item.kind == "check":
                 try:
@@ -382,11 +452,23 @@ def run_items(items, start: int, *, profile: str, device: str, seed: int, repeat
                     print("[ranks x%d %d/%d] %s: %s" % (world, i + 1, len(items), item.describe(),
                                                         json.dumps(found)), file=sys.stderr, flush=True)
             else:
-                rec = bench.run_variant(built, variants[item.variant], language="python", placement=placement)
-                events.write(index=i, record=rec)
-                if rank == 0:
-                    progress("ranks x%d" % world, i + 1, len(items), dict(rec, case="%s / %s" % (
-                        rec["case"], item.engine.label())))
+                if rank == 0 and len(group) > 1:
+                    print("[ranks x%d] %s / %s: %s, %d rounds in turn" % (
+                        world, item.case, item.engine.label(), ", ".join(names), built.repeats),
+                        file=sys.stderr, flush=True)
+                ends = time.monotonic() + run_timeout * len(group)
+
+                def arm(ends=ends):
+                    left = min(run_timeout, ends - time.monotonic())
+                    faulthandler.dump_traceback_later(max(left, 0.001), exit=True, file=sys.stderr)
+
+                recs = bench.run_interleaved(built, [variants[n] for n in names], language="python",
+                                             placement=placement, before_piece=arm)
+                for j, rec in zip(group, recs):
+                    events.write(index=j, record=rec)
+                    if rank == 0:
+                        progress("ranks x%d" % world, j + 1, len(items), dict(rec, case="%s / %s" % (
+                            rec["case"], item.engine.label())))
             if device == "cuda":
                 torch.cuda.empty_cache()
     finally:
@@ -399,8 +481,10 @@ def run_items(items, start: int, *, profile: str, device: str, seed: int, repeat
 
 def read_events(path) -> dict:
     """What a launch's rank 0 logged: {'context', 'world_size', 'records': {index: rec},
-    'checks': {index: check}, 'started': last index started, or None}."""
-    got: dict[str, Any] = {"context": None, "world_size": None, "records": {}, "checks": {}, "started": None}
+    'checks': {index: check}, 'started': the first index of the last check or group
+    started, or None, 'started_items': all the indices of that check or group ([] if none)}."""
+    got: dict[str, Any] = {"context": None, "world_size": None, "records": {}, "checks": {}, "started": None,
+                           "started_items": []}
     try:
         with open(path) as f:
             lines = f.read().splitlines()
@@ -414,7 +498,7 @@ def read_events(path) -> dict:
         if "context" in ev:
             got["context"], got["world_size"] = ev["context"], ev["world_size"]
         elif "start" in ev:
-            got["started"] = ev["start"]
+            got["started"], got["started_items"] = ev["start"], list(ev.get("items", [ev["start"]]))
         elif "record" in ev:
             got["records"][ev["index"]] = ev["record"]
         elif "check" in ev:
