@@ -268,7 +268,24 @@ def _throughput_ratio(t):
     """A time ratio (this / torch_amp) turned into a throughput ratio (this / torch_amp's)."""
     if not t:
         return None
-    return {"value": 1 / t["value"], "low": 1 / t["high"], "high": 1 / t["low"], "change": t["change"]}
+    out = {"value": 1 / t["value"], "low": 1 / t["high"], "high": 1 / t["low"], "change": t["change"]}
+    if t.get("interleaved"):
+        out["interleaved"] = True
+    return out
+
+
+def measured(r: dict) -> str:
+    """How a record's samples were timed: interleaved with its group, or alone."""
+    i = r.get("interleaved")
+    return "interleaved, %d rounds" % i["rounds"] if i else "alone"
+
+
+def _how(ratio, rec) -> str:
+    """Where a ratio's two medians come from, for the goals' lines."""
+    if ratio and ratio.get("interleaved"):
+        return "; interleaved: %d rounds, one epoch of each of %s a round, the order rotating" % (
+            rec["interleaved"]["rounds"], ", ".join(rec["interleaved"]["group"]))
+    return "; timed one after the other, not interleaved" if ratio else ""
 
 
 def _eff(r) -> str:
@@ -285,7 +302,7 @@ def across(doc: dict) -> str:
     if not recs:
         return ""
     cols = ["case", "engine", "variant", "processes", "ms/step median [min, max]", "samples/s",
-            "throughput vs torch_amp", "scaling efficiency"]
+            "throughput vs torch_amp", "scaling efficiency", "timed"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     key = lambda r: (r["case"], engine_label(r), r["variant"], r["world_size"])  # noqa: E731
     order = {k: i for i, k in enumerate(dict.fromkeys((r["case"], engine_label(r), r["variant"]) for r in recs))}
@@ -295,13 +312,19 @@ def across(doc: dict) -> str:
             r["case"], engine_label(r), variant_label(r), str(r["world_size"]), status_cell(r),
             "%.1f" % r["samples_per_s"] if ok and r.get("samples_per_s") else "-",
             fmt_ratio(_throughput_ratio(r["time_vs_torch_amp"]), "x") if ok else "-",
-            _eff(r) if ok else "-"]) + " |")
+            _eff(r) if ok else "-", measured(r)]) + " |")
     parts = ["Each process trains its own batch (the case's batch size) on its own GPU (on the "
              "CPU, gloo processes share the cores); a step's time is the slowest process's. "
              "samples/s = processes x batch size / ms per step. Throughput vs torch_amp: same "
              "case, engine, options and processes (> 1 is faster). Scaling efficiency: N-process "
              "throughput / (N x 1-process throughput) of the same case, variant, engine and "
-             "options, i.e. the 1-process step time over the N-process one (1 is perfect).",
+             "options, i.e. the 1-process step time over the N-process one (1 is perfect). "
+             "Timed: 'interleaved, R rounds': the variants of a case and engine configuration "
+             "were built and warmed up together, then timed in R rounds of one epoch each, the "
+             "order rotating (round r starts at variant r mod k), so that the throughput against "
+             "torch_amp compares epochs of the same minutes; 'alone': each variant's epochs in a "
+             "row, one variant after the other (--sequential), where the machine's drift between "
+             "the runs enters the ratio. The scaling efficiency always compares two launches.",
              "\n".join(lines)]
     checks = doc["context"].get("distributed_checks") or []
     if checks:
@@ -341,9 +364,10 @@ def across_goals(doc: dict) -> list:
         where = "%s, %s, %d processes" % (ACROSS_TARGET_CASE, label, world)
         t = _throughput_ratio(step and step["time_vs_torch_amp"])
         ok = None if not t else t["value"] >= ACROSS_MIN_THROUGHPUT - _EPS
-        out.append("- %s ampkit_step >= %.1fx torch_amp's throughput (%s): %s" % (
+        out.append("- %s ampkit_step >= %.1fx torch_amp's throughput (%s): %s%s" % (
             "n/a" if ok is None else ("met" if ok else "NOT met"), ACROSS_MIN_THROUGHPUT, where,
-            fmt_ratio(t, "x", _digits(t["value"], ACROSS_MIN_THROUGHPUT, ok, at_least=True)) if t else "-"))
+            fmt_ratio(t, "x", _digits(t["value"], ACROSS_MIN_THROUGHPUT, ok, at_least=True)) if t else "-",
+            _how(t, step)))
         e, f = step and step.get("scaling_efficiency"), torch_amp and torch_amp.get("scaling_efficiency")
         ok = None if not (e and f) else e["value"] >= f["value"] - _EPS
         out.append("- %s ampkit_step's scaling efficiency >= torch_amp's (%s): %s vs %s" % (
