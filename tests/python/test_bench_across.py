@@ -60,6 +60,18 @@ def test_two_gloo_processes_write_schema_records_checks_and_the_report_section(t
         assert (r["time_vs_torch_amp"] is None) == (variant == "torch_amp")
         if variant != "torch_amp":
             assert r["time_vs_torch_amp"]["value"] == pytest.approx(r["median"] / rival["median"])
+    # Interleaved by default: per engine configuration the two variants in turn, 3 rounds
+    # (the tiny profile's 1 repeat, raised to MIN_ROUNDS), round r starting at variant r mod 2.
+    for (engine, opts, variant, world), r in got.items():
+        assert len(r["samples"]) == r["repeats"] == bench.MIN_ROUNDS
+        assert r["interleaved"] == {"group": ["torch_amp", "ampkit_step"], "rounds": 3,
+                                    "positions": [[0, 1, 0], [1, 0, 1]][variant == "ampkit_step"]}
+        assert (r["time_vs_torch_amp"] or {}).get("interleaved") is (None if variant == "torch_amp" else True)
+        assert "interleaved" not in (r["scaling_efficiency"] or {})  # two launches: never together
+    starts = [json.loads(line) for line in (tmp_path / "events-x2.jsonl").read_text().splitlines()
+              if '"start"' in line]
+    assert [ev["items"] for ev in starts] == [[0], [1], [2, 3], [4, 5], [6, 7]]  # 2 checks, then 3 groups
+    assert starts[2]["item"] == "text_classifier / ddp / torch_amp, ampkit_step interleaved"
     # FSDP2 with the one-output head leaves rank 1 empty shards; the fused step ran there.
     assert got[("fsdp2", "{}", "ampkit_step", 2)]["final_loss"] > 0
     checks = doc["context"]["distributed_checks"]
@@ -70,11 +82,13 @@ def test_two_gloo_processes_write_schema_records_checks_and_the_report_section(t
     md = (tmp_path / "report.md").read_text()
     assert "## Across GPUs" in md and "scaling efficiency" in md
     assert "| text_classifier | ddp (gradient_as_bucket_view) | ampkit_step (eager) | 2 |" in md
+    assert md.count("| interleaved, 3 rounds |") == 12
     assert "### make_train_step captured against eager" in md
     assert "| text_classifier | fsdp2 | 2 | no (autocast device_type is 'cpu'" in md
     assert "| case | variant | lang |" not in md  # no single-process table without such records
-    # progress while it runs: each finished run, with the time left
+    # progress while it runs: each group as it starts, each finished run, with the time left
     assert "[ranks x2  7/8, ~" in p.stderr and "[ranks x1 6/6]" in p.stderr.replace("  ", " ")
+    assert "[ranks x2] text_classifier / fsdp2: torch_amp, ampkit_step, 3 rounds in turn" in p.stderr
 
 
 @pytest.mark.parametrize("args, message", [
@@ -96,8 +110,10 @@ def test_bad_input_is_refused_before_anything_runs(tmp_path, capsys, args, messa
 
 @FSDP2_ON_CPU
 def test_a_stalled_run_fails_with_its_stack_and_the_launch_goes_on(tmp_path):
-    # A limit no run can meet: the watchdog stops each run; each is recorded as failed
-    # and the next launch starts after it (two launches, one process each).
+    # A limit no run can meet: the watchdog stops the interleaved group of the two runs
+    # (its first piece); both are recorded as failed, and a new launch would start after
+    # them (the plan has nothing after them: one launch, one process). With --sequential
+    # each run is stopped and recorded alone, one launch each.
     p = _run_py("--device", "cpu", "--gpus", "1", "--profile", "tiny", "--cases", "seed_mlp", "--engines", "ddp",
                 "--variants", "torch_amp,ampkit_amp", "--run-timeout", "0.01", "--out", str(tmp_path))
     assert p.returncode == 0, p.stderr[-3000:]
@@ -105,18 +121,24 @@ def test_a_stalled_run_fails_with_its_stack_and_the_launch_goes_on(tmp_path):
     assert [(r["variant"], r["status"]) for r in recs] == [("torch_amp", "failed"), ("ampkit_amp", "failed")]
     for r in recs:
         assert "did not finish" in r["error"] and "--run-timeout" in r["error"] and r["samples"] == []
+        assert "(2 runs interleaved: torch_amp, ampkit_amp;" in r["error"]
     assert "Timeout (0:00:00" in (tmp_path / "launch-x1.log").read_text()  # the watchdog's stack dump
-    assert p.stderr.count("== launch:") == 2
+    assert p.stderr.count("== launch:") == 1
     assert "2 run(s) failed: seed_mlp/torch_amp/python/ddp/x1" in (tmp_path / "report.md").read_text()
 
 
-def test_runs_the_budget_cannot_start_are_skipped_with_the_reason(tmp_path):
+@pytest.mark.parametrize("sequential", [False, True])
+def test_runs_the_budget_cannot_start_are_skipped_with_the_reason(tmp_path, sequential):
     p = _run_py("--device", "cpu", "--gpus", "1", "--profile", "tiny", "--cases", "seed_mlp", "--engines", "ddp",
-                "--variants", "torch_amp", "--budget", "0.5", "--out", str(tmp_path))
+                "--variants", "torch_amp", "--budget", "0.5", "--out", str(tmp_path),
+                *(["--sequential"] if sequential else []))
     assert p.returncode == 0, p.stderr[-3000:]
     (rec,) = bench.read_document(tmp_path / "results.json")["records"]
     assert rec["status"] == "skipped" and "the time budget (--budget) ran out" in rec["reason"]
     assert rec["world_size"] == 1 and rec["engine"] == "ddp"
+    # the epochs it would have timed: the profile's 1 alone, at least 3 rounds interleaved
+    assert rec["repeats"] == (1 if sequential else bench.MIN_ROUNDS)
+    assert ("--sequential" in p.stderr) == sequential  # the launch's command line
 
 
 def _record(variant, world, ms, engine=bench.Engine("ddp")):
@@ -154,3 +176,118 @@ def test_engine_options_are_parsed_into_values_with_errors_that_name_them():
         bench.Engine.parse("fsdp2", "static_graph=true")
     with pytest.raises(ValueError, match="'static_graph' in 'static_graph=maybe': got 'maybe', expected true or false"):
         bench.Engine.parse("ddp", "static_graph=maybe")
+
+
+# --- interleaved groups --------------------------------------------------------------------
+
+def test_rounds_rotate_and_the_plan_groups_the_variants_of_each_engine_configuration():
+    assert bench.rotation(3, 4) == [[0, 1, 2], [1, 2, 0], [2, 0, 1], [0, 1, 2]]  # round r starts at r mod k
+    assert bench.rotation(2, 3) == [[0, 1], [1, 0], [0, 1]]
+    variants = bench.load_variants()
+    ddp, view = bench.Engine("ddp"), bench.Engine.parse("ddp", "gradient_as_bucket_view=true")
+    items = bench.plan_runs(["seed_mlp", "transformer"], [ddp, view],
+                            ["torch_amp", "ampkit_amp", "ampkit_step", "torch_compile_amp"], check=True)
+    assert bench.plan_groups(items, 0, True, variants) == [
+        [0], [1, 2, 3], [4], [5, 6, 7], [8],  # seed_mlp: its check, then per configuration the group
+        [9], [10, 11, 12], [13], [14, 15, 16], [17]]  # and the compiled variant alone
+    assert bench.plan_groups(items, 11, True, variants)[:2] == [[11, 12], [13]]  # resumed mid-group
+    assert bench.plan_groups(items, 15, False, variants) == [[15], [16], [17]]  # --sequential
+    assert bench.repeats_for("transformer", "full") == max(3, bench.MIN_ROUNDS)
+    assert bench.repeats_for("transformer", "full", 7) == 7 and bench.repeats_for("seed_mlp", "tiny", 2) == 2
+
+
+def test_a_compiled_variant_cannot_share_a_group():
+    built = bench.build_case("seed_mlp", "tiny", seed=0, device="cpu")
+    v = bench.load_variants()
+    with pytest.raises(ValueError, match=r"compiled variants \(torch_compile_amp\) are measured alone"):
+        bench.run_interleaved(built, [v["torch_amp"], v["torch_compile_amp"]])
+    with pytest.raises(TypeError, match=r"run_interleaved\(built, variant\): variant must be an ampkit.bench.Variant"):
+        bench.run_interleaved(built, [v["torch_amp"], "ampkit_amp"])
+
+
+GROUP_TIMEOUT_S = 180
+
+
+def test_an_interleaved_group_on_two_gloo_ranks_trains_as_alone_and_a_failure_stays_its_own(tmp_path):
+    """Two gloo processes, DDP, tiny text_classifier (with dropout), three variants: alone,
+    interleaved, and interleaved with ampkit_amp's build failing on rank 1 only and
+    ampkit_step's second epoch failing on both (bench_group_workers.py)."""
+    import socket
+
+    import torch
+
+    import bench_group_workers as workers
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = torch.multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=workers.run, args=(r, 2, port, str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(GROUP_TIMEOUT_S)
+    hung = [i for i, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert not hung, f"ranks {hung} did not finish within {GROUP_TIMEOUT_S} s (a collective hung?)"
+    results = []
+    for rank in range(2):
+        path = tmp_path / f"rank{rank}.pkl"
+        assert path.exists(), f"rank {rank} wrote no result (exit code {procs[rank].exitcode})"
+        result = __import__("pickle").loads(path.read_bytes())
+        assert not isinstance(result, str), f"rank {rank} raised:\n{result}"
+        results.append(result)
+    names, rounds = list(workers.VARIANTS), workers.ROUNDS
+    for result in results:
+        for alone, together in zip(result["sequential"], result["interleaved"]):
+            assert alone["status"] == together["status"] == "ok", (alone["error"], together["error"])
+            # the same data and steps: bitwise the same losses (dropout included) and scale
+            assert together["final_loss"] == alone["final_loss"]
+            assert together["final_scale"] == alone["final_scale"]
+            assert len(together["samples"]) == together["repeats"] == rounds and together["world_size"] == 2
+            k = names.index(together["variant"])
+            assert together["interleaved"] == {"group": names, "rounds": rounds,
+                                               "positions": [o.index(k) for o in bench.rotation(3, rounds)]}
+            assert "interleaved" not in alone
+        torch_amp, amp, step = result["failing"]
+        assert torch_amp["status"] == "ok" and torch_amp["final_loss"] == result["sequential"][0]["final_loss"]
+        # rounds [0, 2], [2, 0], [0]: ampkit_amp never built, ampkit_step failed first in round 1
+        assert torch_amp["interleaved"]["positions"] == [0, 1, 0] and len(torch_amp["samples"]) == rounds
+        assert amp["status"] == "failed" and amp["error"] == "rank 1: RuntimeError: ampkit_amp's build broke on rank 1"
+        assert step["status"] == "failed" and step["error"] == "rank 0: RuntimeError: ampkit_step's second epoch broke"
+        for r in (amp, step):
+            assert r["samples"] == [] and r["interleaved"]["group"] == names
+        assert bench.validate({"context": bench.context("tiny", "cpu"),
+                               "records": [r for recs in result.values() for r in recs]}) == []
+    for key in results[0]:  # every rank recorded the same: statuses, errors and the slowest rank's samples
+        assert [(r["status"], r["error"], r["samples"], r.get("interleaved")) for r in results[0][key]] == \
+            [(r["status"], r["error"], r["samples"], r.get("interleaved")) for r in results[1][key]]
+
+
+def _in_group(rec, names, rounds=3):
+    rec["interleaved"] = {"group": list(names), "rounds": rounds, "positions": [0] * rounds}
+    return rec
+
+
+def test_a_ratio_within_an_interleaved_group_says_so_in_the_records_and_the_report():
+    names = ("torch_amp", "ampkit_step")
+    recs = bench.derive([_in_group(_record("torch_amp", 1, 10.0), names), _in_group(_record("ampkit_step", 1, 8.0), names),
+                         _in_group(_record("torch_amp", 2, 10.5), names), _in_group(_record("ampkit_step", 2, 8.4), names),
+                         _record("torch_amp", 2, 10.5, bench.Engine.parse("ddp", "static_graph=true")),
+                         _record("ampkit_step", 2, 8.0, bench.Engine.parse("ddp", "static_graph=true"))])
+    assert recs[3]["time_vs_torch_amp"]["interleaved"] is True
+    assert "interleaved" not in recs[3]["scaling_efficiency"]  # 1 against 2 processes: two launches
+    assert "interleaved" not in recs[5]["time_vs_torch_amp"]  # timed one after the other
+    doc = bench.check({"context": bench.context("full", "cpu"), "records": recs})
+    lines = report.goals(doc).splitlines()
+    assert lines[0] == ("- met ampkit_step >= 1.2x torch_amp's throughput (transformer, ddp, 2 processes): 1.25x "
+                        "[1.25, 1.25] faster; interleaved: 3 rounds, one epoch of each of torch_amp, ampkit_step a round, "
+                        "the order rotating")
+    assert lines[2].endswith("1.31x [1.31, 1.31] faster; timed one after the other, not interleaved")
+    table = report.across(doc)
+    assert "| transformer | ddp | ampkit_step | 2 | 8.40 [8.40, 8.40] | 7619.0 | 1.25x [1.25, 1.25] faster | " \
+           "0.952 [0.952, 0.952] | interleaved, 3 rounds |" in table
+    assert "| transformer | ddp (static_graph) | ampkit_step | 2 | 8.00 [8.00, 8.00] | 8000.0 | 1.31x [1.31, 1.31] " \
+           "faster | - | alone |" in table
