@@ -6,12 +6,18 @@
 # the scaling efficiency), and make_train_step captured against eager with 2 (--check).
 # DDP runs in four configurations, every variant alike in each:
 #   default | gradient_as_bucket_view | + static_graph | + bucket_cap_mb=100
-# A run that stalls is stopped after RUN_TIMEOUT seconds (its stack goes to the launch
-# log) and recorded as failed; the runs not started within BUDGET seconds are recorded as
-# skipped. Writes into $1 (at most 8 files): results.json, report.md, run.log, cards.txt
-# and dist.tar.gz (everything, the launch logs and events included), on any exit.
-# Environment: BUDGET (default 380 s of runs), RUN_TIMEOUT (90 s), REPEATS (the profile's
-# 3), TESTS=1 to run the gloo scaler tests first (about 30 s), EXTRA (more run.py flags).
+# The three variants of each case and engine configuration are timed interleaved: built
+# and warmed up together, then REPEATS rounds of one 20-step epoch each, the order rotating,
+# so that ampkit_step / torch_amp compares epochs of the same minutes (SEQUENTIAL=1: each
+# variant alone, its epochs in a row, as before). A piece of a run (a build, a warm-up, an
+# epoch) that stalls is stopped after RUN_TIMEOUT seconds (its stack goes to the launch
+# log) and its group recorded as failed; the runs not started within BUDGET seconds are
+# recorded as skipped. Writes into $1 (at most 8 files): results.json, report.md, run.log,
+# cards.txt and dist.tar.gz (everything, the launch logs and events included), on any exit.
+# Environment: BUDGET (default 380 s of runs), RUN_TIMEOUT (90 s), REPEATS (rounds; default
+# the profile's 3; each round adds about 40 s on two H100s, both process counts together),
+# SEQUENTIAL=1, TESTS=1 to run the gloo scaler tests first (about 30 s), EXTRA (more run.py
+# flags).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:?usage: distributed_bench.sh OUT_DIR}
@@ -33,11 +39,12 @@ if [ -n "${TESTS:-}" ]; then
   echo "gloo scaler tests: $(tail -1 "$work/test_distributed.log")"
 fi
 repeats=${REPEATS:+--repeats $REPEATS}
+sequential=${SEQUENTIAL:+--sequential}
 python3 benchmarks/run.py --gpus 2 --device cuda --profile full --out "$work" \
   --cases transformer,text_classifier --engines ddp,fsdp2 \
   --ddp-options default \
   --ddp-options gradient_as_bucket_view=true \
   --ddp-options gradient_as_bucket_view=true,static_graph=true \
   --ddp-options gradient_as_bucket_view=true,bucket_cap_mb=100 \
-  --check --run-timeout "${RUN_TIMEOUT:-90}" --budget "${BUDGET:-380}" $repeats ${EXTRA:-} 2>&1 | tee "$out/run.log"
+  --check --run-timeout "${RUN_TIMEOUT:-90}" --budget "${BUDGET:-380}" $repeats $sequential ${EXTRA:-} 2>&1 | tee "$out/run.log"
 echo "distributed_bench: $(( $(date +%s) - start )) s of wall time" | tee -a "$out/run.log"
