@@ -88,30 +88,39 @@ make_step <- function(v, built, model, opt, scaler) {
   # A compiled variant's loop calls torch.compile(model, mode = ...) (dynamo reset first),
   # made by the same code as in the Python runner.
   model <- py_to_r(runner$compile_model(v, model))
-  region <- make_region(field(v, "autocast"), dtype)
   update <- if (is.null(scaler)) {
     function(loss) { loss$backward(); opt$step() }
   } else {
     function(loss) { scaler$scale(loss)$backward(); scaler$step(opt); scaler$update() }
   }
-  function(x, y) {
-    region({
+  # The forward in the variant's autocast region (ampkit's, torch's or none), written
+  # out in each as an R user writes it: with_autocast()'s block is the seed's.
+  switch(field(v, "autocast"),
+    ampkit = function(x, y) {
+      with_autocast(device_type = device, dtype = dtype, {
+        output <- model(x)
+        loss <- loss_fn(output, y)
+      })
+      update(loss)
+      zero_grad(set_to_none = TRUE)
+      loss
+    },
+    torch = function(x, y) {
+      with(torch_autocast(device_type = device, dtype = dtype), {
+        output <- model(x)
+        loss <- loss_fn(output, y)
+      })
+      update(loss)
+      zero_grad(set_to_none = TRUE)
+      loss
+    },
+    function(x, y) {
       output <- model(x)
       loss <- loss_fn(output, y)
+      update(loss)
+      zero_grad(set_to_none = TRUE)
+      loss
     })
-    update(loss)
-    zero_grad(set_to_none = TRUE)
-    loss
-  }
-}
-
-# region(code) runs `code` (assignments land in the caller's frame, as with
-# with_autocast()) in the variant's autocast region: ampkit's, torch's or none.
-make_region <- function(autocast, dtype) {
-  switch(autocast,
-         ampkit = function(code) with_autocast(code, device_type = device, dtype = dtype),
-         torch = function(code) with(torch_autocast(device_type = device, dtype = dtype), code),
-         function(code) code)
 }
 
 make_scaler <- function(v) {

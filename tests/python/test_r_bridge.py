@@ -278,3 +278,63 @@ def test_update_then_without_a_call_only_updates_and_an_update_error_skips_the_c
     with pytest.raises(RuntimeError, match="update"):  # no step since that update
         r_bridge.update_then(calls.update_deferred, lambda: ran.append(1))
     assert ran == []
+
+
+def _block_parts(seed=3):
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    return net, torch.nn.MSELoss(), torch.randn(5, 8), torch.randn(5, 4)
+
+
+def test_run_block_is_the_region_run_call_by_call():
+    net, loss_fn, x, y = _block_parts()
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the oracle: torch's region, the same calls
+        out = net(x)
+        loss = loss_fn(out, target=y)
+        both = torch.add(loss, out)
+    r0, r1 = r_bridge.block_refs(2)
+    got = r_bridge.run_block(None, "cpu", torch.bfloat16, True, None, None,
+                             [net, loss_fn, torch.add], [[x], [r0], [r1, r0]], [None, {"target": y}, None])
+    assert [t.dtype for t in got] == [out.dtype, loss.dtype, both.dtype]
+    assert out.dtype == torch.bfloat16 and loss.dtype == torch.float32
+    assert torch.equal(got[0], out) and torch.equal(got[1], loss)
+    assert torch.equal(got[2], both)  # a result used twice
+    assert not torch.is_autocast_enabled("cpu")
+    off = r_bridge.run_block(None, "cpu", None, False, None, None, [net], [[x]], [None])
+    assert off[0].dtype == torch.float32
+
+
+def test_run_block_leaves_the_region_when_a_call_raises_and_keeps_the_earlier_results():
+    net, loss_fn, x, _ = _block_parts()
+    before = r_bridge.open_regions()
+    with pytest.raises(RuntimeError):
+        r_bridge.run_block(None, "cpu", torch.bfloat16, True, None, None,
+                           [net, loss_fn], [[x], [r_bridge.block_refs(1)[0], torch.randn(3, 5)]], [None, None])
+    assert not torch.is_autocast_enabled("cpu") and r_bridge.open_regions() == before
+    assert r_bridge.block_failure() == "calls"
+    done = r_bridge.block_results()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = net(x)
+    assert len(done) == 1 and torch.equal(done[0], expected)
+    assert r_bridge.block_failure() == "" and r_bridge.block_results() == []  # taken once
+    # a region that cannot be entered fails at "enter" and calls nothing
+    calls = []
+    with pytest.raises(ValueError, match="float64"):
+        r_bridge.run_block(None, "cpu", torch.float64, True, None, None, [calls.append], [[1]], [None])
+    assert r_bridge.block_failure() == "enter" and calls == []
+    r_bridge.block_results()
+
+
+def test_run_block_releases_first_and_its_returned_list_does_not_keep_results_alive():
+    net, loss_fn, x, y = _block_parts()
+    out = net(x)
+    r_side = _held_by_r_alone(out)
+    del out
+    got = r_bridge.run_block(list(r_side), "cpu", None, True, None, None, [net], [[x]], [None])
+    assert r_side[0].shape == (0,)  # released before the calls
+    # R keeps only its own reference to a result once it has converted the returned list
+    # (reticulate's reference to the list lives until R collects it): the next release
+    # empties the list, so the result is freed when R drops it.
+    held = _held_by_r_alone(got[0])
+    assert r_bridge.release_tensors(list(held)) == 1
+    assert held[0].shape == (0,) and got == []
