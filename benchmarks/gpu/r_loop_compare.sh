@@ -12,7 +12,9 @@
 # Needs .device-carry/ with r-runtime.tar.xz and run-r.sh, and the base tree in
 # .device-carry/base/ (its python/ and r/ampkit/: git archive <base> python r/ampkit).
 # Environment: CASES (seed_mlp,convnet), VARIANTS (fp32_tf32,torch_amp,ampkit_amp,
-# ampkit_autocast_only), ROUNDS (2), REPEATS (7), SEED_LOOP (1: run the seed loop too).
+# ampkit_autocast_only), ROUNDS (2), REPEATS (7), SEED_LOOP (1: run the seed loop too),
+# NODEFER (1: the "nodefer" runs), SPLIT (1: benchmarks/gpu/r_step_split.R, where the R
+# step's time goes, new tree only).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 dest=${1:?give an output folder}
@@ -58,7 +60,7 @@ for r in $(seq "$rounds"); do
       --variants "$variants" --repeats "$repeats" --out "$dest/raw-python-$c-r$r.json" > "$dest/log-python-$c-r$r.txt" 2>&1
     # nodefer: the working tree with options(ampkit.defer_update = FALSE), on seed_mlp
     for t in base new nodefer; do
-      [ "$t" = nodefer ] && [ "$c" != seed_mlp ] && continue
+      [ "$t" = nodefer ] && { [ "$c" != seed_mlp ] || [ "${NODEFER:-1}" != 1 ]; } && continue
       lib=/tmp/rlib-${t/nodefer/new}
       (export PYTHONPATH=${tree[${t/nodefer/new}]}/python R_LIBS=$lib
        [ "$t" = nodefer ] && export R_PROFILE_USER=$nodefer_profile
@@ -70,6 +72,11 @@ for r in $(seq "$rounds"); do
 done
 python3 benchmarks/gpu/r_loop_summary.py "$dest" | tee "$dest/summary.txt"
 
+if [ "${SPLIT:-1}" = 1 ]; then
+  (export PYTHONPATH=$root/python R_LIBS=/tmp/rlib-new AMPKIT_REPO=$root
+   runr benchmarks/gpu/r_step_split.R 7) > "$dest/step_split.txt" 2>&1
+  tail -40 "$dest/step_split.txt"
+fi
 if [ "${SEED_LOOP:-1}" = 1 ]; then
   (export PYTHONPATH=$root/python R_LIBS=/tmp/rlib-new AMPKIT_REPO=$root AMPKIT_SEED_REPEATS=3
    runr benchmarks/gpu/r_seed_loop.R seed "$dest/seed") > "$dest/seed_loop.log" 2>&1
