@@ -3,7 +3,8 @@
 # in one process. For each R loop: ms/step (epochs of 50 steps, synchronized, median of
 # the repeats), the time spent inside Python per step (every crossing timed in Python,
 # in epochs of their own), R's own collections per step (gc.time()), the crossings per
-# step, and, over epochs of their own, Rprof's top entries by self time.
+# step, and, over epochs of their own, Rprof's top entries by self time. r_one_call: the
+# whole step as one Python call from an R loop, the floor of any R loop that crosses.
 #
 #   Rscript benchmarks/gpu/r_step_split.R [repeats=7]        (AMPKIT_SPLIT_DEVICE=cpu: a dry run)
 #
@@ -52,15 +53,17 @@ r_epoch <- function() {
 
 py <- reticulate::py_run_string("
 import time, torch, ampkit
+def one_step(net, loss_fn, opt, scaler, x, y, device):
+    with ampkit.autocast(device):
+        output = net(x)
+        loss = loss_fn(output, y)
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
 def twin(net, loss_fn, opt, scaler, data, targets, device):
     for x, y in zip(data, targets):
-        with ampkit.autocast(device):
-            output = net(x)
-            loss = loss_fn(output, y)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
+        one_step(net, loss_fn, opt, scaler, x, y, device)
 inside = [0.0, 0]
 def timed(f, *a, **k):
     t = time.perf_counter()
@@ -78,6 +81,17 @@ pyobj <- function(x) if (is.function(x)) attr(x, "py_object") else reticulate::r
 twin_args <- list(pyobj(net), pyobj(loss_fn), pyobj(opt), scaler$py, reticulate::r_to_py(data),
                   reticulate::r_to_py(targets), device)
 py_epoch <- function() do.call(py$twin, twin_args)
+# The floor of any R loop that crosses: the whole step as one Python call a step, from an
+# R for loop, through the package's raw call (no R code of the package's per step).
+one_step <- py$one_step
+step_args <- lapply(twin_args[c(1:4)], ampkit:::py_arg)
+xs <- lapply(data, ampkit:::py_arg)
+ys <- lapply(targets, ampkit:::py_arg)
+one_call_epoch <- function() {
+  call <- ampkit:::.h$call_raw
+  f <- ampkit:::py_fn(one_step)
+  for (i in seq_len(nb)) call(f, c(step_args, list(xs[[i]], ys[[i]], device)), NULL)
+}
 
 h <- ampkit:::.h
 raw <- h$call_raw
@@ -98,6 +112,7 @@ ms_per_step <- function(f) {
 loops <- list(
   r_fused = function() { options(ampkit.fuse_regions = TRUE); r_epoch() },
   r_unfused = function() { options(ampkit.fuse_regions = FALSE); r_epoch() },
+  r_one_call = one_call_epoch,
   python = py_epoch)
 for (f in loops) for (k in 1:2) f()  # warm-up
 times <- list(); gcs <- list(); insides <- list(); calls <- list()
@@ -106,7 +121,7 @@ for (rep in seq_len(repeats)) {
     g0 <- gc.time()[[1]]
     times[[name]] <- c(times[[name]], ms_per_step(loops[[name]]))
     gcs[[name]] <- c(gcs[[name]], (gc.time()[[1]] - g0) * 1000 / nb)
-    if (name != "python") {
+    if (!name %in% c("python", "r_one_call")) {
       reticulate::py_call(py$take)
       with_inside(loops[[name]])
       sync()
@@ -121,9 +136,9 @@ say("\n%-10s %9s %9s %12s %13s %11s %10s", "loop", "ms/step", "vs python", "insi
     "R gc ms", "crossings")
 for (name in names(loops)) {
   say("%-10s %9.3f %9.3f %12s %13s %11.3f %10s", name, median(times[[name]]), median(times[[name]]) / py_ms,
-      if (name == "python") "-" else sprintf("%.3f", median(insides[[name]])),
-      if (name == "python") "-" else sprintf("%.3f", median(times[[name]]) - median(insides[[name]])),
-      median(gcs[[name]]), if (name == "python") "-" else sprintf("%.1f", median(calls[[name]])))
+      if (is.null(insides[[name]])) "-" else sprintf("%.3f", median(insides[[name]])),
+      if (is.null(insides[[name]])) "-" else sprintf("%.3f", median(times[[name]]) - median(insides[[name]])),
+      median(gcs[[name]]), if (is.null(calls[[name]])) "-" else sprintf("%.1f", median(calls[[name]])))
 }
 say("(inside py: the crossings' time in Python, timed in epochs of their own; outside: the rest of the R step, less than ms/step minus inside where the GPU is the bottleneck)")
 

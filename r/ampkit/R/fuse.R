@@ -88,7 +88,9 @@ make_plan <- function(expr) {
   t <- rep("", n)
   t[seq_along(targets)] <- targets
   t[is.na(t)] <- ""
-  list(ops = st$ops, targets = t, value = last, reads = unique(st$reads))
+  reads <- unique(st$reads)
+  list(ops = st$ops, targets = t, value = last, reads = reads,
+       read_calls = lapply(reads, function(r) call("substitute", as.name(r))))
 }
 
 # The op of call `x` (its arguments' ops first); NA when `x` is not such a call.
@@ -147,13 +149,13 @@ is_index <- function(a) {
 # Whether reading `name` in `env` now, before the region is entered, is what the block
 # would have done: a variable, or a promise whose expression only reads (such as the
 # `b[[1]]` a step function got for `x`).
-early_read_ok <- function(name, env) {
-  e <- substitute_in(as.name(name), env)
-  if (!is.language(e) || identical(e, as.name(name))) return(TRUE)
+# `read_call` is `substitute(name)`, made with the plan: evaluated in `env`, it gives a
+# promise's expression, a variable's value, or (in the global environment) the name.
+early_read_ok <- function(read_call, env) {
+  e <- eval(read_call, env)
+  if (!is.language(e) || identical(e, read_call[[2L]])) return(TRUE)
   is.name(e) || is_index(e) || is_constant(e)
 }
-
-substitute_in <- function(sym, env) eval(call("substitute", sym), env)
 
 # Run the block of `plan` in one crossing; NOT_FUSED when it must run as written.
 run_fused <- function(plan, env, device_type, dtype, enabled, cache_enabled, policy) {
@@ -167,7 +169,7 @@ run_fused <- function(plan, env, device_type, dtype, enabled, cache_enabled, pol
     if (!isTRUE(fe$convert)) return(NOT_FUSED)
     fns[k] <- list(fe$module)
   }
-  for (name in plan$reads) if (!early_read_ok(name, env)) return(NOT_FUSED)
+  for (rc in plan$read_calls) if (!early_read_ok(rc, env)) return(NOT_FUSED)
   region <- region_args(device_type, dtype, enabled, cache_enabled, policy)
   refs <- .h$block_refs
   args <- vector("list", n)
