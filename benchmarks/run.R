@@ -88,6 +88,7 @@ make_step <- function(v, built, model, opt, scaler) {
   # A compiled variant's loop calls torch.compile(model, mode = ...) (dynamo reset first),
   # made by the same code as in the Python runner.
   model <- py_to_r(runner$compile_model(v, model))
+  torch_region <- function(code) with(torch_autocast(device_type = device, dtype = dtype), code)
   update <- if (is.null(scaler)) {
     function(loss) { loss$backward(); opt$step() }
   } else {
@@ -105,8 +106,11 @@ make_step <- function(v, built, model, opt, scaler) {
       zero_grad(set_to_none = TRUE)
       loss
     },
+    # torch's region through reticulate's with(), by way of a function that takes the
+    # block: written inline, with() kept each step's frame (and the transformer's 512 MiB
+    # logits) counted until R collected, and R's peak memory went to 60 GiB (88b461e).
     torch = function(x, y) {
-      with(torch_autocast(device_type = device, dtype = dtype), {
+      torch_region({
         output <- model(x)
         loss <- loss_fn(output, y)
       })
