@@ -11,6 +11,15 @@
 #' R condition of class `ampkit_error`. Regions nest; `enabled = FALSE` runs a
 #' region with autocast off (inside an enabled one, too).
 #'
+#' A block whose statements are only calls of modules and loss functions
+#' (`output <- net(x); loss <- loss_fn(output, y)`, the seed's), with names,
+#' constants and `x[[i]]` as arguments, runs in one call into Python: the region
+#' is entered, the calls are made and it is left there, and the results are then
+#' bound in the calling frame (R runs any other block statement by statement). What
+#' the block binds, returns and raises is the same either way; an error in a later
+#' call leaves the earlier results bound. `options(ampkit.fuse_regions = FALSE)`
+#' runs every block statement by statement.
+#'
 #' The arguments follow mlverse torch: `with_autocast(code, ..., device_type,
 #' dtype, enabled, cache_enabled)` and `local_autocast(device_type, dtype,
 #' enabled, cache_enabled, ...)`, so `local_autocast("cpu", torch_bfloat16())`
