@@ -11,20 +11,14 @@ every rank runs the same three variants:
   built: no collective is pending) and ampkit_step's step raises on every rank at the first
   step of its second epoch.
 
-Each rank pickles its records (a file, not a pipe) to ``out_dir/rank<r>.pkl``.
+Each rank pickles its records to ``out_dir/rank<r>.pkl`` (gloo_ranks.run_rank).
 """
 
 from __future__ import annotations
 
-import os
-import pickle
-import traceback
-
-import torch
-import torch.distributed as dist
-
 import ampkit
 from ampkit import bench
+from gloo_ranks import run_rank
 
 VARIANTS = ("torch_amp", "ampkit_amp", "ampkit_step")
 ROUNDS = 3
@@ -57,25 +51,19 @@ def _failing(rank: int):
     return undo
 
 
-def run(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+def _body(rank: int) -> dict:
+    built = bench.build_case("text_classifier", "tiny", seed=0, device="cpu", repeats=ROUNDS)
+    variants = [bench.load_variants()[v] for v in VARIANTS]
+    placement = bench.Placement(bench.Engine("ddp"), "cpu")
+    result = {"sequential": [bench.run_variant(built, v, placement=placement) for v in variants],
+              "interleaved": bench.run_interleaved(built, variants, placement=placement)}
+    undo = _failing(rank)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        built = bench.build_case("text_classifier", "tiny", seed=0, device="cpu", repeats=ROUNDS)
-        variants = [bench.load_variants()[v] for v in VARIANTS]
-        placement = bench.Placement(bench.Engine("ddp"), "cpu")
-        result = {"sequential": [bench.run_variant(built, v, placement=placement) for v in variants],
-                  "interleaved": bench.run_interleaved(built, variants, placement=placement)}
-        undo = _failing(rank)
-        try:
-            result["failing"] = bench.run_interleaved(built, variants, placement=placement)
-        finally:
-            undo()
-    except Exception:  # noqa: BLE001 - the test reports the rank's traceback
-        result = traceback.format_exc()
+        result["failing"] = bench.run_interleaved(built, variants, placement=placement)
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(result, f)
+        undo()
+    return result
+
+
+def run(rank: int, world: int, port: int, out_dir: str) -> None:
+    run_rank(rank, world, port, out_dir, _body)

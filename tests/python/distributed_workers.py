@@ -12,14 +12,12 @@ Each rank returns, per step, whether it skipped, the scale, and its parameters.
 from __future__ import annotations
 
 import copy
-import os
-import pickle
-import traceback
 
 import torch
 import torch.distributed as dist
 
 import ampkit
+from gloo_ranks import run_rank
 
 ENGINES = ("ddp", "fsdp1", "fsdp2", "fsdp2_fused")
 STEPS = 5
@@ -120,21 +118,15 @@ def misuse(rank: int) -> dict:
     return found
 
 
+def _body(rank: int) -> dict:
+    result = {}
+    for engine in ENGINES:
+        result[engine] = {kind: train(engine, kind, rank) for kind in ("ampkit", "torch")}
+    result["misuse"] = misuse(rank)
+    return result
+
+
 def run(rank: int, world: int, port: int, out_dir: str) -> None:
     """The spawned entry point: every engine, then the misuse cases; results pickled to
-    ``out_dir/rank<r>.pkl`` (a file, not a pipe: a full pipe would block the rank)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        result = {}
-        for engine in ENGINES:
-            result[engine] = {kind: train(engine, kind, rank) for kind in ("ampkit", "torch")}
-        result["misuse"] = misuse(rank)
-    except Exception:  # noqa: BLE001 - the test reports the rank's traceback
-        result = traceback.format_exc()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(result, f)
+    ``out_dir/rank<r>.pkl`` (gloo_ranks.run_rank)."""
+    run_rank(rank, world, port, out_dir, _body)

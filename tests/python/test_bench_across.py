@@ -212,33 +212,10 @@ def test_an_interleaved_group_on_two_gloo_ranks_trains_as_alone_and_a_failure_st
     """Two gloo processes, DDP, tiny text_classifier (with dropout), three variants: alone,
     interleaved, and interleaved with ampkit_amp's build failing on rank 1 only and
     ampkit_step's second epoch failing on both (bench_group_workers.py)."""
-    import socket
-
-    import torch
-
     import bench_group_workers as workers
+    from gloo_ranks import spawn_ranks
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = torch.multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=workers.run, args=(r, 2, port, str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(GROUP_TIMEOUT_S)
-    hung = [i for i, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert not hung, f"ranks {hung} did not finish within {GROUP_TIMEOUT_S} s (a collective hung?)"
-    results = []
-    for rank in range(2):
-        path = tmp_path / f"rank{rank}.pkl"
-        assert path.exists(), f"rank {rank} wrote no result (exit code {procs[rank].exitcode})"
-        result = __import__("pickle").loads(path.read_bytes())
-        assert not isinstance(result, str), f"rank {rank} raised:\n{result}"
-        results.append(result)
+    results = spawn_ranks(workers.run, tmp_path, GROUP_TIMEOUT_S)
     names, rounds = list(workers.VARIANTS), workers.ROUNDS
     for result in results:
         for alone, together in zip(result["sequential"], result["interleaved"]):

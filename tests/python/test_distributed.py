@@ -7,8 +7,6 @@ copies (distributed_workers.py). An overflow is planted on rank 1 only.
 
 from __future__ import annotations
 
-import pickle
-import socket
 
 import pytest
 import torch
@@ -25,44 +23,16 @@ if tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 5
                 allow_module_level=True)
 
 import distributed_workers as workers  # noqa: E402
+from gloo_ranks import spawn_ranks  # noqa: E402
 
 ENGINES = workers.ENGINES
 TIMEOUT_S = 240
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """Both ranks' results, from one spawn of two processes (bounded in time)."""
-    ctx = torch.multiprocessing.get_context("spawn")
-    out = tmp_path_factory.mktemp("ranks")
-    port = _free_port()
-    procs = [ctx.Process(target=workers.run, args=(r, 2, port, str(out))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(TIMEOUT_S)
-    hung = [i for i, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    if hung:
-        pytest.fail(f"ranks {hung} did not finish within {TIMEOUT_S} s (a collective hung?)")
-    results = {}
-    for rank in range(2):
-        path = out / f"rank{rank}.pkl"
-        if not path.exists():
-            pytest.fail(f"rank {rank} wrote no result (exit code {procs[rank].exitcode})")
-        result = pickle.loads(path.read_bytes())
-        if isinstance(result, str):
-            pytest.fail(f"rank {rank} raised:\n{result}")
-        results[rank] = result
-    return results
+    return dict(enumerate(spawn_ranks(workers.run, tmp_path_factory.mktemp("ranks"), TIMEOUT_S)))
 
 
 @pytest.mark.parametrize("engine", ENGINES)
