@@ -1,6 +1,5 @@
 # Where the R seed loop's step time goes on the GPU: the seed's AMP step (seed_mlp's full
-# sizes) written in R, with the fused region (R/fuse.R) on and off, and its Python twin,
-# in one process. For each R loop: ms/step (epochs of 50 steps, synchronized, median of
+# sizes) written in R, and its Python twin, in one process. For each R loop: ms/step (epochs of 50 steps, synchronized, median of
 # the repeats), the time spent inside Python per step (every crossing timed in Python,
 # in epochs of their own), R's own collections per step (gc.time()), the crossings per
 # step, and, over epochs of their own, Rprof's top entries by self time. r_one_call: the
@@ -110,8 +109,7 @@ ms_per_step <- function(f) {
 }
 
 loops <- list(
-  r_fused = function() { options(ampkit.fuse_regions = TRUE); r_epoch() },
-  r_unfused = function() { options(ampkit.fuse_regions = FALSE); r_epoch() },
+  r_loop = r_epoch,
   r_one_call = one_call_epoch,
   python = py_epoch)
 for (f in loops) for (k in 1:2) f()  # warm-up
@@ -142,7 +140,7 @@ for (name in names(loops)) {
 }
 say("(inside py: the crossings' time in Python, timed in epochs of their own; outside: the rest of the R step, less than ms/step minus inside where the GPU is the bottleneck)")
 
-for (name in c("r_fused", "r_unfused")) {
+for (name in "r_loop") {
   prof <- tempfile()
   Rprof(prof, interval = 0.002, gc.profiling = TRUE)
   for (k in seq_len(repeats)) loops[[name]]()
@@ -153,4 +151,3 @@ for (name in c("r_fused", "r_unfused")) {
   top <- utils::head(s[, c("self.time", "self.pct")], 12)
   for (k in seq_len(nrow(top))) say("  %-32s %6.1f%%", rownames(top)[[k]], top$self.pct[[k]])
 }
-options(ampkit.fuse_regions = NULL)

@@ -46,11 +46,7 @@ import ampkit
 
 __all__ = [
     "ScalerCalls",
-    "BlockRef",
     "amp_loop",
-    "block_failure",
-    "block_refs",
-    "block_results",
     "bound_zero_grad",
     "call_method",
     "call_releasing",
@@ -71,7 +67,6 @@ __all__ = [
     "open_regions",
     "plain",
     "retry_call",
-    "run_block",
     "set_r_collector",
     "policy",
     "policy_names",
@@ -151,97 +146,6 @@ def exit_autocast(token: int) -> None:
     cm.__exit__(None, None, None)
 
 
-class BlockRef:
-    """Stands, in an argument of ``run_block``, for the result of an earlier call of the block."""
-
-    __slots__ = ("index",)
-
-    def __init__(self, index: int):
-        self.index = index
-
-    def __repr__(self) -> str:
-        return f"BlockRef({self.index})"
-
-
-def block_refs(n: int) -> list:
-    """``n`` references (``BlockRef(0)`` ... ``BlockRef(n - 1)``), made once for R to pass."""
-    return [BlockRef(i) for i in range(n)]
-
-
-# The list the last run_block() (or block_results()) returned. R converts it at once,
-# but reticulate's reference to the list lives until R collects it; release_tensors()
-# empties it first, so that the list does not count as a holder of the tensors.
-_returned: list = [[]]
-
-# What the last run_block() that failed had done: its stage ("enter" or "calls") and
-# the results of the calls that returned before the error (R binds them, as an eager
-# block would have).
-_block_failure: list = ["", []]
-
-
-def run_block(dead, device_type, dtype, enabled, cache_enabled, policy, fns, args, kwargs) -> list:
-    """A region whose R block is only module calls, in one crossing: enter, call, leave.
-
-    ``with_autocast(device_type = "cuda", { output <- net(x); loss <- loss_fn(output, y) })``
-    is four crossings when R runs it statement by statement (enter, two calls, exit);
-    the R package sends such a block here instead: ``fns[i](*args[i], **kwargs[i])`` in
-    order inside ``ampkit.autocast(device_type, dtype, enabled, cache_enabled, policy)``,
-    where a ``BlockRef(j)`` among the arguments is the result of call ``j``. ``dead``
-    (module outputs R has dropped) is released first, as ``call_releasing`` does. The
-    region is entered as ``enter_autocast`` enters it (retried after an out-of-memory
-    error) and left also when a call raises; the calls are not retried (as in R's own
-    path, where R code runs between them). Returns the calls' results.
-
-    >>> import torch
-    >>> net = torch.nn.Linear(4, 2); ref = block_refs(1)[0]
-    >>> out, loss = run_block(None, "cpu", torch.bfloat16, True, None, None,
-    ...                       [net, torch.sum], [[torch.ones(3, 4)], [ref]], [None, None])
-    >>> out.dtype, loss.dtype, torch.is_autocast_enabled("cpu")
-    (torch.bfloat16, torch.bfloat16, False)
-    """
-    if dead:
-        try:
-            release_tensors(dead)
-        except Exception:  # noqa: BLE001 - the optional release never breaks the call
-            pass
-    del dead
-    _block_failure[0], _block_failure[1] = "enter", []
-    cm = ampkit.autocast(device_type, dtype, enabled, cache_enabled, policy=_policy_arg(policy))
-    retry_call(cm.__enter__)
-    _block_failure[0] = "calls"
-    results: list = []
-    try:
-        for fn, a, kw in zip(fns, args, kwargs):
-            a = [results[x.index] if type(x) is BlockRef else x for x in a]
-            if kw:
-                kw = {k: results[v.index] if type(v) is BlockRef else v for k, v in kw.items()}
-                results.append(fn(*a, **kw))
-            else:
-                results.append(fn(*a))
-    except BaseException:
-        _block_failure[1] = results
-        raise
-    finally:
-        cm.__exit__(None, None, None)
-    _block_failure[0] = ""
-    _returned[0] = results
-    return results
-
-
-def block_failure() -> str:
-    """Where the last ``run_block`` that raised failed: ``"enter"`` or ``"calls"``."""
-    return _block_failure[0]
-
-
-def block_results() -> list:
-    """The results of the calls that returned before the last ``run_block`` raised (then
-    forgotten, as is the stage)."""
-    out = _block_failure[1]
-    _block_failure[0], _block_failure[1] = "", []
-    _returned[0] = out
-    return out
-
-
 def open_regions() -> int:
     """How many regions R has entered and not left."""
     return len(_open)
@@ -290,7 +194,6 @@ def release_tensors(tensors) -> int:
     a backward pass, holds the forward's saved tensors). The R wrapper, when R
     collects it, frees an empty shell of shape (0,).
     """
-    _returned[0].clear()  # the last block's list of results no longer holds them
     n = 0
     for t in tensors:
         if (not isinstance(t, torch.Tensor) or sys.getrefcount(t) > _R_ONLY_REFS

@@ -11,15 +11,6 @@
 #' R condition of class `ampkit_error`. Regions nest; `enabled = FALSE` runs a
 #' region with autocast off (inside an enabled one, too).
 #'
-#' A block whose statements are only calls of modules and loss functions
-#' (`output <- net(x); loss <- loss_fn(output, y)`, the seed's), with names,
-#' constants and `x[[i]]` as arguments, runs in one call into Python: the region
-#' is entered, the calls are made and it is left there, and the results are then
-#' bound in the calling frame (R runs any other block statement by statement). What
-#' the block binds, returns and raises is the same either way; an error in a later
-#' call leaves the earlier results bound. `options(ampkit.fuse_regions = FALSE)`
-#' runs every block statement by statement.
-#'
 #' The arguments follow mlverse torch: `with_autocast(code, ..., device_type,
 #' dtype, enabled, cache_enabled)` and `local_autocast(device_type, dtype,
 #' enabled, cache_enabled, ...)`, so `local_autocast("cpu", torch_bfloat16())`
@@ -125,13 +116,6 @@ with_autocast_positional <- function(device_type, ..., env) {
 # would keep this frame, and `value` with it, alive), and `value` is cleared on exit,
 # so that R's reference count of the value drops when the caller drops it (memory.R).
 run_region <- function(expr, env, device_type, dtype, enabled, cache_enabled, policy) {
-  if (option_on("ampkit.fuse_regions")) {  # a block of module calls: one crossing (fuse.R)
-    plan <- region_plan(expr)
-    if (!isFALSE(plan)) {
-      value <- run_fused(plan, env, device_type, dtype, enabled, cache_enabled, policy)
-      if (!identical(value, NOT_FUSED)) return(value)
-    }
-  }
   region <- enter_autocast(device_type, dtype, enabled, cache_enabled, policy)
   on.exit(exit_autocast(region), add = TRUE)
   value <- withCallingHandlers(eval(expr, env), error = region_error)
@@ -187,21 +171,16 @@ enter_autocast <- function(device_type, dtype, enabled, cache_enabled, policy) {
     abort("`device_type` is missing: give \"cuda\" or \"cpu\", e.g. local_autocast(\"cuda\").",
           class = "ampkit_bad_device", call = sys.call(-1))
   }
-  args <- region_args(device_type, dtype, enabled, cache_enabled, policy)  # starts Python if need be
-  # The token stays a Python int: it goes back to exit_autocast() unconverted.
-  py_try(.h$call(.h$fn$enter_autocast, args, NULL), "with_autocast()")
-}
-
-# The arguments of a region as the bridge takes them (enter_autocast, run_block),
-# checked: a bad value raises here, before Python is called.
-region_args <- function(device_type, dtype, enabled, cache_enabled, policy) {
   device_type <- as_device_type(device_type)
   if (is.null(.h$ready)) py_ready()
   if (!is.null(dtype)) dtype <- as_py_dtype(dtype)
   if (!isTRUE(enabled)) enabled <- as_py_bool(enabled, "enabled")
   if (!is.null(cache_enabled)) cache_enabled <- as_py_bool(cache_enabled, "cache_enabled")
   if (!is.null(policy)) policy <- as_py_policy(policy)
-  list(device_type, py_arg(dtype), enabled, cache_enabled, py_arg(policy))
+  # The token stays a Python int: it goes back to exit_autocast() unconverted.
+  py_try(.h$call(.h$fn$enter_autocast,
+                 list(device_type, py_arg(dtype), enabled, cache_enabled, py_arg(policy)), NULL),
+         "with_autocast()")
 }
 
 exit_autocast <- function(region) {

@@ -168,11 +168,8 @@ py_ready <- function() {
   .h$to_r <- utils::getFromNamespace("py_ref_to_r", "reticulate")  # a plain value, no dispatch
   .h$fn <- lapply(list(enter_autocast = "enter_autocast", exit_autocast = "exit_autocast",
                        call_method = "call_method", call_releasing = "call_releasing",
-                       release_tensors = "release_tensors", update_then = "update_then",
-                       run_block = "run_block", block_results = "block_results"),
+                       release_tensors = "release_tensors", update_then = "update_then"),
                   function(n) py_fn(bridge[[n]]))
-  .h$block_failure <- bridge$block_failure
-  .h$block_refs <- lapply(bridge$block_refs(FUSE_MAX_CALLS), py_arg)  # a region's call results (fuse.R)
   calibrate_release()
   # An out-of-memory error in Python runs R's gc() before the retry.
   py_reset_collector()
