@@ -96,6 +96,13 @@ def launch(cmd, env, log: Path, timeout_s: float):
             while proc.poll() is None and time.monotonic() < deadline:
                 time.sleep(1)
             if proc.poll() is None:
+                # torchrun starts its workers in sessions of their own: the group of the
+                # launch alone would leave them running, and the output open
+                for pid in _descendants(proc.pid):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
                 os.killpg(proc.pid, signal.SIGKILL)
         threading.Thread(target=stop, daemon=True).start()
         for line in proc.stdout:
@@ -109,6 +116,24 @@ def launch(cmd, env, log: Path, timeout_s: float):
     if time.monotonic() >= deadline:
         tail.append("the launch was killed after %d s" % timeout_s)
     return rc, tail
+
+
+def _descendants(pid: int) -> list:
+    """The processes below ``pid`` (Linux's /proc; none where it cannot be read)."""
+    children: dict = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # the name may hold spaces and parentheses
+        children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
 
 
 def failed_item(item, error, a, device, world, bench):

@@ -275,7 +275,10 @@ def _throughput_ratio(t):
 
 
 def measured(r: dict) -> str:
-    """How a record's samples were timed: interleaved with its group, or alone."""
+    """How a record's samples were timed: interleaved with its group, or alone ("-": a
+    record without samples, failed or skipped)."""
+    if r.get("status") != "ok":
+        return "-"
     i = r.get("interleaved")
     return "interleaved, %d rounds" % i["rounds"] if i else "alone"
 
@@ -321,8 +324,9 @@ def across(doc: dict) -> str:
              "options, i.e. the 1-process step time over the N-process one (1 is perfect). "
              "Timed: 'interleaved, R rounds': the variants of a case and engine configuration "
              "were built and warmed up together, then timed in R rounds of one epoch each, the "
-             "order rotating (round r starts at variant r mod k), so that the throughput against "
-             "torch_amp compares epochs of the same minutes; 'alone': each variant's epochs in a "
+             "order rotating (round r starts at the (r mod k)-th of the k variants still running), "
+             "so that the throughput against torch_amp compares epochs of the same minutes; 'alone': "
+             "each variant's epochs in a "
              "row, one variant after the other (--sequential), where the machine's drift between "
              "the runs enters the ratio. The scaling efficiency always compares two launches.",
              "\n".join(lines)]

@@ -124,7 +124,29 @@ def test_a_stalled_run_fails_with_its_stack_and_the_launch_goes_on(tmp_path):
         assert "(2 runs interleaved: torch_amp, ampkit_amp;" in r["error"]
     assert "Timeout (0:00:00" in (tmp_path / "launch-x1.log").read_text()  # the watchdog's stack dump
     assert p.stderr.count("== launch:") == 1
-    assert "2 run(s) failed: seed_mlp/torch_amp/python/ddp/x1" in (tmp_path / "report.md").read_text()
+    report = (tmp_path / "report.md").read_text()
+    assert "2 run(s) failed: seed_mlp/torch_amp/python/ddp/x1" in report
+    # a record without samples was not timed, interleaved or alone
+    rows = [line for line in report.splitlines() if line.startswith("| seed_mlp | ddp |")]
+    assert len(rows) == 2 and all(row.rstrip(" |").endswith("| -") for row in rows), rows
+
+
+def test_a_launch_past_its_limit_is_killed_with_the_processes_it_started_in_their_own_sessions(tmp_path):
+    """torchrun starts its workers in sessions of their own: killing the launch's process
+    group alone left them running, and the launcher waiting on their output."""
+    import time
+
+    import across
+
+    child = tmp_path / "child.pid"
+    t0 = time.monotonic()
+    rc, tail = across.launch(["bash", "-c", "setsid sleep 120 & echo $! > %s; wait" % child], dict(os.environ),
+                             tmp_path / "launch.log", 2)
+    took = time.monotonic() - t0
+    assert rc != 0 and tail[-1] == "the launch was killed after 2 s"
+    assert took < 60, took  # not the 120 s the worker would have run
+    pid = int(child.read_text())
+    assert not Path("/proc/%d" % pid).exists() or "zombie" in Path("/proc/%d/status" % pid).read_text().lower()
 
 
 @pytest.mark.parametrize("sequential", [False, True])
@@ -230,12 +252,16 @@ def test_an_interleaved_group_on_two_gloo_ranks_trains_as_alone_and_a_failure_st
             assert "interleaved" not in alone
         torch_amp, amp, step = result["failing"]
         assert torch_amp["status"] == "ok" and torch_amp["final_loss"] == result["sequential"][0]["final_loss"]
-        # rounds [0, 2], [2, 0], [0]: ampkit_amp never built, ampkit_step failed first in round 1
+        # rounds [torch_amp, ampkit_step], [ampkit_step, torch_amp], [torch_amp]: ampkit_amp never
+        # built, ampkit_step failed first in round 1
         assert torch_amp["interleaved"]["positions"] == [0, 1, 0] and len(torch_amp["samples"]) == rounds
         assert amp["status"] == "failed" and amp["error"] == "rank 1: RuntimeError: ampkit_amp's build broke on rank 1"
         assert step["status"] == "failed" and step["error"] == "rank 0: RuntimeError: ampkit_step's second epoch broke"
         for r in (amp, step):
-            assert r["samples"] == [] and r["interleaved"]["group"] == names
+            assert r["samples"] == []
+        # rotated over the variants still running: ampkit_amp, never built, is not in the group
+        assert "interleaved" not in amp
+        assert step["interleaved"] == {"group": ["torch_amp", "ampkit_step"], "rounds": rounds, "positions": [1]}
         assert bench.validate({"context": bench.context("tiny", "cpu"),
                                "records": [r for recs in result.values() for r in recs]}) == []
     for key in results[0]:  # every rank recorded the same: statuses, errors and the slowest rank's samples

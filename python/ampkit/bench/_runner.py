@@ -15,8 +15,8 @@ The timing protocol (the R runner, benchmarks/run.R, follows it line by line):
 
 ``run_variant`` runs these steps for one variant. ``run_interleaved`` (the runner across
 processes uses it) runs steps 1-2 for each of several variants, then 3 as `repeats` rounds
-of one epoch per variant, the order rotating (round r starts at variant r mod k), so that
-the variants' samples come from the same minutes; both are made of ``VariantRun``'s pieces
+of one epoch per variant, the order rotating (round r starts at the (r mod k)-th of the k
+variants still running), so that the variants' samples come from the same minutes; both are made of ``VariantRun``'s pieces
 (build, warm_up, epoch, record), one implementation. A variant's turns keep its own random
 state, so a run trains the same, step for step, alone or interleaved.
 """
@@ -201,7 +201,16 @@ def rotation(k: int, rounds: int) -> list:
     >>> rotation(3, 4)
     [[0, 1, 2], [1, 2, 0], [2, 0, 1], [0, 1, 2]]
     """
-    return [[(r + j) % k for j in range(k)] for r in range(rounds)]
+    return [round_order(k, r) for r in range(rounds)]
+
+
+def round_order(k: int, r: int) -> list:
+    """Round ``r``'s order of ``k`` variants (see ``rotation``).
+
+    >>> round_order(3, 1)
+    [1, 2, 0]
+    """
+    return [(r + j) % k for j in range(k)]
 
 
 def _allocated(device: str):
@@ -383,9 +392,10 @@ def run_interleaved(built: BuiltCase, variants, language: str = "python", placem
     one record per variant, in order (each as ``run_variant`` makes it).
 
     Every variant is built and warmed up first (one after the other), then ``built.repeats``
-    rounds each time one epoch of every variant, round r starting at variant r mod k
-    (``rotation``): a drift of the machine over the minutes of the measure hits every
-    variant alike, and each sample pairs with the others' of the same round. A variant that
+    rounds each time one epoch of every variant still running, round r starting at the
+    (r mod k)-th of the k running (``rotation``): a drift of the machine over the minutes of
+    the measure hits every variant alike, and each sample pairs with the others' of the
+    same round. A variant that
     fails (in its build, warm-up or an epoch) is recorded as failed and freed; the others go
     on. Across processes (``placement``) every rank must call this with the same variants:
     after each piece the ranks agree on whether it failed, so that each records the same.
@@ -410,19 +420,17 @@ def run_interleaved(built: BuiltCase, variants, language: str = "python", placem
                     before()
                     if not r.attempt(piece):
                         break
-        for order in rotation(len(runs), built.repeats):
-            place = 0
-            for j in order:
-                r = runs[j]
-                if r.skip or r.error is not None:
-                    continue
+        for rnd in range(built.repeats):
+            # rotated over the variants still running, so that a skipped or failed one
+            # does not give the one after it the first place twice as often
+            running = [r for r in runs if not r.skip and r.error is None]
+            for place, j in enumerate(round_order(len(running), rnd)):
                 before()
-                if r.attempt(VariantRun.epoch):
-                    r.positions.append(place)
-                place += 1
-        took_part = [r.variant.name for r in runs if not r.skip]
+                if running[j].attempt(VariantRun.epoch):
+                    running[j].positions.append(place)
+        took_part = [r.variant.name for r in runs if r.positions]
         group = {"group": took_part, "rounds": built.repeats} if len(took_part) > 1 else None
-        return [r.record(group) for r in runs]
+        return [r.record(group if r.positions else None) for r in runs]
     finally:
         for r in runs:
             r.close()
