@@ -52,14 +52,7 @@ r_epoch <- function() {
 
 py <- reticulate::py_run_string("
 import time, torch, ampkit
-def one_step(net, loss_fn, opt, scaler, x, y, device):
-    with ampkit.autocast(device):
-        output = net(x)
-        loss = loss_fn(output, y)
-    scaler.scale(loss).backward()
-    scaler.step(opt)
-    scaler.update()
-    opt.zero_grad()
+from ampkit.r_bridge import amp_step as one_step
 def twin(net, loss_fn, opt, scaler, data, targets, device):
     for x, y in zip(data, targets):
         one_step(net, loss_fn, opt, scaler, x, y, device)

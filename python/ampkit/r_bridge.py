@@ -47,6 +47,7 @@ import ampkit
 __all__ = [
     "ScalerCalls",
     "amp_loop",
+    "amp_step",
     "bound_zero_grad",
     "call_method",
     "call_releasing",
@@ -513,6 +514,27 @@ def check_autocast(model=None, device_type=None, dtype=None, enabled=True, cache
 
 # ---------------------------------------------------------------- the R loop's Python twin
 
+def amp_step(net, loss_fn, opt, scaler, x, y, device: str, autocast: bool = True):
+    """One step of the seed's loop in Python (``amp_loop``'s): the forward and loss in
+    ``ampkit.autocast(device, enabled=autocast)``, then ``scaler.scale(loss).backward()``,
+    ``scaler.step(opt)``, ``scaler.update()``, ``opt.zero_grad()``. Returns the loss.
+
+    >>> import torch
+    >>> net = torch.nn.Linear(4, 2); opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    >>> scaler = ampkit.GradScaler("cpu", enabled=False)
+    >>> amp_step(net, torch.nn.MSELoss(), opt, scaler, torch.ones(3, 4), torch.zeros(3, 2), "cpu").dtype
+    torch.float32
+    """
+    with ampkit.autocast(device, enabled=autocast):
+        output = net(x)
+        loss = loss_fn(output, y)
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+    return loss
+
+
 def amp_loop(net, batches, device: str, autocast: bool, scale: bool, steps: int, *, lr: float,
              scaler_kwargs: dict | None = None, record: bool = False):
     """The seed's hand-written AMP loop in Python, the twin that R's loop is held against
@@ -534,13 +556,7 @@ def amp_loop(net, batches, device: str, autocast: bool, scale: bool, steps: int,
     losses, loss = [], None
     for s in range(int(steps)):
         x, y = batches[s % len(batches)]
-        with ampkit.autocast(device, enabled=autocast):
-            output = net(x)
-            loss = loss_fn(output, y)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
+        loss = amp_step(net, loss_fn, opt, scaler, x, y, device, autocast)
         if record:
             losses.append(loss.item())
     if not record and loss is not None:

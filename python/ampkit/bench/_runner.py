@@ -257,8 +257,7 @@ class VariantRun:
     every rank then agrees (``Placement.first_error``) and a failed variant is closed on all.
     """
 
-    def __init__(self, built: BuiltCase, variant: Variant, language: str = "python", placement=None):
-        _check_variant(variant, "VariantRun")
+    def __init__(self, built: BuiltCase, variant: Variant, language: str, placement, floor):
         self.built, self.variant, self.placement = built, variant, placement
         self.device = built.device
         self.run = resolve_run(built, variant, language, placement=placement)
@@ -268,7 +267,7 @@ class VariantRun:
         self.samples, self.losses, self.positions = [], [], []
         self.compile_s = self.counts = None
         self.wall_s = 0.0
-        self.floor = _allocated(self.device)
+        self.floor = floor
         self.held, self.peak = 0, None
         self.rng = None
 
@@ -405,16 +404,16 @@ def run_interleaved(built: BuiltCase, variants, language: str = "python", placem
     before each piece (the distributed runner re-arms its watchdog there)."""
     for v in variants:
         _check_variant(v, "run_interleaved")
-    runs = [VariantRun(built, v, language, placement) for v in variants]
-    if len(runs) > 1 and any(r.variant.compile != "none" for r in runs):
+    compiled = [v.name for v in variants if v.compile != "none"]
+    if len(variants) > 1 and compiled:
         raise ValueError("run_interleaved: compiled variants (%s) are measured alone; torch.compile's state "
-                         "is reset for each" % ", ".join(r.variant.name for r in runs if r.variant.compile != "none"))
+                         "is reset for each" % ", ".join(compiled))
     before = before_piece or (lambda: None)
+    reset_peak_memory(built.device)
+    floor = _allocated(built.device)  # the case's batches: what every variant's peak starts from
+    runs = [VariantRun(built, v, language, placement, floor) for v in variants]
     try:
-        reset_peak_memory(built.device)
-        floor = _allocated(built.device)
         for r in runs:
-            r.floor = floor
             if not r.skip:
                 for piece in (VariantRun.build, VariantRun.warm_up):
                     before()
