@@ -10,8 +10,9 @@ process and once with N (one per GPU; on the CPU, gloo processes), and each proc
 A group of runs is the variants of one case and engine configuration: each is built and
 warmed up, then the group runs ``repeats`` rounds of one timed epoch per variant, the
 order rotating (round r starts at the (r mod k)-th of the k variants still running), so
-that a ratio between two variants compares epochs of the same minutes: a host-bound eager step drifts by tens of percent
-over a run, and variants timed one after the other each met another part of that drift.
+that a ratio between two variants compares epochs of the same minutes: a host-bound eager
+step drifts by tens of percent over a run, and variants timed one after the other each
+met another part of that drift.
 ``repeats`` is the profile's, at least ``MIN_ROUNDS``, unless given (``repeats_for``).
 ``interleave=False`` (``--sequential``) times each variant alone, its epochs in a row,
 as before; a compiled variant is always timed alone (torch.compile is reset for each).
