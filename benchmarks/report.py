@@ -326,9 +326,8 @@ def across(doc: dict) -> str:
              "were built and warmed up together, then timed in R rounds of one epoch each, the "
              "order rotating (round r starts at the (r mod k)-th of the k variants still running), "
              "so that the throughput against torch_amp compares epochs of the same minutes; 'alone': "
-             "each variant's epochs in a "
-             "row, one variant after the other (--sequential), where the machine's drift between "
-             "the runs enters the ratio. The scaling efficiency always compares two launches.",
+             "each variant's epochs in a row, one variant after the other (--sequential), where the "
+             "machine's drift between the runs enters the ratio. The scaling efficiency always compares two launches.",
              "\n".join(lines)]
     checks = doc["context"].get("distributed_checks") or []
     if checks:
