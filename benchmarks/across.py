@@ -97,13 +97,16 @@ def launch(cmd, env, log: Path, timeout_s: float):
                 time.sleep(1)
             if proc.poll() is None:
                 # torchrun starts its workers in sessions of their own: the group of the
-                # launch alone would leave them running, and the output open
-                for pid in _descendants(proc.pid):
+                # launch alone would leave them running, and the output open. They are
+                # found first (then torchrun, then they, go), so torchrun does not see them
+                # end and exit on its own with another status.
+                workers = _descendants(proc.pid)
+                os.killpg(proc.pid, signal.SIGKILL)
+                for pid in workers:
                     try:
                         os.kill(pid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
-                os.killpg(proc.pid, signal.SIGKILL)
         threading.Thread(target=stop, daemon=True).start()
         for line in proc.stdout:
             f.write(line)
