@@ -45,6 +45,7 @@ and optimizer state unchanged and backs the scale off, whether replayed or eager
 from __future__ import annotations
 
 import copy
+import ctypes
 import sys
 import weakref
 import warnings
@@ -61,6 +62,8 @@ from ampkit._scaler import GradScaler
 __all__ = ["TrainStep", "make_train_step"]
 
 _CAPTURE_CHOICES = ("auto", True, False)
+_WARMUP = 3
+_DDP_WARMUP = 11  # torch's CUDA-graph notes: DDP needs 11 eager iterations before a capture
 _MAX_RECAPTURES = 2
 _AUTOCAST_KEYS = ("device_type", "dtype", "enabled", "cache_enabled", "policy")
 
@@ -73,7 +76,7 @@ def make_train_step(
     scaler: Any = None,
     autocast: dict | None = None,
     capture: str | bool = "auto",
-    warmup: int = 3,
+    warmup: int | None = None,
 ) -> "TrainStep":
     """Build ``step(inputs, targets) -> loss``: one whole AMP training step.
 
@@ -94,7 +97,8 @@ def make_train_step(
         ``False`` always runs eagerly.
       warmup: eager steps (real training steps, on a side stream) before the capture,
         at least 1: they create the optimizer state and the scaler's scale outside the
-        graph.
+        graph. ``None``: 3, or 11 for a model that holds a ``DistributedDataParallel``
+        (DDP gathers runtime statistics with host syncs in its first 10 iterations).
 
     Returns:
       A ``TrainStep``. ``step.captured`` says whether the last call replayed a graph,
@@ -125,7 +129,7 @@ class TrainStep:
     """The callable returned by ``make_train_step``; see its docstring."""
 
     def __init__(self, model, loss_fn, optimizer, *, scaler=None, autocast=None,
-                 capture="auto", warmup=3):
+                 capture="auto", warmup=None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not callable(loss_fn):
@@ -136,12 +140,21 @@ class TrainStep:
         if isinstance(capture, str) and capture != "auto" or not (
                 isinstance(capture, (str, bool))):
             raise ValueError(f"capture={capture!r} is not valid; use 'auto', True or False")
+        ddp = _holds_ddp(model)
+        if warmup is None:
+            warmup = _DDP_WARMUP if ddp else _WARMUP
         if isinstance(warmup, bool) or not isinstance(warmup, int):
-            raise TypeError(f"warmup must be an int >= 1, got {warmup!r}")
+            raise TypeError(f"warmup must be an int >= 1 or None, got {warmup!r}")
         if warmup < 1:
             raise ValueError(
                 f"warmup={warmup} is not valid; it must be >= 1 so that the optimizer "
                 "state and the loss scale are created before the capture, not inside it")
+        if ddp and warmup < _DDP_WARMUP and capture is not False:
+            raise ValueError(
+                f"warmup={warmup} is too few for a DistributedDataParallel model: DDP "
+                f"gathers runtime statistics (with host syncs) in its first 10 iterations, "
+                f"which a capture cannot hold; pass warmup>={_DDP_WARMUP} or leave "
+                f"warmup=None (it then is {_DDP_WARMUP})")
 
         self.model = model
         self.loss_fn = loss_fn
@@ -159,6 +172,8 @@ class TrainStep:
         self.scaler = scaler
         self.warmup = warmup
         self._warm_left = warmup  # eager steps to run before the next capture
+        self._streams_checked = False  # the first warm-up looks where gradients accumulate
+        self._default_stream_grads = None  # ... and names them here if on the default stream
         self._capture = capture
         self.calls = 0
         self.replays = 0
@@ -319,11 +334,23 @@ class TrainStep:
     def _warmup(self, flat_in, flat_tg):
         try:
             with torch.cuda.stream(self._side_stream()):
-                return self._eager(flat_in, flat_tg)
+                if self._streams_checked:
+                    return self._eager(flat_in, flat_tg)
+                with _AccumulationStreams(self._params) as where:
+                    loss = self._eager(flat_in, flat_tg)
+                self._streams_checked = True
+                self._default_stream_grads = where.on_default_stream()
+                return loss
         finally:  # the rollback of a failed step ran on the side stream too
             torch.cuda.current_stream().wait_stream(self._stream)
 
     def _capture_and_replay(self, flat_in, flat_tg) -> torch.Tensor:
+        if self._default_stream_grads:
+            # Checked before anything is captured: such a capture fails, or worse.
+            why = self._default_stream_grads
+            if self._capture is True:
+                raise RuntimeError(f"make_train_step(capture=True): {why}")
+            return self._give_up(why, flat_in, flat_tg)
         self._static_in = [t.detach().clone() for t in flat_in]
         self._static_tg = [t.detach().clone() for t in flat_tg]
         state_before = set(self.optimizer.state)
@@ -331,10 +358,13 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=True)
         graph = torch.cuda.CUDAGraph()
         _doctor.before_capture()
+        stream = _fresh_stream()
+        stream.wait_stream(self._side_stream())
         try:
-            with torch.cuda.graph(graph, stream=self._side_stream()):
+            with torch.cuda.graph(graph, stream=stream, capture_error_mode=_CAPTURE_ERROR_MODE):
                 static_loss = self._body(self._static_in, self._static_tg, capturing=True)
-            torch.cuda.current_stream().wait_stream(self._stream)
+            torch.cuda.current_stream().wait_stream(stream)
+            self._stream.wait_stream(stream)
         except Exception as e:  # noqa: BLE001 - reported, then eager or re-raised
             self._after_failed_capture(state_before)
             why = f"the capture failed: {type(e).__name__}: {e}"
@@ -501,7 +531,90 @@ class _OptimizerCopy:
             g.update(saved)
 
 
+class _AccumulationStreams:
+    """Records the CUDA streams the parameters' gradients accumulate on, over one step.
+
+    autograd runs a parameter's ``AccumulateGrad`` node (and the hooks on it, such as DDP's
+    copy into its buckets) on the stream that was current when the node was created. A
+    step makes new nodes each forward (on the step's own streams), unless something keeps
+    them: ``DistributedDataParallel`` keeps every parameter's node from its construction.
+    Built on the default stream, those nodes make each backward wait on, and launch into,
+    the default (legacy) stream, which no capture can hold ("operation failed due to a
+    previous error during capture"). A pre-hook on each node notes the stream it runs on.
+    """
+
+    def __init__(self, params):
+        self.params = [p for p in params if p.requires_grad and type(p) in _PLAIN
+                       and p.device.type == "cuda"]
+        self.streams: set = set()
+        self._handles: list = []
+
+    def __enter__(self):
+        with torch.enable_grad():
+            for p in self.params:  # the node in use (a new one, made on this stream, if none is kept)
+                node = p.view_as(p).grad_fn.next_functions[0][0]
+                self._handles.append((node, node.register_prehook(self._note)))
+        return self
+
+    def _note(self, grad_outputs):
+        self.streams.add(torch.cuda.current_stream().cuda_stream)
+
+    def __exit__(self, *exc):
+        for _, handle in self._handles:
+            handle.remove()
+        self._handles = []  # (the nodes go with them)
+        return False
+
+    def on_default_stream(self):
+        """None, or why a capture cannot hold this step's gradient accumulation."""
+        default = {torch.cuda.default_stream(d).cuda_stream
+                   for d in {p.device for p in self.params}}
+        if not self.streams & default:
+            return None
+        return ("the parameters' gradients accumulate on the default CUDA stream, which a "
+                "capture cannot hold: DistributedDataParallel keeps each parameter's "
+                "AccumulateGrad node from its construction, with the stream current then. "
+                "Build the DDP module on a side stream: `with torch.cuda.stream("
+                "torch.cuda.Stream()): model = DistributedDataParallel(model, ...)`")
+
+
+def _holds_ddp(model) -> bool:
+    ddp = getattr(torch.nn.parallel, "DistributedDataParallel", None)
+    return ddp is not None and any(isinstance(m, ddp) for m in model.modules())
+
+
 # -- helpers ------------------------------------------------------------------------------
+# Another thread's CUDA calls (NCCL's watchdog querying its events, a DataLoader's pinning
+# thread) are no error in the capture of this thread's step, as in torch.compile's graphs.
+_CAPTURE_ERROR_MODE = "thread_local"
+_capture_streams: list = []  # every stream a capture ran on: never destroyed, never reused
+
+
+def _fresh_stream() -> torch.cuda.Stream:
+    """A CUDA stream no kernel has run on: the one a step is captured on.
+
+    cuBLAS takes its workspace from a map keyed by (handle, stream), filled at the first
+    matmul on a stream and emptied by ``torch._C._cuda_clearCublasWorkspaces()``, which
+    torch.compile's CUDA-graph trees call around each of their warm-ups and recordings. A
+    graph captured on a stream that already had a workspace (torch's pooled streams are
+    handed out again, round-robin, and the warm-up ran on one) bakes in a block of the
+    general pool that the step does not own: once the trees cleared it, the block went to
+    whatever allocated next, and each replay's matmuls wrote into it (issue 25: "unspecified
+    launch failure" beside a reduce-overhead model). On a stream of its own the first
+    matmul of the capture allocates the workspace inside the graph's private pool, which
+    lives as long as the graph (a clear then frees it into that pool, reserved for the
+    graph). The stream is never destroyed: a later stream at the same address would find
+    the stale workspace entry, so each capture keeps its own for the life of the process.
+    """
+    handle = ctypes.c_void_p()
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaStreamCreate(ctypes.addressof(handle))
+    if err != cudart.cudaError.success:
+        raise RuntimeError(f"cudaStreamCreate failed: {err}")
+    _capture_streams.append(handle.value)
+    return torch.cuda.ExternalStream(handle.value)
+
+
 def _user_stacklevel():
     # Point the warning at the caller's line, outside this file.
     level, frame = 1, sys._getframe(1)
