@@ -102,7 +102,11 @@ def make_train_step(
 
     Returns:
       A ``TrainStep``. ``step.captured`` says whether the last call replayed a graph,
-      ``step.reason`` why it did not (``None`` when it did or still may). A call that
+      ``step.reason`` why it did not (``None`` when it did or still may). Whenever the step
+      gives up on capturing (at construction or at a later call) it issues one
+      ``UserWarning`` that names the reason and the fix; ``capture=False`` says "eager, I
+      know" and warns nothing. ``step.on_warning``, a callable, takes the warnings of later
+      calls instead of ``warnings.warn`` (the R package raises them as R warnings). A call that
       raises (anywhere: forward, loss, backward, optimizer step, scaler) changes nothing:
       parameters, gradients, buffers, optimizer state, scaler and step are as before it.
 
@@ -179,6 +183,7 @@ class TrainStep:
         self.replays = 0
         self.captures = 0
         self._warned = False
+        self.on_warning = None  # a callable given the message instead of warnings.warn
         self._graph = None
         self._last_replayed = False
         self._stream = None
@@ -456,13 +461,17 @@ class TrainStep:
         if self._warned:
             return
         self._warned = True
-        warnings.warn(f"ampkit.make_train_step: running eagerly, not as a CUDA graph: {why}",
-                      UserWarning, stacklevel=_user_stacklevel())
+        message = (f"ampkit.make_train_step: running eagerly, not as a CUDA graph: {why} "
+                   "(capture=False runs eagerly without this warning)")
+        if self.on_warning is not None:
+            self.on_warning(message)
+        else:
+            warnings.warn(message, UserWarning, stacklevel=_user_stacklevel())
 
 
 # The warning is issued once per step object (a failed call does not take it back); the
 # side stream and the rollback copies are caches.
-_NOT_ROLLED_BACK = ("_warned", "_stream", "_rollback_pool")
+_NOT_ROLLED_BACK = ("_warned", "_stream", "_rollback_pool", "on_warning")
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensors with a foreach copy (_OptimizerCopy)
 
 

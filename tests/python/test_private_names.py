@@ -89,6 +89,16 @@ ALLOWED = {
     ("tests/python/test_train_step.py", "_optimizer_refusals"): WHITE_BOX,
     ("tests/python/test_train_step.py", "ampkit._scaler"):
         "the scaler's OptState through its module (now exported as ampkit.OptState)",
+    ("benchmarks/gpu/coexist_probe.py", "ampkit._train_step"):
+        "the probe puts back the old capture stream (the warm-up's) to show the crash it caused",
+    ("benchmarks/gpu/coexist_probe.py", "_fresh_stream"):
+        "the probe replaces the step's capture stream with the warm-up's (the old behaviour)",
+    ("benchmarks/gpu/coexist_probe.py", "_side_stream"):
+        "the probe replaces the step's capture stream with the warm-up's (the old behaviour)",
+    ("benchmarks/gpu/ddp_capture_probe.py", "ampkit._train_step"):
+        "the probe turns the capture's error mode back to 'global' to show what it changes",
+    ("benchmarks/gpu/ddp_capture_probe.py", "_CAPTURE_ERROR_MODE"):
+        "the probe turns the capture's error mode back to 'global' to show what it changes",
     ("tests/python/test_train_step.py", "_after_failed_capture"):
         "the step's recovery after a failed capture, driven directly (no CUDA graph on the CPU)",
 }

@@ -27,7 +27,14 @@
 #'   model's parameters.
 #' @param capture `"auto"`, `TRUE` or `FALSE`: whether to capture the step in
 #'   a CUDA graph.
-#' @param warmup Eager steps before the capture.
+#' @param warmup Eager steps before the capture; `NULL`: 3, or 11 for a model
+#'   that holds a `DistributedDataParallel` (as in the core).
+#'
+#' Whenever the step gives up on capturing (when it is made, or at a later
+#' step: a capture that failed, a DDP model built on the default stream, a
+#' batch of another shape), it raises one R warning of class
+#' `ampkit_python_warning` that names the reason and the fix;
+#' `capture = FALSE` runs eagerly without it.
 #'
 #' @return A function `step(inputs, targets)` of class `ampkit_train_step`;
 #'   `inputs` and `targets` are tensors or lists of tensors. The Python
@@ -45,7 +52,7 @@
 amp_train_step <- function(model, loss_fn, optimizer, ..., scaler = NULL,
                            device_type = NULL, dtype = NULL, enabled = TRUE,
                            cache_enabled = NULL, policy = NULL,
-                           capture = "auto", warmup = 3) {
+                           capture = "auto", warmup = NULL) {
   if (...length()) {
     check_dots_empty_(..., .hint = "Name the options after `optimizer`, e.g. amp_train_step(model, loss_fn, optimizer, device_type = \"cuda\").")
   }
@@ -70,21 +77,41 @@ amp_train_step <- function(model, loss_fn, optimizer, ..., scaler = NULL,
     abort(sprintf("`capture` must be \"auto\", TRUE or FALSE, not %s.", describe(capture)),
           class = "ampkit_bad_argument")
   }
-  warmup <- as_py_int(warmup)
-  if (warmup < 0L) {
-    abort(sprintf("`warmup` must be a whole number >= 0, not %s.", describe(warmup)), class = "ampkit_bad_argument")
+  if (!is.null(warmup)) {
+    warmup <- as_py_int(warmup)
+    if (warmup < 0L) {
+      abort(sprintf("`warmup` must be a whole number >= 0 or NULL, not %s.", describe(warmup)),
+            class = "ampkit_bad_argument")
+    }
   }
   py_ready()
   # The region is built (and dropped) now, so that a bad dtype or policy fails here.
   py_try(do.call(.h$check_autocast, c(list(model), autocast)), "amp_train_step()")
-  py <- py_try(py_ampkit$make_train_step(model, loss_fn, optimizer, scaler = scaler,
-                                         autocast = autocast, capture = capture,
-                                         warmup = warmup), "amp_train_step()")
+  # A warning while the step is made (it cannot capture here) is an R warning now; a later
+  # one (a capture given up at some step) is handed to R by the step's on_warning and
+  # raised when that step returns: no per-step cost.
+  py <- py_call_warn(py_ampkit$make_train_step, list(model, loss_fn, optimizer, scaler = scaler,
+                                                     autocast = autocast, capture = capture,
+                                                     warmup = warmup), "amp_train_step()")
+  pending <- character()
+  py$on_warning <- function(message) {
+    pending <<- c(pending, message)
+    NULL
+  }
   call <- py[["__call__"]]
   retry <- .h$retry_call
   step <- function(inputs, targets) {
     flush_update()  # a scaler's deferred update: the step reads its scale
-    py_try(retry(call, inputs, targets), "amp_train_step")
+    loss <- py_try(retry(call, inputs, targets), "amp_train_step")
+    if (length(pending)) {
+      messages <- pending
+      pending <<- character()
+      for (msg in messages) {
+        warning(structure(class = c("ampkit_python_warning", "warning", "condition"),
+                          list(message = paste0("amp_train_step: ", msg), call = NULL)))
+      }
+    }
+    loss
   }
   structure(step, class = c("ampkit_train_step", "function"), py = py)
 }

@@ -77,7 +77,8 @@ test_that("the doctor names the injected op, module and phase of the fault suite
     dtype <- if (f$dtype == "float16") torch_float16() else torch_bfloat16()
     scaler <- amp_grad_scaler("cpu", init_scale = 1)
     step <- if (f$mode == "train_step") {
-      amp_train_step(model, built$loss_fn, opt, scaler = scaler, device_type = "cpu", dtype = dtype)
+      amp_train_step(model, built$loss_fn, opt, scaler = scaler, device_type = "cpu", dtype = dtype,
+                     capture = FALSE)
     } else {
       function(x, y) {
         opt$zero_grad()

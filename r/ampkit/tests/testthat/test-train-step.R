@@ -78,3 +78,25 @@ test_that("amp_train_step() passes the region's arguments when the device comes 
   expect_identical(first_loss("float16"), in_fp16)
   expect_false(identical(first_loss("bfloat16"), in_fp16))
 })
+
+test_that("amp_train_step() warns once, as an R warning naming the fix, when it cannot capture", {
+  skip_if_no_ampkit()
+  torch <- reticulate::import("torch")
+  warnings <- reticulate::import("warnings")
+  saved <- reticulate::py_eval("__import__('warnings').filters[:]", convert = FALSE)
+  on.exit(reticulate::py_set_attr(warnings, "filters", saved), add = TRUE)
+  warnings$resetwarnings()  # (setup.R quiets this warning for the other tests)
+  net <- nn_linear(4, 1)
+  opt <- optim_sgd(net$parameters, lr = 0.1)
+  w <- expect_warning(step <- amp_train_step(net, nn_mse_loss(), opt, device_type = "cpu"),
+                      class = "ampkit_python_warning")
+  expect_match(conditionMessage(w), "not as a CUDA graph: autocast device_type is 'cpu'", fixed = TRUE)
+  expect_match(conditionMessage(w), "capture=False runs eagerly without this warning", fixed = TRUE)
+  expect_equal(attr(step, "py")$warmup, 3L)
+  # later warnings (a capture given up at some step) come out after that step, in R
+  attr(step, "py")$on_warning("given up at this step")
+  w <- expect_warning(step(torch_randn(2, 4), torch_randn(2, 1)), class = "ampkit_python_warning")
+  expect_equal(conditionMessage(w), "amp_train_step: given up at this step")
+  expect_silent(step(torch_randn(2, 4), torch_randn(2, 1)))
+  expect_silent(amp_train_step(net, nn_mse_loss(), opt, device_type = "cpu", capture = FALSE))
+})
