@@ -14,9 +14,16 @@ good. Whether the ranks already agree depends on how the gradients are laid out:
   (:func:`local_shards`, empty ones dropped) and all-reduces its flag over the mesh
   (:func:`reduce_over`): one collective of one float a device, on every rank alike.
 - FSDP1 (``FullyShardedDataParallel``): each rank holds a plain local shard of the
-  gradients, so an overflow in rank 1's shard is invisible to rank 0. The flag is
-  all-reduced (``MAX``) over the process group: one collective of one float a device,
-  asynchronous, no host sync, capturable in a CUDA graph with NCCL.
+  gradients, so an overflow in rank 1's shard is invisible to rank 0. The optimizer holds
+  the flat parameters (``use_orig_params=False``) or views of them, the original
+  parameters (``use_orig_params=True``), and FSDP1 marks both kinds as its own
+  (:func:`_is_fsdp1_managed`). An optimizer holding any of them has its flag all-reduced
+  (``MAX``) over the process group: one collective of one float, asynchronous, no host
+  sync, capturable in a CUDA graph with NCCL. Every strategy gets it: NO_SHARD's
+  gradients are already all-reduced (the collective is then redundant, not wrong), and
+  HYBRID_SHARD's are sharded within a replica. A rank that holds no gradient of the
+  optimizer (with ``use_orig_params=True`` a parameter can lie wholly in other ranks'
+  shards) still takes part, with a 0.0 flag.
 
 :class:`InfFlagSync` decides per optimizer which case applies (auto-detection), or always
 reduces over a group the user names. At the first step of a distributed run it also
@@ -40,9 +47,16 @@ def _dist():
     return dist if dist.is_available() else None
 
 
-def _is_flat_parameter(p: torch.Tensor) -> bool:
-    """FSDP1's FlatParameter: its gradient is this rank's shard alone."""
-    return bool(getattr(p, "_is_flat_param", False)) or type(p).__name__ == "FlatParameter"
+def _is_fsdp1_managed(p: torch.Tensor) -> bool:
+    """A parameter FSDP1 manages: its gradient may be this rank's shard alone.
+
+    FSDP1 sets ``_fsdp_flattened`` on each FlatParameter and on every original parameter
+    it flattens into one (so that nested wrapping never flattens a parameter twice; the
+    same attribute from torch 2.4 to 2.13), so it marks what the optimizer holds under
+    either ``use_orig_params``. The FlatParameter's own ``_is_flat_param`` marks only the
+    first kind. FSDP2's DTensor parameters and DDP's carry no such mark.
+    """
+    return bool(getattr(p, "_fsdp_flattened", False))
 
 
 def _group_name(group: Any) -> str:
@@ -81,9 +95,10 @@ class InfFlagSync:
     """Combines one scaler's per-device inf flags over the ranks that share the model.
 
     Args:
-        process_group: ``None`` (auto: reduce over the default group only for gradients that
-            are local shards, FSDP1's flat parameters), or a ``ProcessGroup`` to reduce
-            over whatever the gradients are (for sharding schemes ampkit cannot detect).
+        process_group: ``None`` (auto: reduce over the default group only for optimizers
+            holding FSDP1-managed parameters, whose gradients are local shards), or a
+            ``ProcessGroup`` to reduce over whatever the gradients are (for sharding
+            schemes ampkit cannot detect, or an FSDP1 model on another group).
     """
 
     def __init__(self, process_group: Any = None) -> None:
@@ -121,21 +136,41 @@ class InfFlagSync:
         key = id(optimizer)
         need = self._reduce_for.get(key)
         if need is None:
-            need = any(_is_flat_parameter(p) for g in optimizer.param_groups for p in g["params"])
+            # Any one is enough: a model wrapped in part, or an optimizer over FSDP1's
+            # parameters and others, has a gradient that one rank alone may see.
+            need = any(_is_fsdp1_managed(p) for g in optimizer.param_groups for p in g["params"])
             if need:
                 dist = _dist()
                 if dist is None or not dist.is_initialized():
                     raise RuntimeError(
-                        "this optimizer holds FSDP flat parameters, but torch.distributed is "
-                        "not initialized; call torch.distributed.init_process_group(...) "
-                        "first"
+                        "this optimizer holds parameters managed by FSDP "
+                        "(FullyShardedDataParallel), but torch.distributed is not "
+                        "initialized; call torch.distributed.init_process_group(...) first"
                     )
             self._reduce_for[key] = need
         return need
 
-    def combine(self, found_per_device: dict[torch.device, torch.Tensor]) -> None:
-        """All-reduce (MAX) every per-device flag in place: 1.0 on every rank if any had 1.0."""
-        reduce_over(list(found_per_device.values()), [self.group])
+    def combine(self, found_per_device: dict[torch.device, torch.Tensor], device: torch.device) -> None:
+        """Set every per-device flag in place to 1.0 on every rank if any rank had a 1.0.
+
+        One collective whatever devices a rank's gradients are on (CPU offload puts them
+        elsewhere than the scale): the flags' max on ``device`` (the scale's) is
+        all-reduced (MAX) and copied back to the others. A lone flag on ``device``, the
+        usual case, is reduced as it is: no kernel, no sync. A rank with no flag (none of
+        the optimizer's gradients lies here) adds a 0.0 one on ``device`` to
+        ``found_per_device``, so that every rank makes the same collective.
+        """
+        flags = list(found_per_device.values())
+        if not flags:
+            flags = [found_per_device.setdefault(device, torch.zeros((), device=device))]
+        total = None
+        for flag in flags:
+            flag = flag if flag.device == device else flag.to(device)
+            total = flag if total is None else torch.maximum(total, flag)
+        reduce_over([total], [self.group])
+        for flag in flags:
+            if flag is not total:
+                flag.copy_(total)
 
     def check_settings(self, settings: Sequence[Any], device: str) -> None:
         """Once, at the first step of a distributed run: the same settings on every rank.

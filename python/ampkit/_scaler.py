@@ -771,14 +771,14 @@ class GradScaler:
         if not self._enabled:
             return
         _check_optimizer(optimizer, "unscale_")
-        self._require_scale("unscale_")
+        scale = self._require_scale("unscale_")
         self._check_ready_for_unscale(optimizer)
         grouped, grads = self._collect_grads(optimizer, allow_fp16=False)
         found = self.found_inf(grouped, unscale=True)
         combine = self._sync.needed(optimizer)
         _doctor.scaler_checked(found, optimizer, combine)  # an armed doctor takes it as its step's check
         if combine:
-            self._sync.combine(found)
+            self._sync.combine(found, scale.device)
         self._per_optimizer[id(optimizer)] = _OptRecord(OptState.UNSCALED, found, grads=grads)
 
     # ------------------------------------------------------------------ step
@@ -816,14 +816,14 @@ class GradScaler:
         fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))  # is_sync_free
         if stage is OptState.READY:
             grouped, grads = self._collect_grads(optimizer, allow_fp16=fused)
-            if not grouped:
+            combine = self._sync.needed(optimizer)
+            if not grouped and not combine:  # combined, this rank's share may be nothing
                 raise _NoGrads()
             # Fused: only read the gradients; the optimizer unscales them in its kernel.
             found = self.found_inf(grouped, unscale=not fused)
-            combine = self._sync.needed(optimizer)
             _doctor.scaler_checked(found, optimizer, combine)  # (this rank's flags: where a replay finds the op)
             if combine:
-                self._sync.combine(found)
+                self._sync.combine(found, scale.device)
             if not fused:  # as unscale_() records it: a failing step() won't unscale twice
                 record = self._per_optimizer[id(optimizer)] = _OptRecord(
                     OptState.UNSCALED, found, grads=grads)
