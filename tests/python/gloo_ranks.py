@@ -1,9 +1,10 @@
-"""Spawned CPU ranks over gloo for the distributed tests (spawned processes import this).
+"""Spawned ranks for the distributed tests (spawned processes import this): CPU ranks over
+gloo, or one rank a GPU over NCCL.
 
-``spawn_ranks`` runs a worker in two processes, bounded in time, and returns what each
-rank pickled; ``run_rank`` is the rank's side: join the group, run the body, pickle its
-result (or its traceback) to ``out_dir/rank<r>.pkl`` (a file, not a pipe: a full pipe
-would block the rank).
+``spawn_ranks`` runs a worker in ``world`` processes (two by default), bounded in time, and
+returns what each rank pickled; ``run_rank`` is the rank's side: join the group, run the
+body, pickle its result (or its traceback) to ``out_dir/rank<r>.pkl`` (a file, not a pipe:
+a full pipe would block the rank).
 """
 
 from __future__ import annotations
@@ -19,12 +20,15 @@ import torch
 import torch.distributed as dist
 
 
-def run_rank(rank: int, world: int, port: int, out_dir: str, body) -> None:
-    """``body(rank)`` in a gloo group of ``world`` processes, its result pickled."""
+def run_rank(rank: int, world: int, port: int, out_dir: str, body, backend: str = "gloo") -> None:
+    """``body(rank)`` in a group of ``world`` processes, its result pickled. ``backend``:
+    ``"gloo"``, or ``"nccl"`` (rank r on GPU r)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world)
         result = body(rank)
     except Exception:  # noqa: BLE001 - the test reports the rank's traceback
         result = traceback.format_exc()

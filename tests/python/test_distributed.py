@@ -1,12 +1,18 @@
-"""The scaler on torch's distributed engines, two CPU processes over gloo.
+"""The scaler on torch's distributed engines, CPU processes over gloo.
 
 The oracle is torch's own scaler for each engine (``ShardedGradScaler`` for FSDP1,
 ``GradScaler`` for DDP and FSDP2), run in the same processes on identically seeded
-copies (distributed_workers.py). An overflow is planted on rank 1 only.
+copies (distributed_workers.py). An overflow is planted on rank 1 only. Two ranks run
+DDP, FSDP2 and FSDP1 (both ``use_orig_params`` modes, FULL_SHARD, SHARD_GRAD_OP,
+NO_SHARD, three layouts), each through the scaler's three paths; four ranks run
+HYBRID_SHARD (2 replicas, each sharded over 2), which two ranks cannot lay out. One
+launch per world size runs all its cases. The same matrix on GPUs:
+test_distributed_cuda.py.
 """
 
 from __future__ import annotations
 
+import functools
 
 import pytest
 import torch
@@ -25,37 +31,30 @@ if tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 5
 import distributed_workers as workers  # noqa: E402
 from gloo_ranks import spawn_ranks  # noqa: E402
 
-ENGINES = workers.ENGINES
 TIMEOUT_S = 240
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    """Both ranks' results, from one spawn of two processes (bounded in time)."""
-    return dict(enumerate(spawn_ranks(workers.run, tmp_path_factory.mktemp("ranks"), TIMEOUT_S)))
+    """Both ranks' results for every two-rank case, from one spawn (bounded in time)."""
+    return spawn_ranks(functools.partial(workers.run, cases="two"), tmp_path_factory.mktemp("ranks"), TIMEOUT_S)
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-def test_every_rank_skips_the_overflow_step_with_the_reference_scale(ranks, engine):
-    for rank in (0, 1):
-        mine, ref = ranks[rank][engine]["ampkit"], ranks[rank][engine]["torch"]
-        assert [s["scale"] for s in mine] == [s["scale"] for s in ref], f"rank {rank}"
-        assert [s["changed"] for s in mine] == [s["changed"] for s in ref], f"rank {rank}"
-        # The planted overflow is skipped everywhere: no rank's parameters move at that step.
-        assert not mine[workers.OVERFLOW_AT]["changed"], f"rank {rank} stepped on the overflow"
-        assert all(s["changed"] for i, s in enumerate(mine) if i != workers.OVERFLOW_AT)
-    # Both ranks agree step by step.
-    assert [s["scale"] for s in ranks[0][engine]["ampkit"]] == [
-        s["scale"] for s in ranks[1][engine]["ampkit"]
-    ]
+@pytest.fixture(scope="module")
+def hybrid_ranks(tmp_path_factory):
+    """The four ranks' results for every HYBRID_SHARD case, from one spawn."""
+    return spawn_ranks(functools.partial(workers.run, cases="hybrid"), tmp_path_factory.mktemp("hybrid"),
+                       TIMEOUT_S, world=4)
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-def test_parameters_equal_the_reference_bitwise(ranks, engine):
-    for rank in (0, 1):
-        for i, (a, b) in enumerate(zip(ranks[rank][engine]["ampkit"], ranks[rank][engine]["torch"])):
-            for pa, pb in zip(a["params"], b["params"]):
-                assert pa == pb, f"rank {rank}, step {i}: parameters differ from {engine}'s reference"
+@pytest.mark.parametrize("case", workers.CASES, ids=lambda c: c.name)
+def test_every_rank_skips_the_one_rank_overflow_as_the_reference(ranks, case):
+    workers.assert_agrees([r[case.name] for r in ranks], case)
+
+
+@pytest.mark.parametrize("case", workers.HYBRID_CASES, ids=lambda c: c.name)
+def test_hybrid_shard_every_rank_skips_the_one_rank_overflow_as_the_reference(hybrid_ranks, case):
+    workers.assert_agrees([r[case.name] for r in hybrid_ranks], case)
 
 
 def test_a_group_without_this_rank_is_refused(ranks):
@@ -65,8 +64,8 @@ def test_a_group_without_this_rank_is_refused(ranks):
 
 
 def test_mismatched_settings_raise_on_every_rank(ranks):
-    for rank in (0, 1):
-        kind, message = ranks[rank]["misuse"]["mismatch"]
+    for result in ranks:
+        kind, message = result["misuse"]["mismatch"]
         assert kind == "RuntimeError", message
         assert "differ across the ranks" in message and "rank 0" in message and "rank 1" in message
         assert "2.0" in message and "3.0" in message  # the two growth factors, named
