@@ -9,8 +9,10 @@ its reason, and its losses against the eager step's (capture=False).
     PYTHONPATH=$PWD/python python3 benchmarks/gpu/ddp_capture_probe.py [--gpus N]
 
 A combination is a comma-separated set of: side (DDP built on a side stream), env
-(TORCH_NCCL_ASYNC_ERROR_HANDLING=0), warm11 (warmup=11), global (capture_error_mode
-"global" instead of ampkit's "thread_local"), eager (capture=False: the reference).
+(TORCH_NCCL_ASYNC_ERROR_HANDLING=0), warm3/warm11 (warmup=3/11; the default is 11 for DDP
+since f3d5c15, 3 before), global (capture_error_mode "global" instead of ampkit's
+"thread_local"), eager (capture=False: the reference), fsdp2 (fully_shard on each block and
+the root instead of DDP).
 """
 import argparse
 import os
@@ -20,8 +22,7 @@ import sys
 
 import torch
 
-COMBOS = ("eager", "global", "", "warm11", "global,warm11", "global,warm11,env",
-          "global,warm11,env,side", "warm11,side")
+COMBOS = ("eager", "", "side", "side,global", "side,warm3", "fsdp2,eager", "fsdp2")
 STEPS = 30
 
 
@@ -72,7 +73,15 @@ def child(combo):
     torch.cuda.set_device(rank)
     torch.manual_seed(0)
     model = Decoder().cuda()
-    if "side" in flags:
+    if "fsdp2" in flags:
+        try:
+            from torch.distributed.fsdp import fully_shard
+        except ImportError:
+            from torch.distributed._composable.fsdp import fully_shard
+        for blk in model.blocks:
+            fully_shard(blk)
+        ddp = fully_shard(model)
+    elif "side" in flags:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -88,6 +97,8 @@ def child(combo):
     kw = {}
     if "warm11" in flags:
         kw["warmup"] = 11
+    if "warm3" in flags:
+        kw["warmup"] = 3
     if "eager" in flags:
         kw["capture"] = False
     import warnings

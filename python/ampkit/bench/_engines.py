@@ -56,9 +56,9 @@ ENGINES = ("ddp", "fsdp2")
 # when absent): each is a choice that trades memory or generality for speed, the same
 # for every variant of a run.
 DDP_OPTIONS = {"gradient_as_bucket_view": bool, "static_graph": bool, "bucket_cap_mb": float}
-# Eager DDP iterations before a CUDA-graph capture (torch's CUDA graph notes ask for 11).
+# make_train_step's default warm-up (warmup=None): 11 eager steps for a DDP model, else 3.
 DDP_CAPTURE_WARMUP = 11
-TRAIN_STEP_WARMUP = 3  # make_train_step's default
+TRAIN_STEP_WARMUP = 3
 CHECK_STEPS = 12
 MIN_ROUNDS = 3  # the least rounds an interleaved group runs unless --repeats says otherwise
 START_S = 120  # the least the watchdog gives the rendezvous and the teardown
@@ -232,7 +232,7 @@ class Placement:
         self.rank = dist.get_rank() if world_size is None else None
 
     def train_step_warmup(self) -> int:
-        """make_train_step's eager steps before the capture (DDP on CUDA asks for 11)."""
+        """make_train_step's eager steps before the capture by default (11 for DDP)."""
         return DDP_CAPTURE_WARMUP if (self.engine.name, self.device) == ("ddp", "cuda") else TRAIN_STEP_WARMUP
 
     def warmup_steps(self, variant, profile_warmup: int) -> int:
@@ -312,8 +312,7 @@ def check_capture(placement: Placement, built, steps: int = CHECK_STEPS) -> dict
         opt = built.new_optimizer(model, fused=True)
         step = ampkit.make_train_step(model, built.loss_fn, opt, scaler=ampkit.GradScaler(device),
                                       autocast=dict(device_type=device, dtype=dtype),
-                                      capture=False if capture == "again" else capture,
-                                      warmup=placement.train_step_warmup())
+                                      capture=False if capture == "again" else capture)
         losses = [step(*built.batches[i % built.num_batches]).item() for i in range(steps)]
         params = [(p.to_local() if hasattr(p, "to_local") else p).detach().clone() for p in model.parameters()]
         runs[capture] = (losses, params, step.captures, step.reason)
@@ -350,13 +349,12 @@ class Events:
 
 
 def init_process_group(device: str, timeout_s: float) -> None:
-    """gloo on the CPU, NCCL on CUDA (with the async error handling off, so that its
-    collectives can be captured in a CUDA graph; the watchdog guards against hangs)."""
+    """gloo on the CPU, NCCL on CUDA (as a user would: make_train_step captures NCCL's
+    collectives without TORCH_NCCL_ASYNC_ERROR_HANDLING=0, its capture being thread-local)."""
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
     if device == "cuda":
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
         local = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local)
         dist.init_process_group("nccl", device_id=torch.device("cuda", local), timeout=timeout)

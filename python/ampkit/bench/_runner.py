@@ -136,16 +136,16 @@ def compile_note(variant: Variant, warmup_steps: int, before: dict, warm: dict, 
     return note + "; none in the timed steps"
 
 
-def make_step(variant: Variant, built: BuiltCase, model, opt, scaler, train_step_warmup: int = 3):
+def make_step(variant: Variant, built: BuiltCase, model, opt, scaler):
     """The training step of a variant: a function (inputs, targets) -> loss tensor."""
     device, loss_fn = built.device, built.loss_fn
     dtype = variant.resolved_dtype(device)
     dtype = getattr(torch, dtype) if dtype else None
     if variant.runner == "train_step":  # ampkit's graph-captured step
         import ampkit
+        # make_train_step's defaults, on every engine (it warms a DDP model up for 11 steps)
         return ampkit.make_train_step(model, loss_fn, opt, scaler=scaler,
-                                      autocast=dict(device_type=device, dtype=dtype),
-                                      warmup=train_step_warmup)
+                                      autocast=dict(device_type=device, dtype=dtype))
     model = compile_model(variant, model)
     if variant.autocast == "torch":
         region = lambda: torch.autocast(device_type=device, dtype=dtype)  # noqa: E731
@@ -305,8 +305,7 @@ class VariantRun:
             self.model = model
             self.opt = built.new_optimizer(model, fused=variant.fused_optimizer)
             self.scaler = make_scaler(variant, self.device)
-            self.step = make_step(variant, built, model, self.opt, self.scaler,
-                                  **({} if placement is None else dict(train_step_warmup=placement.train_step_warmup())))
+            self.step = make_step(variant, built, model, self.opt, self.scaler)
 
     def warm_up(self) -> None:
         with self._turn():
