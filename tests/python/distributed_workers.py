@@ -68,7 +68,7 @@ class Case:
 
 def _fsdp1_cases(strategy: str, mesh: tuple = ()) -> list[Case]:
     cases = [Case("fsdp1", p, strategy, o, mesh=mesh) for o in (False, True) for p in PATHS]
-    return cases + [Case("fsdp1", p, strategy, True, "split", mesh) for p in ("step", "fused")]
+    return cases + [Case("fsdp1", p, strategy, True, "split", mesh) for p in PATHS]
 
 
 # Two ranks: every engine, path, strategy and layout but HYBRID_SHARD.
