@@ -28,8 +28,8 @@ COMPILED = [n for n, v in bench.load_variants().items() if v.compile != "none"]
 
 # --- cases and variants are data -----------------------------------------------------------
 
-def test_the_four_cases_exist_with_every_profile():
-    assert CASES == ["convnet", "seed_mlp", "text_classifier", "transformer"]
+def test_the_five_cases_exist_with_every_profile():
+    assert CASES == ["convnet", "gpt2_small", "seed_mlp", "text_classifier", "transformer"]
     for case in bench.load_cases().values():
         assert set(case.profiles) == {"tiny", "cpu", "full"}
 
@@ -472,7 +472,7 @@ def _run_py(*args, **kw):
 
 @pytest.mark.parametrize("args, message", [
     (["--profile", "gpu"], "unknown profile 'gpu'; valid profiles: tiny, cpu, full"),
-    (["--cases", "mnist"], "unknown case 'mnist'; valid cases: convnet, seed_mlp, text_classifier, transformer"),
+    (["--cases", "mnist"], "unknown case 'mnist'; valid cases: convnet, gpt2_small, seed_mlp, text_classifier, transformer"),
     (["--variants", "fp8"], "unknown variant 'fp8'; valid variants: fp32, fp32_tf32, torch_amp"),
     (["--langs", "julia"], "unknown language 'julia'; valid languages: python, r"),
     (["--repeats", "0"], "--repeats must be >= 1"),
