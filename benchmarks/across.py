@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-DEFAULT_CASES = "transformer,text_classifier"
+DEFAULT_CASES = "transformer,text_classifier,gpt2_small"
 DEFAULT_VARIANTS = "torch_amp,ampkit_amp,ampkit_step"
 LAUNCH_SLACK_S = 120  # process start, imports and rendezvous, on top of the items' own limits
 

@@ -7,8 +7,8 @@
 
 With --gpus N it runs across processes instead (Python only): torchrun launches the
 Python runner with 1 process and then with N (one per GPU; on the CPU, gloo processes),
-for each case x engine x variant (by default transformer and text_classifier, DDP and
-FSDP2, torch_amp, ampkit_amp and ampkit_step), so that each N-process record has its
+for each case x engine x variant (by default transformer, text_classifier and gpt2_small,
+DDP and FSDP2, torch_amp, ampkit_amp and ampkit_step), so that each N-process record has its
 scaling efficiency. The variants of each case and engine configuration are timed
 interleaved (rounds of one epoch each, the order rotating), so that their ratios compare
 the same minutes; --sequential times each alone, its epochs in a row. A run that stalls is stopped by the runner's watchdog (--run-timeout

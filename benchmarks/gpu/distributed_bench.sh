@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The multi-GPU benchmark in one device call on a two-GPU kind (nvidia-h100-x2):
 #   bash benchmarks/gpu/distributed_bench.sh "$OUT"
-# benchmarks/run.py --gpus 2 on the full profile: the transformer and text_classifier
-# cases, DDP and FSDP2, torch_amp / ampkit_amp / ampkit_step, with 1 and 2 processes (for
-# the scaling efficiency), and make_train_step captured against eager with 2 (--check).
+# benchmarks/run.py --gpus 2 on the full profile: the transformer, text_classifier and
+# gpt2_small cases, DDP and FSDP2, torch_amp / ampkit_amp / ampkit_step, with 1 and 2
+# processes (for the scaling efficiency), and make_train_step captured against eager with
+# 2 (--check).
 # DDP runs in four configurations, every variant alike in each:
 #   default | gradient_as_bucket_view | + static_graph | + bucket_cap_mb=100
 # The three variants of each case and engine configuration are timed interleaved: built
@@ -14,10 +15,11 @@
 # log) and its group recorded as failed; the runs not started within BUDGET seconds are
 # recorded as skipped. Writes into $1 (at most 8 files): results.json, report.md, run.log,
 # cards.txt and dist.tar.gz (everything, the launch logs and events included), on any exit.
-# Environment: BUDGET (default 380 s of runs), RUN_TIMEOUT (90 s), REPEATS (rounds; default
-# the profile's 3; each round adds about 40 s on two H100s, both process counts together),
-# SEQUENTIAL=1, TESTS=1 to run the gloo scaler tests first (about 30 s), EXTRA (more run.py
-# flags).
+# Environment: CASES (comma-separated; default transformer,text_classifier,gpt2_small),
+# BUDGET (default 380 s of runs), RUN_TIMEOUT (90 s), REPEATS (rounds; default the
+# profile's 3; each round of the transformer and text_classifier adds about 40 s on two
+# H100s, both process counts together), SEQUENTIAL=1, TESTS=1 to run the gloo scaler tests
+# first (about 30 s), EXTRA (more run.py flags).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:?usage: distributed_bench.sh OUT_DIR}
@@ -41,7 +43,7 @@ fi
 repeats=${REPEATS:+--repeats $REPEATS}
 sequential=${SEQUENTIAL:+--sequential}
 python3 benchmarks/run.py --gpus 2 --device cuda --profile full --out "$work" \
-  --cases transformer,text_classifier --engines ddp,fsdp2 \
+  --cases "${CASES:-transformer,text_classifier,gpt2_small}" --engines ddp,fsdp2 \
   --ddp-options default \
   --ddp-options gradient_as_bucket_view=true \
   --ddp-options gradient_as_bucket_view=true,static_graph=true \

@@ -1,6 +1,6 @@
 """Steps per second of one AMP training step: torch eager, ampkit eager, ampkit captured.
 
-    PYTHONPATH=$PWD/python python3 benchmarks/gpu/train_step_bench.py [--cases seed_mlp,transformer]
+    PYTHONPATH=$PWD/python python3 benchmarks/gpu/train_step_bench.py [--cases seed_mlp,transformer,gpt2_small]
 
 Cases are the shared benchmark cases (shared_specs/benchmarks/*.yaml, ``full`` profile),
 built by ampkit.bench with the same seeds as ``make bench``. Variants:
@@ -164,16 +164,21 @@ def measure_copy_bandwidth(nbytes=1 << 30, iters=20):
     return 2 * nbytes * iters / (time.perf_counter() - t0)  # read + write
 
 
-def step_flops(case, s):
-    """Matmul FLOPs of one training step (forward + backward = 3x forward)."""
-    if case == "seed_mlp":
+def step_flops(model, s):
+    """Matmul FLOPs of one training step (forward + backward = 3x forward) of a case's model
+    (its builder's name) at sizes ``s``; attention counted over the whole sequence, causal
+    or not (a causal kernel skips about half of those)."""
+    if model == "mlp":
         b, d_in, d_out, n = s["batch_size"], s["in_size"], s["out_size"], s["num_layers"]
         fwd = 2 * b * (d_in * d_in * (n - 1) + d_in * d_out)
         # the first layer needs no input gradient
         return 3 * fwd - 2 * b * d_in * d_in
-    if case == "transformer":
+    if model in ("transformer", "gpt2"):
         t, d, f, v, L, sq = (s["batch_size"] * s["seq_len"], s["d_model"], s["d_ff"], s["vocab"],
                             s["n_layers"], s["seq_len"])
+        if model == "gpt2":  # the head has the vocabulary rounded up to a multiple
+            m = s.get("vocab_multiple", 64)
+            v = -(-v // m) * m
         per_layer = 2 * t * (3 * d * d + d * d + 2 * d * f) + 4 * t * sq * d
         return 3 * (L * per_layer + 2 * t * d * v)
     return None
@@ -249,7 +254,7 @@ def run_case(case, repeats, rate, bw, variants, profile):
     probe = built.new_model()
     n_params = sum(p.numel() for p in probe.parameters())
     del probe
-    flops = step_flops(case, s)
+    flops = step_flops(built.case.model, s)
     nbytes = param_bytes(n_params, built.case.optimizer["name"])
     floor = dict(matmul_tflop=flops / 1e12, matmul_ms=flops / rate * 1e3,
                  param_gb=nbytes / 1e9, bytes_ms=nbytes / bw * 1e3)

@@ -28,8 +28,8 @@ COMPILED = [n for n, v in bench.load_variants().items() if v.compile != "none"]
 
 # --- cases and variants are data -----------------------------------------------------------
 
-def test_the_four_cases_exist_with_every_profile():
-    assert CASES == ["convnet", "seed_mlp", "text_classifier", "transformer"]
+def test_the_five_cases_exist_with_every_profile():
+    assert CASES == ["convnet", "gpt2_small", "seed_mlp", "text_classifier", "transformer"]
     for case in bench.load_cases().values():
         assert set(case.profiles) == {"tiny", "cpu", "full"}
 
@@ -411,7 +411,7 @@ def test_goal_bounds_are_inclusive():
 def test_unknown_names_list_the_valid_ones():
     with pytest.raises(bench.BenchSpecError, match="unknown profile 'gpu'; valid profiles: tiny, cpu, full"):
         bench.plan("gpu")
-    with pytest.raises(bench.BenchSpecError, match="unknown case 'resnet'; valid cases: convnet, seed_mlp"):
+    with pytest.raises(bench.BenchSpecError, match="unknown case 'resnet'; valid cases: convnet, gpt2_small, seed_mlp"):
         bench.plan("cpu", "seed_mlp,resnet")
     with pytest.raises(bench.BenchSpecError, match="unknown variant 'amp'; valid variants: fp32, fp32_tf32"):
         bench.plan("cpu", None, ["amp"])
@@ -426,7 +426,7 @@ GOOD = (REPO / "shared_specs" / "benchmarks" / "seed_mlp.yaml").read_text()
     (lambda s: s.replace("loss: mse", "loss: mse\nlearning_rate: 3"), "key 'learning_rate': unknown key"),
     (lambda s: s.replace("in_size: 1024", "in_sise: 1024"), "key 'profiles.cpu.sizes.in_sise': not a size"),
     (lambda s: s.replace("num_batches: 10", "num_batches: ten"), "key 'profiles.cpu.num_batches': must be an integer"),
-    (lambda s: s.replace("model: mlp", "model: mlpp"), "key 'model': unknown model 'mlpp'; valid: mlp, resnet"),
+    (lambda s: s.replace("model: mlp", "model: mlpp"), "key 'model': unknown model 'mlpp'; valid: gpt2, mlp, resnet"),
     (lambda s: s.replace("name: seed_mlp", "name: other"), "key 'name': is 'other'; it must equal"),
     (lambda s: s.replace("  tiny:", "  small:"), "key 'profiles.small': unknown key; valid keys are tiny, cpu, full"),
     (lambda s: s.replace("{name: sgd, lr: 1.0e-3}", "{name: sgd, lr: 1.0e-3, nesterov: 1}"), "key 'optimizer.nesterov'"),
@@ -472,7 +472,7 @@ def _run_py(*args, **kw):
 
 @pytest.mark.parametrize("args, message", [
     (["--profile", "gpu"], "unknown profile 'gpu'; valid profiles: tiny, cpu, full"),
-    (["--cases", "mnist"], "unknown case 'mnist'; valid cases: convnet, seed_mlp, text_classifier, transformer"),
+    (["--cases", "mnist"], "unknown case 'mnist'; valid cases: convnet, gpt2_small, seed_mlp, text_classifier, transformer"),
     (["--variants", "fp8"], "unknown variant 'fp8'; valid variants: fp32, fp32_tf32, torch_amp"),
     (["--langs", "julia"], "unknown language 'julia'; valid languages: python, r"),
     (["--repeats", "0"], "--repeats must be >= 1"),

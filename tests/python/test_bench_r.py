@@ -121,7 +121,7 @@ def test_the_r_runner_shows_progress(both):
 
 @pytest.mark.parametrize("args, message", [
     (["--variants", "fp8"], "unknown variant 'fp8'; valid variants: fp32, fp32_tf32, torch_amp"),
-    (["--cases", "mnist"], "unknown case 'mnist'; valid cases: convnet, seed_mlp"),
+    (["--cases", "mnist"], "unknown case 'mnist'; valid cases: convnet, gpt2_small, seed_mlp"),
     (["--profile", "gpu"], "unknown profile 'gpu'; valid profiles: tiny, cpu, full"),
     (["--colour", "red"], "unknown or incomplete argument '--colour'"),
 ])

@@ -62,8 +62,8 @@ TRAIN_STEP_WARMUP = 3
 CHECK_STEPS = 12
 MIN_ROUNDS = 3  # the least rounds an interleaved group runs unless --repeats says otherwise
 START_S = 120  # the least the watchdog gives the rendezvous and the teardown
-# The layers FSDP2 shards one by one (then the root): the encoder layers of the cases.
-SHARDED_LAYERS = ("EncoderLayer",)
+# The layers FSDP2 shards one by one (then the root): the encoder and decoder layers of the cases.
+SHARDED_LAYERS = ("EncoderLayer", "DecoderLayer")
 
 
 def _parse_value(kind, key: str, text: str, spec: str):

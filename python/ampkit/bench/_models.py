@@ -97,6 +97,58 @@ def text_classifier(vocab: int, d_model: int, n_heads: int, n_layers: int, d_ff:
     return Classifier(vocab, d_model, n_heads, n_layers, d_ff, seq_len, dropout)
 
 
+class DecoderLayer(EncoderLayer):
+    """A GPT-2 block: EncoderLayer's pre-LN layout and weights, with causal attention
+    (sdpa's is_causal=True, no mask tensor) and GPT-2's tanh-approximated GELU."""
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
+
+
+class Decoder(nn.Module):
+    """A GPT-2-shaped language model: token + learned position embeddings, a stack of
+    DecoderLayer, a final LayerNorm, and a head tied to the token embedding (GPT-2's: the
+    same weight, one gradient from both uses).
+
+    The embedding has ``vocab`` rounded up to a multiple of ``vocab_multiple`` rows
+    (nanoGPT's 50257 -> 50304 for 64), so that the head's matmuls have tensor-core-aligned
+    shapes; the data never draws the extra ids, and training pushes their logits down.
+    GPT-2's initialisation: weights N(0, 0.02), biases 0, the two projections into the
+    residual stream (proj, fc2) N(0, 0.02 / sqrt(2 n_layers)).
+    """
+
+    def __init__(self, vocab, d_model, n_heads, n_layers, d_ff, seq_len, vocab_multiple=64):
+        super().__init__()
+        rows = -(-vocab // vocab_multiple) * vocab_multiple
+        self.tok = nn.Embedding(rows, d_model)
+        self.pos = nn.Embedding(seq_len, d_model)
+        self.layers = nn.ModuleList(DecoderLayer(d_model, n_heads, d_ff) for _ in range(n_layers))
+        self.ln = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, rows, bias=False)
+        self.head.weight = self.tok.weight
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif p.dim() == 2:
+                residual = name.endswith(("proj.weight", "fc2.weight"))
+                nn.init.normal_(p, std=0.02 / ((2 * n_layers) ** 0.5 if residual else 1.0))
+
+    def forward(self, ids):
+        x = self.tok(ids) + self.pos.weight[: ids.shape[1]]
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.ln(x))
+
+
+def gpt2(vocab: int, d_model: int, n_heads: int, n_layers: int, d_ff: int, seq_len: int,
+         vocab_multiple: int = 64) -> nn.Module:
+    return Decoder(vocab, d_model, n_heads, n_layers, d_ff, seq_len, vocab_multiple)
+
+
 class BasicBlock(nn.Module):
     def __init__(self, cin: int, cout: int, stride: int):
         super().__init__()
@@ -127,7 +179,8 @@ def resnet(width: int, blocks: int, num_classes: int) -> nn.Module:
     return nn.Sequential(*layers)
 
 
-MODELS = {"mlp": mlp, "transformer": transformer, "text_classifier": text_classifier, "resnet": resnet}
+MODELS = {"mlp": mlp, "transformer": transformer, "text_classifier": text_classifier, "gpt2": gpt2,
+          "resnet": resnet}
 
 
 # --- data (lists of (inputs, targets) on the device) -----------------------------------
