@@ -9,7 +9,7 @@ through these functions, so a case runs identically from either language.
 
 >>> cases = load_cases()
 >>> sorted(cases)[:2]
-['convnet', 'seed_mlp']
+['convnet', 'gpt2_small']
 >>> cases["seed_mlp"].profile("full")["sizes"]["in_size"]
 4096
 """
