@@ -1,0 +1,133 @@
+"""What the eager train step costs against the same step written by hand, case by case.
+
+    python benchmarks/eager_step_cost.py [--device cpu|cuda] [--profile cpu|full]
+        [--cases seed_mlp,convnet,text_classifier,transformer] [--optimizers fused,plain]
+        [--rounds 15] [--epochs 1] [--threads N]
+
+For each benchmark case (shared_specs/benchmarks, built by ampkit.bench with make bench's
+seeds) and optimizer setting, two steps train two copies of the same seeded model on the
+same batches:
+
+  ampkit_amp          the hand-written loop (ampkit.bench.loop_step: ampkit.autocast,
+                      ampkit.GradScaler, the optimizer; make bench's ampkit_amp)
+  ampkit_step_eager   ampkit.make_train_step(capture=False) with the same autocast
+                      arguments, scaler settings and optimizer settings
+
+``fused``: the case's optimizer built with fused=True (AdamW also capturable), as the
+ampkit_step and ampkit_step_eager variants build it; ``plain``: the case's optimizer as
+written (what ampkit_amp uses, and what make_train_step's eager fallback runs for an
+optimizer without a fused path). Timing: warm-up epochs, then ``--rounds`` rounds, each one
+epoch (``--epochs``) of each step, the order alternating round by round; device synced
+around each epoch. Printed per case and setting: each step's median ms/step and the median
+over rounds of the per-round ratio eager / hand-written, with its spread (min-max), by the
+wall clock and, on the CPU, by this thread's CPU time (with one torch thread every op runs
+on it; other jobs on a shared machine then stretch the wall clock, not the CPU time). A
+ratio is never asserted: the tests prove what the step computes, not how fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+
+import torch  # noqa: E402
+
+import ampkit  # noqa: E402
+import ampkit.bench as bench  # noqa: E402
+
+CASES = ("seed_mlp", "convnet", "text_classifier", "transformer")
+
+
+def _sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def make_pair(built, dtype, fused):
+    """(hand-written step, eager make_train_step): same weights, optimizer and scaler settings."""
+    device = built.device
+
+    def scaler():
+        return ampkit.GradScaler(device, init_scale=bench.INIT_SCALE, growth_interval=bench.GROWTH_INTERVAL)
+
+    m1 = built.new_model()
+    o1 = built.new_optimizer(m1, fused=fused)
+    hand = bench.loop_step(m1, built.loss_fn, o1, lambda: ampkit.autocast(device, dtype=dtype), scaler())
+    m2 = built.new_model()
+    o2 = built.new_optimizer(m2, fused=fused)
+    eager = ampkit.make_train_step(m2, built.loss_fn, o2, scaler=scaler(), capture=False,
+                                   autocast=dict(device_type=device, dtype=dtype))
+    return {"ampkit_amp": hand, "ampkit_step_eager": eager}
+
+
+def epoch_ms(step, built, epochs):
+    """(wall ms, this thread's CPU ms) per step over ``epochs`` epochs."""
+    _sync(built.device)
+    t0, c0 = time.perf_counter(), time.thread_time()
+    for _ in range(epochs):
+        for x, y in built.batches:
+            step(x, y)
+    _sync(built.device)
+    n = epochs * built.num_batches
+    return (time.perf_counter() - t0) * 1e3 / n, (time.thread_time() - c0) * 1e3 / n
+
+
+def measure(built, dtype, fused, rounds, epochs, warmup_epochs=2):
+    steps = make_pair(built, dtype, fused)
+    for _ in range(warmup_epochs):
+        for s in steps.values():
+            epoch_ms(s, built, 1)
+    times = {k: [] for k in steps}
+    names = list(steps)
+    for r in range(rounds):
+        for k in (names if r % 2 == 0 else names[::-1]):
+            times[k].append(epoch_ms(steps[k], built, epochs))
+    out = {}
+    for i, clock in enumerate(("wall", "cpu")):
+        ratios = [e[i] / h[i] for e, h in zip(times["ampkit_step_eager"], times["ampkit_amp"])]
+        out[clock] = ({k: statistics.median(t[i] for t in v) for k, v in times.items()}, ratios)
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--profile", default=None, help="default: cpu on the CPU, full on CUDA")
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--optimizers", default="fused,plain")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--epochs", type=int, default=1, help="epochs per step per round")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default: 1 on the CPU, as make bench runs; torch's own on CUDA)")
+    args = ap.parse_args(argv)
+    profile = args.profile or ("full" if args.device == "cuda" else "cpu")
+    threads = args.threads or (1 if args.device == "cpu" else None)
+    if threads:
+        torch.set_num_threads(threads)
+    dtype = torch.float16 if args.device == "cuda" else torch.bfloat16
+    card = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(f"{card}, torch {torch.__version__}, profile {profile}, {torch.get_num_threads()} thread(s), "
+          f"{args.rounds} rounds of {args.epochs} epoch(s) per step, interleaved")
+    clocks = ("wall", "cpu") if args.device == "cpu" else ("wall",)
+    print(f"{'case':<16}{'optimizer':<10}{'clock':<6}{'hand ms':>9}{'eager ms':>10}{'ratio':>8}  "
+          "[min, max] of the rounds")
+    for case in [c for c in args.cases.split(",") if c]:
+        built = bench.build_case(case, profile, seed=0, device=args.device)
+        for opt in [o for o in args.optimizers.split(",") if o]:
+            if opt not in ("fused", "plain"):
+                ap.error(f"--optimizers: {opt!r} is not fused or plain")
+            res = measure(built, dtype, opt == "fused", args.rounds, args.epochs)
+            for clock in clocks:
+                med, ratios = res[clock]
+                print(f"{case:<16}{opt:<10}{clock:<6}{med['ampkit_amp']:>9.3f}{med['ampkit_step_eager']:>10.3f}"
+                      f"{statistics.median(ratios):>8.3f}  [{min(ratios):.3f}, {max(ratios):.3f}]", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
