@@ -16,9 +16,9 @@ same batches:
 ``fused``: the case's optimizer built with fused=True (AdamW also capturable), as the
 ampkit_step and ampkit_step_eager variants build it; ``plain``: the case's optimizer as
 written (what ampkit_amp uses, and what make_train_step's eager fallback runs for an
-optimizer without a fused path). Timing: warm-up epochs, then ``--rounds`` rounds, each one
-epoch (``--epochs``) of each step, the order alternating round by round; device synced
-around each epoch. Printed per case and setting: each step's median ms/step and the median
+optimizer without a fused path). Timing: two warm-up epochs, then ``--rounds`` rounds, each
+one ``--unit`` (the next batch, or an epoch) of each step, the order alternating round by
+round; the device synced around each. Printed per case and setting: each step's median ms/step and the median
 over rounds of the per-round ratio eager / hand-written, with its spread (min-max), by the
 wall clock and, on the CPU, by this thread's CPU time (with one torch thread every op runs
 on it; other jobs on a shared machine then stretch the wall clock, not the CPU time). A
@@ -65,28 +65,28 @@ def make_pair(built, dtype, fused):
     return {"ampkit_amp": hand, "ampkit_step_eager": eager}
 
 
-def epoch_ms(step, built, epochs):
-    """(wall ms, this thread's CPU ms) per step over ``epochs`` epochs."""
+def time_ms(step, built, batches):
+    """(wall ms, this thread's CPU ms) per step over ``batches``, the device synced around."""
     _sync(built.device)
     t0, c0 = time.perf_counter(), time.thread_time()
-    for _ in range(epochs):
-        for x, y in built.batches:
-            step(x, y)
+    for x, y in batches:
+        step(x, y)
     _sync(built.device)
-    n = epochs * built.num_batches
-    return (time.perf_counter() - t0) * 1e3 / n, (time.thread_time() - c0) * 1e3 / n
+    return (time.perf_counter() - t0) * 1e3 / len(batches), (time.thread_time() - c0) * 1e3 / len(batches)
 
 
-def measure(built, dtype, fused, rounds, epochs, warmup_epochs=2):
+def measure(built, dtype, fused, rounds, unit, warmup_epochs=2):
     steps = make_pair(built, dtype, fused)
     for _ in range(warmup_epochs):
         for s in steps.values():
-            epoch_ms(s, built, 1)
+            time_ms(s, built, built.batches)
     times = {k: [] for k in steps}
     names = list(steps)
     for r in range(rounds):
+        # a round: one step (the next batch) or one epoch of each, the order alternating
+        batches = built.batches if unit == "epoch" else [built.batches[r % built.num_batches]]
         for k in (names if r % 2 == 0 else names[::-1]):
-            times[k].append(epoch_ms(steps[k], built, epochs))
+            times[k].append(time_ms(steps[k], built, batches))
     out = {}
     for i, clock in enumerate(("wall", "cpu")):
         ratios = [e[i] / h[i] for e, h in zip(times["ampkit_step_eager"], times["ampkit_amp"])]
@@ -100,19 +100,23 @@ def main(argv=None):
     ap.add_argument("--profile", default=None, help="default: cpu on the CPU, full on CUDA")
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--optimizers", default="fused,plain")
-    ap.add_argument("--rounds", type=int, default=15)
-    ap.add_argument("--epochs", type=int, default=1, help="epochs per step per round")
+    ap.add_argument("--unit", default=None, choices=("step", "epoch"),
+                    help="what each step runs in a round (default: a step on the CPU, where "
+                         "nothing runs ahead; an epoch on CUDA, whose steps overlap the host's work)")
+    ap.add_argument("--rounds", type=int, default=None, help="default: 120 steps or 15 epochs")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (default: 1 on the CPU, as make bench runs; torch's own on CUDA)")
     args = ap.parse_args(argv)
     profile = args.profile or ("full" if args.device == "cuda" else "cpu")
+    unit = args.unit or ("epoch" if args.device == "cuda" else "step")
+    rounds = args.rounds or (15 if unit == "epoch" else 120)
     threads = args.threads or (1 if args.device == "cpu" else None)
     if threads:
         torch.set_num_threads(threads)
     dtype = torch.float16 if args.device == "cuda" else torch.bfloat16
     card = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"{card}, torch {torch.__version__}, profile {profile}, {torch.get_num_threads()} thread(s), "
-          f"{args.rounds} rounds of {args.epochs} epoch(s) per step, interleaved")
+          f"{rounds} rounds of one {unit} of each, interleaved")
     clocks = ("wall", "cpu") if args.device == "cpu" else ("wall",)
     print(f"{'case':<16}{'optimizer':<10}{'clock':<6}{'hand ms':>9}{'eager ms':>10}{'ratio':>8}  "
           "[min, max] of the rounds")
@@ -121,7 +125,7 @@ def main(argv=None):
         for opt in [o for o in args.optimizers.split(",") if o]:
             if opt not in ("fused", "plain"):
                 ap.error(f"--optimizers: {opt!r} is not fused or plain")
-            res = measure(built, dtype, opt == "fused", args.rounds, args.epochs)
+            res = measure(built, dtype, opt == "fused", rounds, unit)
             for clock in clocks:
                 med, ratios = res[clock]
                 print(f"{case:<16}{opt:<10}{clock:<6}{med['ampkit_amp']:>9.3f}{med['ampkit_step_eager']:>10.3f}"

@@ -57,6 +57,11 @@ from typing import Any
 import torch
 import torch.optim.optimizer as _optim_module
 
+try:
+    import _signal
+except ImportError:  # (not CPython)
+    _signal = signal
+
 from ampkit import _doctor
 from ampkit._autocast import autocast as autocast_region
 from ampkit._policy import load_policy
@@ -351,7 +356,9 @@ class TrainStep:
     def _save_for_rollback(self):
         # Host objects only (no tensor work: a replay must stay one launch); what an eager
         # step writes in place is kept by _eager and _body.
-        attrs = {k: v for k, v in vars(self).items() if k not in _NOT_ROLLED_BACK}
+        attrs = vars(self).copy()
+        for k in _NOT_ROLLED_BACK:
+            attrs.pop(k, None)
         return attrs, [p.grad for p in self._params]
 
     def _rollback(self, saved):
@@ -613,6 +620,7 @@ _CHECKED_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 # check, which runs before the optimizer writes anything.
 _SCALER_HOOKS = frozenset({"found_inf"})
 _scaler_types_checked: dict = {}  # GradScaler subclass -> whether only _SCALER_HOOKS are its own
+_SCALARS = frozenset({float, int, bool, str, type(None)})  # hyperparameters _plain() takes at once
 
 
 def _why_copy(optimizer, scaler):
@@ -649,25 +657,24 @@ def _why_copy(optimizer, scaler):
     why = _scaler_why_copy(scaler)
     if why is not None:
         return why
-    state = optimizer.state
+    state, strided, tensor = optimizer.state, torch.strided, torch.Tensor
     for group in optimizer.param_groups:
         for k, v in group.items():
-            if k != "params" and not _plain(v):
+            if type(v) not in _SCALARS and k != "params" and not _plain(v):
                 return f"{name} has a {type(v).__name__} {k!r}"
         if group.get("differentiable"):
             return f"{name} was built with differentiable=True"
-        fused = group.get("fused")
-        # SGD without momentum keeps no state
-        stateless = kind is torch.optim.SGD and not group.get("momentum")
+        any_device = group.get("fused")
+        stateless = kind is torch.optim.SGD and not group.get("momentum")  # (no momentum buffer)
         for p in group["params"]:
             grad = p.grad
             if grad is None:
                 continue
             if type(p) not in _PLAIN:
                 return f"a parameter is a {type(p).__name__}"
-            if grad.layout is not torch.strided:
+            if grad.layout is not strided:
                 return f"a gradient is {grad.layout}"
-            if not (fused or p.is_cpu):
+            if not (any_device or p.is_cpu):
                 return (f"{name} without fused=True allocates while it writes on "
                         f"{p.device.type} (an out-of-memory error could stop it half-way)")
             s = state.get(p)
@@ -675,11 +682,12 @@ def _why_copy(optimizer, scaler):
                 if stateless:
                     continue
                 return f"{name} creates its state in this step"
+            dtype, device, shape = p.dtype, p.device, p.shape
             for k, v in s.items():
-                if k != "step" and isinstance(v, torch.Tensor) and (
-                        v.dtype != p.dtype or v.device != p.device or v.shape != p.shape):
+                if isinstance(v, tensor) and k != "step" and (
+                        v.dtype is not dtype or v.device != device or v.shape != shape):
                     return (f"{name}'s state {k!r} ({v.dtype}, {v.device}) does not match its "
-                            f"parameter ({p.dtype}, {p.device})")
+                            f"parameter ({dtype}, {device})")
     return None
 
 
@@ -703,9 +711,10 @@ class _HeldSignals:
     without a copy: a Ctrl-C there would stop a step half-way with nothing to put back.
     ``deliver()`` runs the handlers of the signals that came, once the step is whole (the
     call then raises KeyboardInterrupt with the step taken). Only the main thread gets
-    Python's signals; elsewhere there is nothing to hold."""
+    Python's signals; elsewhere there is nothing to hold. (``_signal``: the C functions
+    behind ``signal``, whose wrappers cost about 10 us a step converting to enums.)"""
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    SIGNALS = (int(signal.SIGINT), int(signal.SIGTERM))
 
     def __init__(self):
         self.saved, self.came = {}, []
@@ -716,15 +725,15 @@ class _HeldSignals:
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
             for s in self.SIGNALS:
-                handler = signal.getsignal(s)
+                handler = _signal.getsignal(s)
                 if callable(handler):
                     self.saved[s] = handler
-                    signal.signal(s, self._hold)
+                    _signal.signal(s, self._hold)
         return self
 
     def __exit__(self, *exc):
         for s, handler in self.saved.items():
-            signal.signal(s, handler)
+            _signal.signal(s, handler)
         return False
 
     def deliver(self):
