@@ -2,27 +2,32 @@
 
     python benchmarks/eager_step_cost.py [--device cpu|cuda] [--profile cpu|full]
         [--cases seed_mlp,convnet,text_classifier,transformer] [--optimizers fused,plain]
-        [--rounds 15] [--epochs 1] [--threads N]
+        [--unit step|epoch] [--rounds N] [--threads N]
 
 For each benchmark case (shared_specs/benchmarks, built by ampkit.bench with make bench's
 seeds) and optimizer setting, two steps train two copies of the same seeded model on the
 same batches:
 
-  ampkit_amp          the hand-written loop (ampkit.bench.loop_step: ampkit.autocast,
-                      ampkit.GradScaler, the optimizer; make bench's ampkit_amp)
-  ampkit_step_eager   ampkit.make_train_step(capture=False) with the same autocast
-                      arguments, scaler settings and optimizer settings
+  hand    the hand-written loop (ampkit.bench.loop_step: ampkit.autocast, ampkit.GradScaler
+          with make bench's settings, the optimizer)
+  eager   ampkit.make_train_step(capture=False) with the same autocast arguments, scaler
+          settings and optimizer settings
 
-``fused``: the case's optimizer built with fused=True (AdamW also capturable), as the
-ampkit_step and ampkit_step_eager variants build it; ``plain``: the case's optimizer as
-written (what ampkit_amp uses, and what make_train_step's eager fallback runs for an
-optimizer without a fused path). Timing: two warm-up epochs, then ``--rounds`` rounds, each
-one ``--unit`` (the next batch, or an epoch) of each step, the order alternating round by
-round; the device synced around each. Printed per case and setting: each step's median ms/step and the median
-over rounds of the per-round ratio eager / hand-written, with its spread (min-max), by the
-wall clock and, on the CPU, by this thread's CPU time (with one torch thread every op runs
-on it; other jobs on a shared machine then stretch the wall clock, not the CPU time). A
-ratio is never asserted: the tests prove what the step computes, not how fast.
+``fused``: the case's optimizer built with fused=True (AdamW also capturable): make bench's
+ampkit_step_eager against ampkit_amp_fused; ``plain``: the case's optimizer as written
+(ampkit_amp's; make_train_step's eager fallback for an optimizer without a fused path).
+
+Timing: two warm-up epochs, then ``--rounds`` rounds, each one ``--unit`` (the next batch,
+or an epoch) of each step, the order alternating round by round; the device synced around
+each. Printed per case and setting: each step's median ms/step and the median over rounds
+of the per-round ratio eager / hand-written, with its spread (min-max), by the wall clock
+and, on the CPU, by this thread's CPU time (with one torch thread every op runs on it;
+other jobs on a shared machine then stretch the wall clock, not the CPU time). A ratio is
+never asserted: the tests prove what the step computes, not how fast.
+
+On a GPU (the full profile, an epoch a round, the order alternating):
+
+    PYTHONPATH=$PWD/python python3 benchmarks/eager_step_cost.py --device cuda
 """
 
 from __future__ import annotations
@@ -62,7 +67,7 @@ def make_pair(built, dtype, fused):
     o2 = built.new_optimizer(m2, fused=fused)
     eager = ampkit.make_train_step(m2, built.loss_fn, o2, scaler=scaler(), capture=False,
                                    autocast=dict(device_type=device, dtype=dtype))
-    return {"ampkit_amp": hand, "ampkit_step_eager": eager}
+    return {"hand": hand, "eager": eager}
 
 
 def time_ms(step, built, batches):
@@ -89,7 +94,7 @@ def measure(built, dtype, fused, rounds, unit, warmup_epochs=2):
             times[k].append(time_ms(steps[k], built, batches))
     out = {}
     for i, clock in enumerate(("wall", "cpu")):
-        ratios = [e[i] / h[i] for e, h in zip(times["ampkit_step_eager"], times["ampkit_amp"])]
+        ratios = [e[i] / h[i] for e, h in zip(times["eager"], times["hand"])]
         out[clock] = ({k: statistics.median(t[i] for t in v) for k, v in times.items()}, ratios)
     return out
 
@@ -128,7 +133,7 @@ def main(argv=None):
             res = measure(built, dtype, opt == "fused", rounds, unit)
             for clock in clocks:
                 med, ratios = res[clock]
-                print(f"{case:<16}{opt:<10}{clock:<6}{med['ampkit_amp']:>9.3f}{med['ampkit_step_eager']:>10.3f}"
+                print(f"{case:<16}{opt:<10}{clock:<6}{med['hand']:>9.3f}{med['eager']:>10.3f}"
                       f"{statistics.median(ratios):>8.3f}  [{min(ratios):.3f}, {max(ratios):.3f}]", flush=True)
     return 0
 
