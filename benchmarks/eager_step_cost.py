@@ -15,7 +15,10 @@ same batches:
 
 ``fused``: the case's optimizer built with fused=True (AdamW also capturable): make bench's
 ampkit_step_eager against ampkit_amp_fused; ``plain``: the case's optimizer as written
-(ampkit_amp's; make_train_step's eager fallback for an optimizer without a fused path).
+(ampkit_amp's; make_train_step's eager fallback for an optimizer without a fused path);
+``fallback`` (CUDA): fused, the step captured on the case's batches (capture="auto"), then
+both timed on batches one sample shorter, which the step runs as its eager fallback beside
+the graph.
 
 Timing: two warm-up epochs, then ``--rounds`` rounds, each one ``--unit`` (the next batch,
 or an epoch) of each step, the order alternating round by round; the device synced around
@@ -36,6 +39,7 @@ import argparse
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
@@ -53,9 +57,12 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def make_pair(built, dtype, fused):
-    """(hand-written step, eager make_train_step): same weights, optimizer and scaler settings."""
-    device = built.device
+def make_pair(built, dtype, setting):
+    """({"hand": hand-written step, "eager": make_train_step}, the batches to time them on):
+    same weights, optimizer and scaler settings. ``fallback``: the step is captured on the
+    case's batches, then timed on batches one sample shorter, each of which runs as its
+    eager fallback next to the graph (the gradients the graph owns kept)."""
+    device, fused = built.device, setting != "plain"
 
     def scaler():
         return ampkit.GradScaler(device, init_scale=bench.INIT_SCALE, growth_interval=bench.GROWTH_INTERVAL)
@@ -65,9 +72,28 @@ def make_pair(built, dtype, fused):
     hand = bench.loop_step(m1, built.loss_fn, o1, lambda: ampkit.autocast(device, dtype=dtype), scaler())
     m2 = built.new_model()
     o2 = built.new_optimizer(m2, fused=fused)
-    eager = ampkit.make_train_step(m2, built.loss_fn, o2, scaler=scaler(), capture=False,
-                                   autocast=dict(device_type=device, dtype=dtype))
-    return {"hand": hand, "eager": eager}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the fallback's warning about the other shape)
+        eager = ampkit.make_train_step(m2, built.loss_fn, o2, scaler=scaler(),
+                                       capture="auto" if setting == "fallback" else False,
+                                       autocast=dict(device_type=device, dtype=dtype))
+        if setting != "fallback":
+            return {"hand": hand, "eager": eager}, built.batches
+        for i in range(6):  # warm-up, capture, replays
+            eager(*built.batches[i % built.num_batches])
+            hand(*built.batches[i % built.num_batches])
+        if not eager.captured:
+            raise RuntimeError(f"fallback: the step was not captured: {eager.reason}")
+        shorter = [(x[:-1], y[:-1]) for x, y in built.batches]
+        eager(*shorter[0])
+        if eager.captured:
+            raise RuntimeError("fallback: a shorter batch replayed the graph")
+
+    def quiet(x, y):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return eager(x, y)
+    return {"hand": hand, "eager": quiet}, shorter
 
 
 def time_ms(step, built, batches):
@@ -80,16 +106,16 @@ def time_ms(step, built, batches):
     return (time.perf_counter() - t0) * 1e3 / len(batches), (time.thread_time() - c0) * 1e3 / len(batches)
 
 
-def measure(built, dtype, fused, rounds, unit, warmup_epochs=2):
-    steps = make_pair(built, dtype, fused)
+def measure(built, dtype, setting, rounds, unit, warmup_epochs=2):
+    steps, epoch = make_pair(built, dtype, setting)
     for _ in range(warmup_epochs):
         for s in steps.values():
-            time_ms(s, built, built.batches)
+            time_ms(s, built, epoch)
     times = {k: [] for k in steps}
     names = list(steps)
     for r in range(rounds):
         # a round: one step (the next batch) or one epoch of each, the order alternating
-        batches = built.batches if unit == "epoch" else [built.batches[r % built.num_batches]]
+        batches = epoch if unit == "epoch" else [epoch[r % len(epoch)]]
         for k in (names if r % 2 == 0 else names[::-1]):
             times[k].append(time_ms(steps[k], built, batches))
     out = {}
@@ -104,7 +130,9 @@ def main(argv=None):
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--profile", default=None, help="default: cpu on the CPU, full on CUDA")
     ap.add_argument("--cases", default=",".join(CASES))
-    ap.add_argument("--optimizers", default="fused,plain")
+    ap.add_argument("--optimizers", default=None,
+                    help="fused, plain, fallback (CUDA: a captured step's eager fallback, fused); "
+                         "default: fused,plain on the CPU, fused,plain,fallback on CUDA")
     ap.add_argument("--unit", default=None, choices=("step", "epoch"),
                     help="what each step runs in a round (default: a step on the CPU, where "
                          "nothing runs ahead; an epoch on CUDA, whose steps overlap the host's work)")
@@ -127,10 +155,11 @@ def main(argv=None):
           "[min, max] of the rounds")
     for case in [c for c in args.cases.split(",") if c]:
         built = bench.build_case(case, profile, seed=0, device=args.device)
-        for opt in [o for o in args.optimizers.split(",") if o]:
-            if opt not in ("fused", "plain"):
-                ap.error(f"--optimizers: {opt!r} is not fused or plain")
-            res = measure(built, dtype, opt == "fused", rounds, unit)
+        settings = args.optimizers or ("fused,plain,fallback" if args.device == "cuda" else "fused,plain")
+        for opt in [o for o in settings.split(",") if o]:
+            if opt not in ("fused", "plain", "fallback") or (opt, args.device) == ("fallback", "cpu"):
+                ap.error(f"--optimizers: {opt!r} is not fused, plain or (on CUDA) fallback")
+            res = measure(built, dtype, opt, rounds, unit)
             for clock in clocks:
                 med, ratios = res[clock]
                 print(f"{case:<16}{opt:<10}{clock:<6}{med['hand']:>9.3f}{med['eager']:>10.3f}"
