@@ -748,3 +748,46 @@ def test_the_eager_rollback_copy_keeps_no_tensor_the_optimizer_dropped():
         step(x, y)
     after = [t for s in opt.state.values() for t in s.values()] + list(model.parameters())
     assert_bitwise(after, before)
+
+
+def test_the_fallback_beside_a_graph_gives_the_graph_its_gradients_only_once_it_succeeded():
+    """The eager fallback next to a captured graph (driven directly: no graph on the CPU)
+    keeps the .grad tensors the graph owns and writes by address: they hold, once the call
+    succeeded, bitwise the gradients of the hand-written step from the same state, and
+    the parameters and optimizer state are that step's; a call that fails leaves the
+    graph's tensors untouched (no copy is needed: the step computes its own)."""
+    model = _bn_model()
+    opt = OPTIMIZERS["sgd_fused"](model.parameters())
+    scaler = make_scaler()
+    step = ampkit.make_train_step(model, torch.nn.functional.mse_loss, opt, scaler=scaler,
+                                  autocast=FP16, capture=False)
+    batches = make_batches(n=4, poison=False)
+    for x, y in batches[:2]:
+        step(x, y)
+    owned = [p.grad for p in model.parameters()]
+    ref_model, ref_opt = copy.deepcopy((model, opt))
+    ref_scaler = make_scaler()
+    ref_scaler.load_state_dict(scaler.state_dict())
+    x, y = batches[2]
+    ref_opt.zero_grad()
+    with ampkit.autocast(**FP16):
+        ref_loss = torch.nn.functional.mse_loss(ref_model(x), y)
+    ref_scaler.scale(ref_loss).backward()
+    ref_scaler.step(ref_opt)
+    ref_scaler.update()
+
+    loss = step._eager([x], [y], keep_grads=True)
+    assert all(p.grad is g for p, g in zip(model.parameters(), owned))
+    assert_bitwise(loss, ref_loss.detach())
+    assert_bitwise([p.grad for p in model.parameters()], [p.grad for p in ref_model.parameters()])
+    assert_bitwise(list(model.parameters()), list(ref_model.parameters()))
+    assert_bitwise(optimizer_state_tensors(opt), optimizer_state_tensors(ref_opt))
+    assert_bitwise(list(model.buffers()), list(ref_model.buffers()))
+
+    kept = [g.clone() for g in owned]
+    buffers = [b.clone() for b in model.buffers()]
+    step.loss_fn = lambda out, y: (_ for _ in ()).throw(_Boom())  # after the forward
+    with pytest.raises(_Boom):
+        step._eager([batches[3][0]], [batches[3][1]], keep_grads=True)
+    assert_bitwise(owned, kept)  # the graph's tensors, untouched
+    assert_bitwise(list(model.buffers()), buffers)  # the forward's statistics, put back
