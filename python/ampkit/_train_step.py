@@ -712,7 +712,8 @@ class _HeldSignals:
     ``deliver()`` runs the handlers of the signals that came, once the step is whole (the
     call then raises KeyboardInterrupt with the step taken). Only the main thread gets
     Python's signals; elsewhere there is nothing to hold. (``_signal``: the C functions
-    behind ``signal``, whose wrappers cost about 10 us a step converting to enums.)"""
+    behind ``signal``, without its wrappers' conversions to enums, the larger part of the
+    cost of holding.)"""
 
     SIGNALS = (int(signal.SIGINT), int(signal.SIGTERM))
 
