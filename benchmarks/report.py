@@ -207,6 +207,17 @@ def goals(doc: dict) -> str:
             ok = None if not t else t["value"] <= 1.05 + _EPS
             say(ok, "ampkit_amp within 5%% of torch_amp on %s (%s): time ratio %s" % (
                 case, lang, fmt_ratio(t, "", _digits(t["value"], 1.05, ok)) if t else "-"))
+    from ampkit.bench import time_ratio
+    for case in sorted({r["case"] for r in single(doc["records"])}):
+        for lang in doc["context"]["languages"]:
+            e, h = _find(doc, case, "ampkit_step_eager", lang), _find(doc, case, "ampkit_amp_fused", lang)
+            if e is None and h is None:
+                continue
+            t = time_ratio(e, h)
+            ok = None if not t else t["value"] <= 1.05 + _EPS
+            say(ok, "ampkit_step_eager within 5%% of the same step written by hand (ampkit_amp_fused) on %s "
+                "(%s): time ratio %s%s" % (case, lang, fmt_ratio(t, "", _digits(t["value"], 1.05, ok)) if t else "-",
+                                          _how(t, e)))
     for case in ("seed_mlp", "transformer"):
         for variant in ("torch_amp", "ampkit_amp"):
             r = _find(doc, case, variant, "r")

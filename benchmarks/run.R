@@ -83,7 +83,8 @@ make_step <- function(v, built, model, opt, scaler) {
   dtype <- py_to_r(v$resolved_dtype(device))
   if (!is.null(dtype)) dtype <- torch_dtype(dtype)
   if (field(v, "runner") == "train_step") {  # the whole step in one call
-    return(amp_train_step(model, loss_fn, opt, scaler = scaler, device_type = device, dtype = dtype))
+    return(amp_train_step(model, loss_fn, opt, scaler = scaler, device_type = device, dtype = dtype,
+                          capture = field(v, "capture")))
   }
   # A compiled variant's loop calls torch.compile(model, mode = ...) (dynamo reset first),
   # made by the same code as in the Python runner.

@@ -8,6 +8,7 @@ built by ampkit.bench with the same seeds as ``make bench``. Variants:
   torch_amp          torch.autocast + torch.amp.GradScaler, the case's optimizer (the rival)
   torch_amp_fused    the same with the fused optimizer (how much is the fused kernel alone)
   ampkit_amp         ampkit.autocast + ampkit.GradScaler hand-written loop, case's optimizer
+  ampkit_amp_fused   the same with the fused optimizer (ampkit_step_eager's control)
   ampkit_step_eager  ampkit.make_train_step(capture=False), fused optimizer
   ampkit_step        ampkit.make_train_step(capture="auto"), fused optimizer: one CUDA graph
   ampkit_step_rw_check  the same, but the scaler checks gradients as torch's does before a
@@ -44,8 +45,8 @@ import ampkit
 
 DTYPE = torch.float16
 DEVICE = "cuda"  # --device cpu: a smoke run of the script itself (tiny profile), no figures
-VARIANTS = ("torch_amp", "torch_amp_fused", "ampkit_amp", "ampkit_step_eager", "ampkit_step",
-            "ampkit_step_rw_check")
+VARIANTS = ("torch_amp", "torch_amp_fused", "ampkit_amp", "ampkit_amp_fused", "ampkit_step_eager",
+            "ampkit_step", "ampkit_step_rw_check")
 TOP = 12  # kernels listed per profiled variant (--top)
 WARMUP = 8  # > make_train_step's 3 warm-up steps + the capture
 
@@ -56,7 +57,7 @@ def make_variant(name, built):
     fused = name not in ("torch_amp", "ampkit_amp")
     opt = built.new_optimizer(model, fused=fused)
     loss_fn = built.loss_fn
-    if name.startswith("torch_amp") or name == "ampkit_amp":
+    if name.startswith(("torch_amp", "ampkit_amp")):
         # The hand-written eager loop, with the rival's autocast and scaler or ours.
         lib = torch if name.startswith("torch_amp") else ampkit
         scaler = (torch.amp.GradScaler if lib is torch else ampkit.GradScaler)(DEVICE)

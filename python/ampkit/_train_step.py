@@ -46,13 +46,21 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import signal
 import sys
+import threading
 import weakref
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.optim.optimizer as _optim_module
+
+try:
+    import _signal
+except ImportError:  # (not CPython)
+    _signal = signal
 
 from ampkit import _doctor
 from ampkit._autocast import autocast as autocast_region
@@ -215,6 +223,15 @@ class TrainStep:
         ``lower_precision_dtype`` for the device."""
         return dict(self._autocast)
 
+    @property
+    def rollback_copy(self) -> str | None:
+        """Why the last eager call copied the parameters and the optimizer state before
+        its optimizer step (so that a failure after it could be put back), or ``None``:
+        it checked that nothing from the optimizer's first write to the end of
+        ``scaler.update()`` can raise, and copied nothing (also ``None`` before any eager
+        call). See "A call that raises changes nothing" in docs/train_step.md."""
+        return self._copy_why
+
     def __call__(self, inputs, targets) -> torch.Tensor:
         flat_in = _as_tensors("inputs", inputs)
         flat_tg = _as_tensors("targets", targets)
@@ -223,10 +240,13 @@ class TrainStep:
         # buffers, the parameters, the optimizer state and the scaler as they were.
         saved = self._save_for_rollback()
         try:
-            return self._call(flat_in, flat_tg)
+            loss = self._call(flat_in, flat_tg)
         except BaseException:
             self._rollback(saved)
+            self._deliver_held_signals()
             raise
+        self._deliver_held_signals()  # a Ctrl-C held while the optimizer wrote: raised now
+        return loss
 
     def _call(self, flat_in, flat_tg) -> torch.Tensor:
         self.calls += 1
@@ -268,7 +288,7 @@ class TrainStep:
                 f"captures={self.captures}, reason={self.reason!r})")
 
     # -- the step itself ------------------------------------------------------------------
-    def _body(self, flat_in, flat_tg, capturing=False) -> torch.Tensor:
+    def _body(self, flat_in, flat_tg, capturing=False, owned_grads=None) -> torch.Tensor:
         kw = dict(self._autocast)
         if capturing:  # a cast cached at capture would be a stale copy on replay
             kw["cache_enabled"] = False
@@ -281,43 +301,64 @@ class TrainStep:
                 f"loss_fn must return a scalar tensor, got shape {tuple(loss.shape)}; "
                 "reduce it (e.g. .mean())")
         self.scaler.scale(loss).backward()
-        # Eager only (a capture records, it does not run): the optimizer writes parameters
-        # and state in place, and may fail half-way (a second param group, a hook), as may
-        # update() after it; keep a copy to put back. Taken after backward, when the
-        # activations are freed.
-        before = None if capturing else _OptimizerCopy(self.optimizer, self._rollback_pool)
-        try:
+        if capturing:  # a capture records the step, it does not run it: nothing to put back
             self.scaler.step(self.optimizer)
             self.scaler.update()
-        except BaseException:
-            if before is not None:
+            return loss.detach()
+        if owned_grads is not None:
+            _zero_grads_the_graph_had(self._params, owned_grads)
+        # The optimizer writes parameters and state in place. Where nothing from its first
+        # write to the end of update() can raise (_why_copy), there is nothing to put back
+        # and nothing is copied; a Ctrl-C that arrives meanwhile is held until the step is
+        # whole. Otherwise (an unknown optimizer, a hook, a first step that creates state, a
+        # scaler subclass ...) keep a copy to put back, taken after backward, when the
+        # activations are freed.
+        pool = self._rollback_pool
+        why = self._copy_why = _why_copy(self.optimizer, self.scaler)
+        if why is None:
+            pool.pop("optimizer", None)  # (copies kept by an earlier call: memory only)
+            held = self._held = _HeldSignals()
+            with held:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+        else:
+            before = _OptimizerCopy(self.optimizer, pool.setdefault("optimizer", {}))
+            try:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            except BaseException:
                 before.restore()
-            raise
+                raise
+        if owned_grads is not None:
+            _give_back_grads(self._params, owned_grads)
         return loss.detach()
 
     def _eager(self, flat_in, flat_tg, keep_grads=False) -> torch.Tensor:
-        # keep_grads: a graph exists and owns the .grad tensors (it writes them by
-        # address); zero them in place instead of dropping them.
-        # A failure puts back what this eager step writes in place: the model's buffers
-        # (BatchNorm statistics, in the forward) and graph-owned gradients (zeroed here).
-        saved = [(b, b.detach().clone()) for b in self.model.buffers()]
-        if keep_grads:
-            saved += [(p.grad, p.grad.detach().clone()) for p in self._params
-                      if p.grad is not None]
+        # A failure puts back what this eager step writes in place before its optimizer
+        # step: the model's buffers (BatchNorm statistics, in the forward). The gradients
+        # need no copy: the step starts from none (set_to_none), and _rollback puts the
+        # old .grad references back. keep_grads: a graph exists and owns the .grad tensors
+        # (it writes them by address); this step computes its own and copies them into the
+        # graph's once it has succeeded, so that a failure leaves the graph's untouched.
+        buffers = _BufferCopy(self.model.buffers(), self._rollback_pool.setdefault("buffers", {}))
+        owned = [p.grad for p in self._params] if keep_grads else None
         try:
-            self.optimizer.zero_grad(set_to_none=not keep_grads)
-            return self._body(flat_in, flat_tg)
+            self.optimizer.zero_grad(set_to_none=True)
+            return self._body(flat_in, flat_tg, owned_grads=owned)
         except BaseException:
-            with torch.no_grad():
-                for t, v in saved:
-                    t.copy_(v)
+            buffers.restore()
             raise
 
     # -- rollback of a failed call ----------------------------------------------------------
+    _copy_why = None  # rollback_copy: set by each eager call
+    _held = None  # the signals held while the optimizer wrote without a copy (_HeldSignals)
+
     def _save_for_rollback(self):
         # Host objects only (no tensor work: a replay must stay one launch); what an eager
         # step writes in place is kept by _eager and _body.
-        attrs = {k: v for k, v in vars(self).items() if k not in _NOT_ROLLED_BACK}
+        attrs = vars(self).copy()
+        for k in _NOT_ROLLED_BACK:
+            attrs.pop(k, None)
         return attrs, [p.grad for p in self._params]
 
     def _rollback(self, saved):
@@ -329,6 +370,11 @@ class TrainStep:
         # say) must not leak into the next call; the scale itself changes only in update(),
         # which changes nothing when it raises.
         self.scaler.reset_iteration()
+
+    def _deliver_held_signals(self):
+        held, self._held = self._held, None
+        if held is not None:
+            held.deliver()
 
     def _side_stream(self):
         if self._stream is None:
@@ -470,52 +516,79 @@ class TrainStep:
 
 
 # The warning is issued once per step object (a failed call does not take it back); the
-# side stream and the rollback copies are caches.
-_NOT_ROLLED_BACK = ("_warned", "_stream", "_rollback_pool", "on_warning")
-_PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensors with a foreach copy (_OptimizerCopy)
+# side stream and the rollback copies are caches; _copy_why says how the last eager call,
+# failed or not, guarded its optimizer step; _held is delivered after the rollback.
+_NOT_ROLLED_BACK = ("_warned", "_stream", "_rollback_pool", "on_warning", "_copy_why", "_held")
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensors with a foreach copy (_KeptCopies)
+
+
+class _KeptCopies:
+    """Copies of tensors made with one ``torch._foreach_copy_``, into buffers kept between
+    calls in ``pool`` (a dict the caller keeps) for plain CPU tensors.
+
+    A fresh allocation of a large CPU tensor page-faults on every step (glibc hands large
+    blocks back to the system), which made a copy cost about 3x what copying into a kept
+    buffer costs; CUDA tensors are cloned each time (the caching allocator reuses the
+    block, and a kept copy would add them to the peak memory of the forward pass, where a
+    transient copy taken after backward does not). Buffers of tensors not copied this time
+    are dropped from the pool by ``finish()``.
+    """
+
+    def __init__(self, pool):
+        self.old, self.now, self.dst, self.src = pool, {}, [], []
+
+    def of(self, t):
+        # (tensor subclasses, such as FSDP2's DTensor parameters, have no foreach copy)
+        if t.device.type != "cpu" or type(t) not in _PLAIN:
+            return t.detach().clone()
+        kept = self.old.get(id(t))  # (weak reference to the tensor, its buffer)
+        if kept is None or kept[0]() is not t or kept[1].shape != t.shape or kept[1].dtype != t.dtype:
+            kept = (weakref.ref(t), torch.empty_like(t, memory_format=torch.preserve_format))
+        self.now[id(t)] = kept
+        self.dst.append(kept[1])
+        self.src.append(t.detach())
+        return kept[1]
+
+    def finish(self):
+        if self.dst:
+            torch._foreach_copy_(self.dst, self.src)
+        self.old.clear()
+        self.old.update(self.now)
+
+
+class _BufferCopy:
+    """A copy of a model's buffers (BatchNorm statistics: the forward writes them), to put
+    back in place."""
+
+    def __init__(self, buffers, pool):
+        copies = _KeptCopies(pool)
+        with torch.no_grad():
+            self.pairs = [(b, copies.of(b)) for b in buffers]
+            copies.finish()
+
+    def restore(self):
+        with torch.no_grad():
+            for b, v in self.pairs:
+                b.copy_(v)
 
 
 class _OptimizerCopy:
     """A copy of an optimizer's parameters, state and hyperparameters, to put back in place.
 
     In place: tensors keep their identity (a captured graph and the optimizer's own
-    references read them by address); state created after the copy is dropped.
-
-    ``pool`` (a dict the caller keeps between steps) holds the copies of CPU tensors for
-    reuse: a fresh allocation of a large CPU tensor page-faults on every step (glibc hands
-    large blocks back to the system), which made the copy cost about 3x what copying into
-    a kept buffer costs; CUDA tensors are cloned each time (the caching allocator reuses
-    the block, and a kept copy would add the parameters and state to the peak memory of
-    the forward pass, where the transient copy taken after backward does not).
+    references read them by address); state created after the copy is dropped. CPU copies
+    go into buffers kept in ``pool`` between steps (``_KeptCopies``).
     """
 
-    def __init__(self, optimizer, pool=None):
+    def __init__(self, optimizer, pool):
         self.optimizer = optimizer
-        old = {} if pool is None else pool
-        kept_now, dst, src = {}, [], []
-
-        def copy_of(t):
-            # (tensor subclasses, such as FSDP2's DTensor parameters, have no foreach copy)
-            if t.device.type != "cpu" or type(t) not in _PLAIN:
-                return t.detach().clone()
-            kept = old.get(id(t))  # (weak reference to the tensor, its buffer)
-            if kept is None or kept[0]() is not t or kept[1].shape != t.shape or kept[1].dtype != t.dtype:
-                kept = (weakref.ref(t), torch.empty_like(t, memory_format=torch.preserve_format))
-            kept_now[id(t)] = kept
-            dst.append(kept[1])
-            src.append(t.detach())
-            return kept[1]
-
+        copies = _KeptCopies(pool)
         with torch.no_grad():
-            self.params = [(p, copy_of(p)) for g in optimizer.param_groups for p in g["params"]]
-            self.state = {p: {k: (v, copy_of(v) if isinstance(v, torch.Tensor) else copy.deepcopy(v))
+            self.params = [(p, copies.of(p)) for g in optimizer.param_groups for p in g["params"]]
+            self.state = {p: {k: (v, copies.of(v) if isinstance(v, torch.Tensor) else copy.deepcopy(v))
                               for k, v in s.items()}
                           for p, s in optimizer.state.items()}
-            if dst:
-                torch._foreach_copy_(dst, src)
-        if pool is not None:  # buffers of tensors the optimizer no longer holds are dropped
-            pool.clear()
-            pool.update(kept_now)
+            copies.finish()
         self.groups = [dict(g) for g in optimizer.param_groups]
 
     def restore(self):
@@ -538,6 +611,154 @@ class _OptimizerCopy:
         for g, saved in zip(opt.param_groups, self.groups):
             g.clear()
             g.update(saved)
+
+
+# The optimizers whose step the eager path checks instead of copying: torch's own, whose
+# step raises only on what _why_copy checks before it (or on a device or allocation error).
+_CHECKED_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+# The one method a GradScaler subclass may override and keep the check: the gradient
+# check, which runs before the optimizer writes anything.
+_SCALER_HOOKS = frozenset({"found_inf"})
+_scaler_types_checked: dict = {}  # GradScaler subclass -> whether only _SCALER_HOOKS are its own
+_SCALARS = frozenset({float, int, bool, str, type(None)})  # hyperparameters _plain() takes at once
+
+
+def _why_copy(optimizer, scaler):
+    """Why the eager step must copy parameters and optimizer state before ``scaler.step``
+    (a readable reason), or None when nothing from the optimizer's first write to the end
+    of ``scaler.update()`` can raise, so that there is never anything to put back.
+
+    torch's SGD, Adam and AdamW raise inside ``step()`` only on what is checked here: a
+    sparse gradient, a tensor or otherwise non-plain hyperparameter (a tensor ``lr`` with
+    foreach, say), a differentiable step, state that no longer matches its parameter
+    (``model.half()`` after a step, say); each param group and each (device, dtype)
+    bucket is stepped in turn, so such a raise can come after an earlier one was written.
+    Other code in that window is the scaler's own (after ``found_inf``) and, if any, step
+    hooks and wrappers, which may raise anywhere: with them the step copies. Left: errors
+    of the device or of an allocation. On CUDA only the fused kernels (``fused=True``)
+    write without allocating memory the size of the parameters between their writes
+    (foreach and per-tensor steps do: an out-of-memory error can stop them half-way), and
+    a first step creates state (allocations again): both copy.
+    """
+    kind = type(optimizer)
+    name = kind.__name__
+    if kind not in _CHECKED_OPTIMIZERS:
+        return f"{name} is not torch's SGD, Adam or AdamW, whose steps can be checked beforehand"
+    own = vars(optimizer).get("step")
+    # (an LR scheduler wraps step() on the instance, to note that it was called)
+    if own is not None and not (getattr(own, "_wrapped_by_lr_sched", False)
+                                and getattr(own, "__wrapped__", None) is kind.step):
+        return f"{name}.step is replaced on the instance"
+    if (getattr(optimizer, "_optimizer_step_pre_hooks", None)
+            or getattr(optimizer, "_optimizer_step_post_hooks", None)
+            or _optim_module._global_optimizer_pre_hooks
+            or _optim_module._global_optimizer_post_hooks):
+        return f"{name} has step hooks"
+    why = _scaler_why_copy(scaler)
+    if why is not None:
+        return why
+    state, strided, tensor = optimizer.state, torch.strided, torch.Tensor
+    for group in optimizer.param_groups:
+        for k, v in group.items():
+            if type(v) not in _SCALARS and k != "params" and not _plain(v):
+                return f"{name} has a {type(v).__name__} {k!r}"
+        if group.get("differentiable"):
+            return f"{name} was built with differentiable=True"
+        any_device = group.get("fused")
+        stateless = kind is torch.optim.SGD and not group.get("momentum")  # (no momentum buffer)
+        for p in group["params"]:
+            grad = p.grad
+            if grad is None:
+                continue
+            if type(p) not in _PLAIN:
+                return f"a parameter is a {type(p).__name__}"
+            if grad.layout is not strided:
+                return f"a gradient is {grad.layout}"
+            if not (any_device or p.is_cpu):
+                return (f"{name} without fused=True allocates while it writes on "
+                        f"{p.device.type} (an out-of-memory error could stop it half-way)")
+            s = state.get(p)
+            if not s:
+                if stateless:
+                    continue
+                return f"{name} creates its state in this step"
+            dtype, device, shape = p.dtype, p.device, p.shape
+            for k, v in s.items():
+                if isinstance(v, tensor) and k != "step" and (
+                        v.dtype is not dtype or v.device != device or v.shape != shape):
+                    return (f"{name}'s state {k!r} ({v.dtype}, {v.device}) does not match its "
+                            f"parameter ({dtype}, {device})")
+    return None
+
+
+def _scaler_why_copy(scaler):
+    kind = type(scaler)
+    known = _scaler_types_checked.get(kind)
+    if known is None:
+        own = {k for c in kind.__mro__[:kind.__mro__.index(GradScaler)] for k in vars(c)
+               if not (k.startswith("__") and k.endswith("__"))}
+        known = _scaler_types_checked[kind] = own <= _SCALER_HOOKS
+    if not known:
+        return f"the scaler's class {kind.__name__} overrides more than found_inf"
+    d = vars(scaler)
+    if "step" in d or "update" in d:
+        return "the scaler's step or update is replaced on the instance"
+    return None
+
+
+class _HeldSignals:
+    """Hold SIGINT and SIGTERM (where Python handles them) while the optimizer writes
+    without a copy: a Ctrl-C there would stop a step half-way with nothing to put back.
+    ``deliver()`` runs the handlers of the signals that came, once the step is whole (the
+    call then raises KeyboardInterrupt with the step taken). Only the main thread gets
+    Python's signals; elsewhere there is nothing to hold. (``_signal``: the C functions
+    behind ``signal``, without its wrappers' conversions to enums, the larger part of the
+    cost of holding.)"""
+
+    SIGNALS = (int(signal.SIGINT), int(signal.SIGTERM))
+
+    def __init__(self):
+        self.saved, self.came = {}, []
+
+    def _hold(self, signum, frame):
+        self.came.append((signum, frame))
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in self.SIGNALS:
+                handler = _signal.getsignal(s)
+                if callable(handler):
+                    self.saved[s] = handler
+                    _signal.signal(s, self._hold)
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self.saved.items():
+            _signal.signal(s, handler)
+        return False
+
+    def deliver(self):
+        for signum, frame in self.came:
+            self.saved[signum](signum, frame)
+
+
+def _zero_grads_the_graph_had(params, owned):
+    # As zero_grad(set_to_none=False) left them: a parameter that had a gradient in the
+    # graph and got none in this step is stepped with zeros (fresh ones: the graph's stay
+    # untouched until the step has succeeded).
+    for p, g in zip(params, owned):
+        if g is not None and p.grad is None:
+            p.grad = torch.zeros_like(g)
+
+
+def _give_back_grads(params, owned):
+    # The graph writes the .grad tensors it owns by address: this step's gradients go into
+    # them, and they become .grad again.
+    with torch.no_grad():
+        for p, g in zip(params, owned):
+            if g is not None:
+                g.copy_(p.grad)
+                p.grad = g
 
 
 class _AccumulationStreams:

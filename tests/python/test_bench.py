@@ -84,6 +84,21 @@ def test_the_compiled_rivals_are_torch_amp_and_ampkit_amp_with_a_compiled_model(
     assert v["torch_amp"].warmup_steps(0) == 0
 
 
+def test_the_eager_train_step_is_measured_against_the_same_loop_by_hand():
+    """ampkit_step_eager is ampkit_step with capture=False; its control, ampkit_amp_fused, is
+    ampkit_amp with the same fused optimizer: the two differ only in who writes the step."""
+    v = bench.load_variants()
+    eager, step, hand, amp = v["ampkit_step_eager"], v["ampkit_step"], v["ampkit_amp_fused"], v["ampkit_amp"]
+    assert (eager.runner, eager.capture, step.capture) == ("train_step", False, "auto")
+    assert (hand.runner, hand.fused_optimizer, amp.fused_optimizer) == ("loop", True, False)
+    same = ("autocast", "scaler", "dtype", "fused_optimizer", "devices", "languages", "tf32", "compile")
+    assert [getattr(eager, k) for k in same] == [getattr(step, k) for k in same] == [getattr(hand, k) for k in same]
+    assert [getattr(hand, k) for k in same if k != "fused_optimizer"] == [getattr(amp, k) for k in same
+                                                                          if k != "fused_optimizer"]
+    assert "ampkit_amp_fused" in eager.description
+    assert all(x.capture == "auto" for n, x in v.items() if n != "ampkit_step_eager")
+
+
 def test_build_case_is_seeded_the_same_every_time():
     a, b = bench.build_case("transformer", "tiny", seed=3, device="cpu"), bench.build_case("transformer", "tiny", seed=3, device="cpu")
     assert all(torch.equal(x, y) for (x, _), (y, _) in zip(a.batches, b.batches))
@@ -117,7 +132,9 @@ def test_every_case_and_variant_runs_and_validates(tiny_records, case, variant):
     assert rec["min"] <= rec["median"] <= rec["max"]
     assert rec["dtype"] == (None if variant == "fp32" else "bfloat16")
     if rec["runner"] == "train_step":  # on the CPU the step runs eagerly, and says why
-        assert rec["graph_captured"] is False and "cpu" in rec["reason"]
+        why = ("capture=False was passed" if bench.load_variants()[variant].capture is False
+               else "autocast device_type is 'cpu'; CUDA graphs need 'cuda'")
+        assert rec["graph_captured"] is False and rec["reason"] == why
     elif variant in COMPILED:  # compiled in the first warm-up step, timed apart, never in the samples
         assert rec["compile"] == bench.load_variants()[variant].compile and rec["graph_captured"] is None
         assert rec["warmup_steps"] == 1 and rec["compile_s"] > 0  # tiny: 0 warm-up steps, 1 for compiling
@@ -406,6 +423,23 @@ def test_goal_bounds_are_inclusive():
     assert _goal(doc, "peak memory").startswith("- NOT met ") and "(+1.0 MiB)" in _goal(doc, "peak memory")
 
 
+def test_the_eager_step_goal_compares_it_with_the_same_loop_by_hand():
+    """ampkit_step_eager against ampkit_amp_fused (same fused optimizer), not ampkit_amp: met
+    at 1.05, not met a hair past it; no line for a run without the two."""
+    def doc(eager_ms, hand_ms, plain_ms):
+        recs = [{"case": "seed_mlp", "variant": v, "language": "python", "status": "ok", "dtype": "bfloat16",
+                 "median": ms, "min": ms, "max": ms, "final_loss": 1.0, "peak_memory_bytes": None}
+                for v, ms in (("ampkit_step_eager", eager_ms), ("ampkit_amp_fused", hand_ms), ("ampkit_amp", plain_ms))]
+        return {"context": {"languages": ["python"]}, "records": bench.derive(recs)}
+    start = "ampkit_step_eager within 5% of the same step written by hand (ampkit_amp_fused) on seed_mlp (python)"
+    line = _goal(doc(10.5, 10.0, 20.0), start)
+    assert line.startswith("- met ") and "time ratio 1.05 [1.05, 1.05]" in line
+    assert "not interleaved" in line
+    line = _goal(doc(10.51, 10.0, 10.51), start)
+    assert line.startswith("- NOT met ") and "1.0510" in line
+    assert not any("ampkit_step_eager" in g for g in report.goals(_goal_doc(10.0, 5.0, 5.0, None, None)).splitlines())
+
+
 # --- bad input ------------------------------------------------------------------------------
 
 def test_unknown_names_list_the_valid_ones():
@@ -462,6 +496,13 @@ def test_a_malformed_variant_names_the_file_and_the_key(tmp_path):
     path.write_text("schema_version: 1\nvariants:\n  x:\n    description: d\n    runner: train_step\n"
                     "    compile: default\n")
     with pytest.raises(bench.BenchSpecError, match="key 'variants.x.compile': torch.compile applies to the loop"):
+        bench.load_variants(path)
+    path.write_text("schema_version: 1\nvariants:\n  x:\n    description: d\n    runner: train_step\n"
+                    "    capture: 0\n")
+    with pytest.raises(bench.BenchSpecError, match="key 'variants.x.capture': got 0; valid: auto, false"):
+        bench.load_variants(path)
+    path.write_text("schema_version: 1\nvariants:\n  x:\n    description: d\n    capture: false\n")
+    with pytest.raises(bench.BenchSpecError, match="key 'variants.x.capture': applies to the train_step runner"):
         bench.load_variants(path)
 
 

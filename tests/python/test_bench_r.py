@@ -102,6 +102,8 @@ def test_python_and_r_records_carry_the_same_fields(both):
                       "graph_captured", "sizes",
                       "num_batches", "warmup_steps", "repeats", "unit", "skipped_steps"):
             assert r[field] == p[field], field
+        if r["runner"] == "train_step":  # why it ran eagerly: the CPU, or capture: false passed through
+            assert r["reason"] == p["reason"], (r["case"], r["variant"])
 
 
 def test_r_trains_the_same_seeded_model_on_the_same_data_as_python(both):

@@ -101,6 +101,8 @@ ALLOWED = {
         "the probe turns the capture's error mode back to 'global' to show what it changes",
     ("tests/python/test_train_step.py", "_after_failed_capture"):
         "the step's recovery after a failed capture, driven directly (no CUDA graph on the CPU)",
+    ("tests/python/test_train_step.py", "_eager"):
+        "the eager fallback beside a captured graph (keep_grads), driven directly (no CUDA graph on the CPU)",
 }
 
 

@@ -8,6 +8,7 @@ skipped steps, with infs and NaNs injected at known steps through the targets.
 import copy
 import gc
 import math
+import signal
 import warnings
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 
 import ampkit
 from ampkit._train_step import _optimizer_refusals
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 AC = dict(device_type="cpu", dtype=torch.bfloat16)
 INF_STEPS = {3, 7, 8}
@@ -366,8 +368,11 @@ def _bn_model(seed=0):
 def _failing_step(where, opt_name, trap):
     model = _bn_model()
     opt = OPTIMIZERS[opt_name](model.parameters())
-    scaler = _UpdateFailsOnce("cpu", init_scale=2.0**10, growth_interval=3)
-    scaler.trap = trap if where == "scaler_update" else _Once()
+    if where == "scaler_update":
+        scaler = _UpdateFailsOnce("cpu", init_scale=2.0**10, growth_interval=3)
+        scaler.trap = trap
+    else:  # ampkit's own: the step checks the optimizer instead of copying (rollback_copy)
+        scaler = ampkit.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
 
     def loss_fn(out, y):
         if where == "loss":
@@ -383,6 +388,8 @@ def _failing_step(where, opt_name, trap):
         opt.step = lambda *a, **k: (trap.fire(), real_step(*a, **k))[1]
     if where == "optimizer_step_after":  # the update is applied, then the step raises
         opt.step = lambda *a, **k: (real_step(*a, **k), trap.fire())[0]
+    if where == "optimizer_post_hook":  # the same through torch's hook
+        opt.register_step_post_hook(lambda *a: trap.fire())
     step = ampkit.make_train_step(model, loss_fn, opt, scaler=scaler, autocast=FP16,
                                   capture=False)
     return model, opt, step
@@ -417,13 +424,22 @@ def _assert_same(a, b):
         assert a[key] == b[key], key
 
 
-@pytest.mark.parametrize("opt_name", ["sgd_momentum_wd", "sgd_fused", "adam"])
-@pytest.mark.parametrize("where", ["forward", "loss", "backward", "optimizer_step_before",
-                                   "optimizer_step_after", "scaler_update"])
+# Where a fault is injected, and whether the step must copy the parameters and the
+# optimizer state to put them back (the code that raises runs after the optimizer wrote,
+# or may), or checks instead (the fault comes before the optimizer step).
+WHERE_COPIES = {"forward": False, "loss": False, "backward": False,
+                "optimizer_step_before": True, "optimizer_step_after": True,
+                "optimizer_post_hook": True, "scaler_update": True}
+
+
+@pytest.mark.parametrize("opt_name", ["sgd_momentum_wd", "sgd_fused", "adam", "adamw_fused"])
+@pytest.mark.parametrize("where", list(WHERE_COPIES))
 def test_a_call_that_raises_changes_nothing_and_the_run_goes_on_as_a_clean_one(where, opt_name):
     """Fault injected once at call FAIL_AT: that call leaves parameters, gradients, buffers,
     optimizer state, scaler and step object bitwise as before; retrying the batch and
-    going on gives exactly the run in which nothing ever raised."""
+    going on gives exactly the run in which nothing ever raised. Where the fault runs
+    after the optimizer may have written (a replaced step, a hook, a scaler subclass), the
+    step copied what it writes; elsewhere it checked the optimizer and copied nothing."""
     batches = make_batches(n=8)  # infs at 3 and 7: skips and back-offs around the fault
     clean_trap = _Once()
     ref_model, ref_opt, ref_step = _failing_step(where, opt_name, clean_trap)
@@ -440,10 +456,240 @@ def test_a_call_that_raises_changes_nothing_and_the_run_goes_on_as_a_clean_one(w
                 step(x, y)
             assert not trap.armed  # the fault did fire inside the call
             _assert_same(_everything(model, opt, step), before)
+            assert (step.rollback_copy is not None) == WHERE_COPIES[where], step.rollback_copy
         losses.append(step(x, y))
 
     assert_bitwise(losses, ref_losses)
     _assert_same(_everything(model, opt, step), _everything(ref_model, ref_opt, ref_step))
+    assert step.scaler.stats() == ref_step.scaler.stats()
+
+
+class _LinearAndEmbedding(torch.nn.Module):
+    """Two param groups' worth of parameters: a Linear, and an Embedding whose gradient is
+    sparse when ``emb.sparse`` is set."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(16, 8)
+        self.emb = torch.nn.Embedding(16, 8)
+
+    def forward(self, x):
+        return self.lin(x).float() + self.emb(x.argmax(dim=1)).float()
+
+
+def _two_groups(model):
+    # foreach on the CPU too: torch refuses a tensor lr there only when it reaches group 2
+    return torch.optim.Adam([{"params": model.lin.parameters()}, {"params": model.emb.parameters()}],
+                            lr=1e-2, foreach=True)
+
+
+def _half_way(why, model, opt):
+    """Make torch's Adam raise at group 2, after it stepped group 1; returns the undo."""
+    if why == "tensor_lr":
+        opt.param_groups[1]["lr"] = torch.tensor(1e-2)
+        return lambda: opt.param_groups[1].update(lr=1e-2)
+    if why == "sparse_gradient":
+        model.emb.sparse = True
+        return lambda: setattr(model.emb, "sparse", False)
+    model.emb.double()  # its parameter and gradient (exactly), not its Adam state
+    return model.emb.float
+
+
+HALF_WAY = {"tensor_lr": "lr as a Tensor is not supported", "sparse_gradient": "does not support sparse",
+            "state_of_another_dtype": "expected dtype float"}
+
+
+@pytest.mark.parametrize("why", sorted(HALF_WAY))
+def test_a_torch_optimizer_that_raises_half_way_changes_nothing(why):
+    """torch's own Adam raising at its second param group, after the first was stepped (a
+    tensor lr with foreach, a sparse gradient): the step saw it coming, copied, and put
+    everything back; the run then goes on bitwise as the one without it. The control, a
+    hand-written step with the same Adam, shows that the raise does come half-way."""
+    batches = make_batches(n=8)
+    ref_model = _LinearAndEmbedding()
+    ref_step = ampkit.make_train_step(ref_model, torch.nn.functional.mse_loss, _two_groups(ref_model),
+                                      scaler=make_scaler(), autocast=FP16, capture=False)
+    ref_losses = [ref_step(x, y) for x, y in batches]
+
+    model = _LinearAndEmbedding()
+    opt = _two_groups(model)
+    step = ampkit.make_train_step(model, torch.nn.functional.mse_loss, opt, scaler=make_scaler(),
+                                  autocast=FP16, capture=False)
+    losses = []
+    for i, (x, y) in enumerate(batches):
+        if i == FAIL_AT:
+            assert step.rollback_copy is None  # warm: checked, not copied
+            undo = _half_way(why, model, opt)
+            before = _everything(model, opt, step)
+            with pytest.raises(RuntimeError, match=HALF_WAY[why]) as raised:
+                step(x, y)
+            _assert_same(_everything(model, opt, step), before)
+            assert step.rollback_copy is not None
+            undo()
+        losses.append(step(x, y))
+    assert_bitwise(losses, ref_losses)
+    _assert_same(_everything(model, opt, step), _everything(ref_model, ref_step.optimizer, ref_step))
+
+    # The control: the same fault in a hand-written step leaves group 1 stepped.
+    model = _LinearAndEmbedding()
+    opt = _two_groups(model)
+    for x, y in batches[:2]:  # state for both groups
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    _half_way(why, model, opt)
+    lin, emb = model.lin.weight.detach().clone(), model.emb.weight.detach().clone()
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(batches[2][0]), batches[2][1]).backward()
+    with pytest.raises(RuntimeError, match=HALF_WAY[why]):
+        opt.step()
+    assert not torch.equal(model.lin.weight, lin) and torch.equal(model.emb.weight, emb)
+
+
+class _CheckOnly(ampkit.GradScaler):
+    """A scaler subclass that only overrides the gradient check (it runs before the
+    optimizer writes anything)."""
+
+    def found_inf(self, grouped, unscale):
+        return super().found_inf(grouped, unscale)
+
+
+class _SGDPlus(torch.optim.SGD):
+    pass
+
+
+def _hooked(kind):
+    def make(model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        getattr(opt, kind)(lambda *a: None)
+        return opt
+    return make
+
+
+def _scheduled(model):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    torch.optim.lr_scheduler.StepLR(opt, step_size=1)  # wraps opt.step on the instance
+    return opt
+
+
+# (optimizer, scaler class, the reason for the copy in the third call, in part; None: it
+# checked and copied nothing)
+COPY_OR_CHECK = {
+    "sgd": (lambda m: torch.optim.SGD(m.parameters(), lr=0.05), ampkit.GradScaler, None),
+    "sgd_momentum": (lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+                     ampkit.GradScaler, None),
+    "adam": (lambda m: torch.optim.Adam(m.parameters()), ampkit.GradScaler, None),
+    "adamw_fused": (lambda m: torch.optim.AdamW(m.parameters(), fused=True), ampkit.GradScaler, None),
+    "adam_foreach": (lambda m: torch.optim.Adam(m.parameters(), foreach=True), ampkit.GradScaler, None),
+    "lr_scheduler": (_scheduled, ampkit.GradScaler, None),
+    "scaler_checks_only": (lambda m: torch.optim.SGD(m.parameters(), lr=0.05), _CheckOnly, None),
+    "scaler_updates": (lambda m: torch.optim.SGD(m.parameters(), lr=0.05), _UpdateFailsOnce,
+                       "overrides more than found_inf"),
+    "adagrad": (lambda m: torch.optim.Adagrad(m.parameters()), ampkit.GradScaler, "is not torch's SGD"),
+    "sgd_subclass": (lambda m: _SGDPlus(m.parameters(), lr=0.05), ampkit.GradScaler, "is not torch's SGD"),
+    "pre_hook": (_hooked("register_step_pre_hook"), ampkit.GradScaler, "has step hooks"),
+    "post_hook": (_hooked("register_step_post_hook"), ampkit.GradScaler, "has step hooks"),
+    "tensor_lr": (lambda m: torch.optim.Adam(m.parameters(), lr=torch.tensor(1e-3)), ampkit.GradScaler,
+                  "has a Tensor 'lr'"),
+}
+
+
+@pytest.mark.parametrize("name", list(COPY_OR_CHECK))
+def test_the_step_copies_only_where_the_optimizer_step_could_fail_half_way(name):
+    """step.rollback_copy: None where the eager step checked that nothing after the
+    optimizer's first write can raise (torch's SGD, Adam and AdamW as they come, with an
+    LR scheduler, a scaler subclass that only checks gradients), else why it copied; a
+    first step that creates optimizer state copies. Either way it trains as the
+    hand-written loop does."""
+    make_opt, scaler_cls, reason = COPY_OR_CHECK[name]
+    batches = make_batches(n=3, poison=False)
+    model = make_model()
+    opt = make_opt(model)
+    step = ampkit.make_train_step(model, torch.nn.functional.mse_loss, opt,
+                                  scaler=scaler_cls("cpu", init_scale=2.0**10), autocast=FP16,
+                                  capture=False)
+    if scaler_cls is _UpdateFailsOnce:
+        step.scaler.trap = _Once()
+    assert step.rollback_copy is None
+    got = []
+    for i, (x, y) in enumerate(batches):
+        got.append(step(x, y))
+        first = step.rollback_copy
+        if i == 0 and isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)) and reason is None:
+            assert "creates its state" in first
+    if reason is None:
+        assert step.rollback_copy is None
+    else:
+        assert reason in step.rollback_copy
+
+    ref_model = make_model()
+    ref_opt = make_opt(ref_model)
+    ref_scaler = ampkit.GradScaler("cpu", init_scale=2.0**10)
+    for (x, y), loss in zip(batches, got):
+        ref_opt.zero_grad()
+        with ampkit.autocast(**FP16):
+            ref = torch.nn.functional.mse_loss(ref_model(x), y)
+        ref_scaler.scale(ref).backward()
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+        assert_bitwise(loss, ref.detach())
+    assert_bitwise(list(model.parameters()), list(ref_model.parameters()))
+
+
+def test_global_optimizer_hooks_make_the_step_copy():
+    model = make_model()
+    step = ampkit.make_train_step(model, torch.nn.functional.mse_loss,
+                                  torch.optim.SGD(model.parameters(), lr=0.05), autocast=FP16,
+                                  capture=False)
+    x, y = make_batches(n=1, poison=False)[0]
+    step(x, y)
+    assert step.rollback_copy is None
+    handle = register_optimizer_step_post_hook(lambda *a: None)
+    try:
+        step(x, y)
+        assert "has step hooks" in step.rollback_copy
+    finally:
+        handle.remove()
+    step(x, y)
+    assert step.rollback_copy is None
+
+
+def test_a_ctrl_c_while_the_optimizer_writes_is_raised_once_the_step_is_whole(monkeypatch):
+    """SIGINT arriving inside the fused SGD kernel's call (no copy to put back): the call
+    completes the step, then raises KeyboardInterrupt; the run that goes on with the next
+    batch is bitwise the run without the interrupt, and the handler is back in place. (Were
+    the interrupt raised where it came, the optimizer would have stepped while the scaler's
+    update and the step's count were undone.)"""
+    batches = make_batches(n=8)
+    _, _, ref_step = _failing_step("none", "sgd_fused", _Once())
+    ref_losses = [ref_step(x, y) for x, y in batches]
+
+    model, opt, step = _failing_step("none", "sgd_fused", _Once())
+    real, armed = torch._fused_sgd_, [False]
+
+    def kernel_then_sigint(*a, **k):
+        out = real(*a, **k)
+        if armed[0]:
+            armed[0] = False
+            signal.raise_signal(signal.SIGINT)
+        return out
+
+    monkeypatch.setattr(torch, "_fused_sgd_", kernel_then_sigint)
+    handler = signal.getsignal(signal.SIGINT)
+    losses = []
+    for i, (x, y) in enumerate(batches):
+        if i == FAIL_AT:
+            armed[0] = True
+            with pytest.raises(KeyboardInterrupt):
+                step(x, y)
+            assert not armed[0] and step.rollback_copy is None
+            assert signal.getsignal(signal.SIGINT) is handler
+            losses.append(ref_losses[i])  # (the step was taken; its loss was not returned)
+            continue
+        losses.append(step(x, y))
+    assert_bitwise(losses, ref_losses)
+    _assert_same(_everything(model, opt, step), _everything(ref_step.model, ref_step.optimizer, ref_step))
     assert step.scaler.stats() == ref_step.scaler.stats()
 
 
@@ -502,3 +748,46 @@ def test_the_eager_rollback_copy_keeps_no_tensor_the_optimizer_dropped():
         step(x, y)
     after = [t for s in opt.state.values() for t in s.values()] + list(model.parameters())
     assert_bitwise(after, before)
+
+
+def test_the_fallback_beside_a_graph_gives_the_graph_its_gradients_only_once_it_succeeded():
+    """The eager fallback next to a captured graph (driven directly: no graph on the CPU)
+    keeps the .grad tensors the graph owns and writes by address: they hold, once the call
+    succeeded, bitwise the gradients of the hand-written step from the same state, and
+    the parameters and optimizer state are that step's; a call that fails leaves the
+    graph's tensors untouched (no copy is needed: the step computes its own)."""
+    model = _bn_model()
+    opt = OPTIMIZERS["sgd_fused"](model.parameters())
+    scaler = make_scaler()
+    step = ampkit.make_train_step(model, torch.nn.functional.mse_loss, opt, scaler=scaler,
+                                  autocast=FP16, capture=False)
+    batches = make_batches(n=4, poison=False)
+    for x, y in batches[:2]:
+        step(x, y)
+    owned = [p.grad for p in model.parameters()]
+    ref_model, ref_opt = copy.deepcopy((model, opt))
+    ref_scaler = make_scaler()
+    ref_scaler.load_state_dict(scaler.state_dict())
+    x, y = batches[2]
+    ref_opt.zero_grad()
+    with ampkit.autocast(**FP16):
+        ref_loss = torch.nn.functional.mse_loss(ref_model(x), y)
+    ref_scaler.scale(ref_loss).backward()
+    ref_scaler.step(ref_opt)
+    ref_scaler.update()
+
+    loss = step._eager([x], [y], keep_grads=True)
+    assert all(p.grad is g for p, g in zip(model.parameters(), owned))
+    assert_bitwise(loss, ref_loss.detach())
+    assert_bitwise([p.grad for p in model.parameters()], [p.grad for p in ref_model.parameters()])
+    assert_bitwise(list(model.parameters()), list(ref_model.parameters()))
+    assert_bitwise(optimizer_state_tensors(opt), optimizer_state_tensors(ref_opt))
+    assert_bitwise(list(model.buffers()), list(ref_model.buffers()))
+
+    kept = [g.clone() for g in owned]
+    buffers = [b.clone() for b in model.buffers()]
+    step.loss_fn = lambda out, y: (_ for _ in ()).throw(_Boom())  # after the forward
+    with pytest.raises(_Boom):
+        step._eager([batches[3][0]], [batches[3][1]], keep_grads=True)
+    assert_bitwise(owned, kept)  # the graph's tensors, untouched
+    assert_bitwise(list(model.buffers()), buffers)  # the forward's statistics, put back

@@ -328,3 +328,103 @@ def test_a_call_that_raises_changes_nothing_around_a_captured_graph(where):
     assert step.captured and step.captures == ref_step.captures == 1
     assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
     same(state(model, opt, step), state(ref_model, ref_opt, ref_step))
+
+
+EAGER_OPTIMIZERS = dict(OPTIMIZERS, adamw_foreach=lambda p: torch.optim.AdamW(p, lr=1e-3, foreach=True))
+
+
+@pytest.mark.parametrize("opt_name", sorted(EAGER_OPTIMIZERS))
+@pytest.mark.parametrize("where", ["loss", "optimizer_post_hook"])
+def test_an_eager_cuda_call_that_raises_changes_nothing(where, opt_name):
+    """capture=False on the GPU: with a fused optimizer the step checks its optimizer step
+    and copies nothing (a fault in the loss); with a step hook (it may raise after the
+    optimizer wrote: it does) or a foreach optimizer (it allocates between its writes) it
+    copies. Either way the failed call changes nothing, and the run, retrying the batch,
+    ends bitwise where the run without the fault ends."""
+    batches = make_batches(n=8)
+    fault_at = 4
+
+    def build():
+        model = make_mlp()
+        opt = EAGER_OPTIMIZERS[opt_name](model.parameters())
+        trap = {"armed": False}
+
+        def fire():
+            if trap["armed"]:
+                trap["armed"] = False
+                raise _Boom()
+
+        def loss_fn(out, y):
+            if where == "loss":
+                fire()
+            return torch.nn.functional.mse_loss(out, y)
+
+        if where == "optimizer_post_hook":
+            opt.register_step_post_hook(lambda *a: fire())
+        step = ampkit.make_train_step(model, loss_fn, opt, scaler=scaler(), autocast=AC, capture=False)
+        return model, opt, step, trap
+
+    def state(model, opt, step):
+        torch.cuda.synchronize()
+        return ([p.detach().clone() for p in model.parameters()]
+                + [p.grad.clone() for p in model.parameters() if p.grad is not None]
+                + [t.clone() for t in state_tensors(opt)], step.scaler.state_dict(), repr(step))
+
+    def same(a, b):
+        assert len(a[0]) == len(b[0]) and all(torch.equal(x, y) for x, y in zip(a[0], b[0]))
+        assert a[1:] == b[1:]
+
+    ref_model, ref_opt, ref_step, _ = build()
+    ref_losses = [ref_step(x, y) for x, y in batches]
+    model, opt, step, trap = build()
+    losses = []
+    for i, (x, y) in enumerate(batches):
+        if i == fault_at:
+            before = state(model, opt, step)
+            trap["armed"] = True
+            with pytest.raises(_Boom):
+                step(x, y)
+            assert not trap["armed"]
+            same(state(model, opt, step), before)
+            copies = where == "optimizer_post_hook" or opt_name == "adamw_foreach"
+            assert (step.rollback_copy is not None) == copies, step.rollback_copy
+        losses.append(step(x, y))
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+    same(state(model, opt, step), state(ref_model, ref_opt, ref_step))
+
+
+def test_the_eager_fallback_gives_the_graph_its_gradients():
+    """A smaller batch beside a captured graph runs eagerly: afterwards .grad are still the
+    tensors the graph writes by address, holding bitwise the gradients of the hand-written
+    step from the same state, and parameters, optimizer state and scale are that step's."""
+    import copy
+
+    batches = make_batches(n=8)
+    model = make_mlp()
+    opt = OPTIMIZERS["sgd_fused"](model.parameters())
+    step = ampkit.make_train_step(model, torch.nn.functional.mse_loss, opt, scaler=scaler(), autocast=AC)
+    for x, y in batches[2:7]:  # (no inf: a clean step to compare)
+        step(x, y)
+    assert step.captured
+    owned = [p.grad for p in model.parameters()]
+    ref_model, ref_opt = copy.deepcopy((model, opt))
+    ref_scaler = scaler()
+    ref_scaler.load_state_dict(step.scaler.state_dict())
+    x, y = batches[7][0][:16], batches[7][1][:16]
+    ref_opt.zero_grad()
+    with ampkit.autocast(**AC):
+        ref_loss = torch.nn.functional.mse_loss(ref_model(x), y)
+    ref_scaler.scale(ref_loss).backward()
+    ref_scaler.step(ref_opt)
+    ref_scaler.update()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loss = step(x, y)
+    assert not step.captured and step.rollback_copy is None
+    torch.cuda.synchronize()
+    assert all(p.grad is g for p, g in zip(model.parameters(), owned))
+    assert torch.equal(loss, ref_loss.detach())
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(p, q) and torch.equal(p.grad, q.grad)
+    assert all(torch.equal(s, t) for s, t in zip(state_tensors(opt), state_tensors(ref_opt)))
+    assert step.scaler.get_scale() == ref_scaler.get_scale()

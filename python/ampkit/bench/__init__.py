@@ -36,6 +36,7 @@ from ampkit.bench._results import finalize_json
 from ampkit.bench._results import make_record
 from ampkit.bench._results import merge
 from ampkit.bench._results import read_document
+from ampkit.bench._results import time_ratio
 from ampkit.bench._results import validate
 from ampkit.bench._results import write_document
 from ampkit.bench._machine import CpuCapability
@@ -145,6 +146,7 @@ __all__ = [
     "skipped_from_scale",
     "spec_dir",
     "synchronize",
+    "time_ratio",
     "validate",
     "write_document",
     "write_sized_cases",

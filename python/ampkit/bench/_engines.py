@@ -237,9 +237,10 @@ class Placement:
 
     def warmup_steps(self, variant, profile_warmup: int) -> int:
         """Untimed steps: the profile's, and on CUDA for a train step enough for its capture
-        to have happened (its warm-up, the capture, one replay) before the clock starts."""
+        to have happened (its warm-up, the capture, one replay) before the clock starts
+        (one that never captures, ``capture: false``, needs none of that)."""
         warm = variant.warmup_steps(profile_warmup)
-        if variant.runner == "train_step" and self.device == "cuda":
+        if variant.runner == "train_step" and variant.capture is not False and self.device == "cuda":
             warm = max(warm, self.train_step_warmup() + 2)
         return warm
 

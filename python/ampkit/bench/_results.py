@@ -263,7 +263,7 @@ def interleaved_together(a: dict, b: dict) -> bool:
                 and placement_key(a) == placement_key(b))
 
 
-def _ratio(num: dict, den: dict, speedup: bool = False):
+def time_ratio(num: dict, den: dict, speedup: bool = False):
     """num.median / den.median with a conservative [low, high] from the extremes of the samples.
 
     A time ratio (speedup=False) below 1 is faster; a speedup (fp32 time / this time) above 1 is.
@@ -304,13 +304,13 @@ def derive(records: list) -> list:
     for r in records:
         where = placement_key(r)
         fp32 = idx.get((r["case"], "fp32", r["language"], where))
-        r["speedup_vs_fp32"] = _ratio(fp32, r, speedup=True)
+        r["speedup_vs_fp32"] = time_ratio(fp32, r, speedup=True)
         for rival, field in RIVALS.items():
-            r[field] = _ratio(r, idx.get((r["case"], rival, r["language"], where)))
-        r["time_vs_python"] = _ratio(r, idx.get((r["case"], r["variant"], "python", where)))
+            r[field] = time_ratio(r, idx.get((r["case"], rival, r["language"], where)))
+        r["time_vs_python"] = time_ratio(r, idx.get((r["case"], r["variant"], "python", where)))
         if where and r["world_size"] > 1:
             one = idx.get((r["case"], r["variant"], r["language"], where[:2] + (1,)))
-            r["scaling_efficiency"] = _ratio(one, r, speedup=True)
+            r["scaling_efficiency"] = time_ratio(one, r, speedup=True)
         if fp32 and r["status"] == "ok" and fp32["status"] == "ok" and fp32["final_loss"]:
             r["loss_rel_diff_vs_fp32"] = abs(r["final_loss"] - fp32["final_loss"]) / abs(fp32["final_loss"])
         else:

@@ -141,11 +141,12 @@ def make_step(variant: Variant, built: BuiltCase, model, opt, scaler):
     device, loss_fn = built.device, built.loss_fn
     dtype = variant.resolved_dtype(device)
     dtype = getattr(torch, dtype) if dtype else None
-    if variant.runner == "train_step":  # ampkit's graph-captured step
+    if variant.runner == "train_step":  # ampkit's graph-captured step (eager with capture: false)
         import ampkit
         # make_train_step's defaults, on every engine (it warms a DDP model up for 11 steps)
         return ampkit.make_train_step(model, loss_fn, opt, scaler=scaler,
-                                      autocast=dict(device_type=device, dtype=dtype))
+                                      autocast=dict(device_type=device, dtype=dtype),
+                                      capture=variant.capture)
     model = compile_model(variant, model)
     if variant.autocast == "torch":
         region = lambda: torch.autocast(device_type=device, dtype=dtype)  # noqa: E731

@@ -200,6 +200,7 @@ class Variant:
     runner: str = "loop"
     fused_optimizer: bool = False
     compile: str = "none"
+    capture: Any = "auto"  # the train_step runner's make_train_step(capture=...): "auto" or False
 
     def warmup_steps(self, profile_warmup: int) -> int:
         """The untimed steps this variant runs first: the profile's, and at least one for a
@@ -241,7 +242,8 @@ def load_variants(path=None) -> dict:
         if not isinstance(v, dict):
             raise _fail(path, where[:-1], "must be a mapping")
         _check_keys(path, where, v, ("description",), ("autocast", "scaler", "dtype", "tf32", "devices",
-                                                         "languages", "runner", "fused_optimizer", "compile"))
+                                                         "languages", "runner", "fused_optimizer", "compile",
+                                                         "capture"))
         for key, valid in (("autocast", AUTOCASTS), ("scaler", SCALERS), ("dtype", DTYPES), ("runner", RUNNERS),
                            ("compile", COMPILES)):
             if key in v and v[key] not in valid:
@@ -252,6 +254,11 @@ def load_variants(path=None) -> dict:
                 raise _fail(path, where + key, "got %r; valid: %s" % (v[key], ", ".join(valid)))
         if v.get("autocast", "none") != "none" and v.get("dtype", "none") == "none":
             raise _fail(path, where + "dtype", "an autocast variant needs a dtype (auto, float16 or bfloat16)")
+        if "capture" in v and not (v["capture"] == "auto" or v["capture"] is False):
+            raise _fail(path, where + "capture", "got %r; valid: auto, false" % (v["capture"],))
+        if "capture" in v and v.get("runner", "loop") != "train_step":
+            raise _fail(path, where + "capture", "applies to the train_step runner (make_train_step's "
+                        "capture=); this variant's runner is %r" % v.get("runner", "loop"))
         if v.get("compile", "none") != "none" and v.get("runner", "loop") != "loop":
             raise _fail(path, where + "compile", "torch.compile applies to the loop runner's model; "
                         "runner %r builds its own step" % v["runner"])
