@@ -670,25 +670,41 @@ def _why_copy(optimizer, scaler):
             grad = p.grad
             if grad is None:
                 continue
-            if type(p) not in _PLAIN:
+            local = _local(p)
+            if local is None:
                 return f"a parameter is a {type(p).__name__}"
-            if grad.layout is not strided:
-                return f"a gradient is {grad.layout}"
-            if not (any_device or p.is_cpu):
+            grad = _local(grad)
+            if grad is None or grad.layout is not strided:
+                return f"a gradient is {grad.layout if grad is not None else type(p.grad).__name__}"
+            if not (any_device or local.is_cpu):
                 return (f"{name} without fused=True allocates while it writes on "
-                        f"{p.device.type} (an out-of-memory error could stop it half-way)")
+                        f"{local.device.type} (an out-of-memory error could stop it half-way)")
             s = state.get(p)
             if not s:
                 if stateless:
                     continue
                 return f"{name} creates its state in this step"
-            dtype, device, shape = p.dtype, p.device, p.shape
+            dtype, device, shape = local.dtype, local.device, local.shape
             for k, v in s.items():
-                if isinstance(v, tensor) and k != "step" and (
-                        v.dtype is not dtype or v.device != device or v.shape != shape):
+                if not isinstance(v, tensor) or k == "step":
+                    continue
+                v = _local(v)
+                if v is None:
+                    return f"{name}'s state {k!r} is a {type(s[k]).__name__}"
+                if v.dtype is not dtype or v.device != device or v.shape != shape:
                     return (f"{name}'s state {k!r} ({v.dtype}, {v.device}) does not match its "
                             f"parameter ({dtype}, {device})")
     return None
+
+
+def _local(t):
+    """The tensor the kernels write: a plain tensor itself, a DTensor's (FSDP2's) local
+    shard (one fused op over DTensors runs once over the local shards, after the sharding
+    is checked for all of them: all or nothing), anything else None."""
+    if type(t) in _PLAIN:
+        return t
+    local = getattr(t, "_local_tensor", None)  # (to_local() is an autograd op: ~15 us a call)
+    return local if type(local) in _PLAIN else None
 
 
 def _scaler_why_copy(scaler):

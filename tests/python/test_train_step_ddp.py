@@ -127,3 +127,43 @@ def test_capture_true_on_a_default_stream_ddp_raises_and_changes_nothing(world_o
         step(*data[step.warmup])
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert step.calls == step.warmup
+
+
+def fsdp2_mlp():
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import fully_shard
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = mlp()
+    mesh = init_device_mesh("cpu", (1,))
+    fully_shard(model[0], mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def test_an_fsdp2_models_eager_step_checks_instead_of_copying_and_equals_the_loop(world_of_one):
+    # FSDP2's parameters and optimizer state are DTensors: the step checks their local
+    # shards (no copy of the parameters and state each step) and trains bitwise as the
+    # hand-written ampkit loop does.
+    ac = dict(device_type="cpu", dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(16, 32, generator=g), torch.randn(16, 8, generator=g)) for _ in range(4)]
+    model = fsdp2_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    step = ampkit.make_train_step(model, LOSS, opt, autocast=ac, capture=False)
+    ref = fsdp2_mlp()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    why = []
+    for x, y in data:
+        loss = step(x, y)
+        why.append(step.rollback_copy)
+        ref_opt.zero_grad()
+        with ampkit.autocast(**ac):
+            ref_loss = LOSS(ref(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        assert torch.equal(loss, ref_loss.detach())
+    assert "creates its state" in why[0] and why[1:] == [None, None, None]
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.to_local(), q.to_local())
