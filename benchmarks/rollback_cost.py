@@ -49,12 +49,12 @@ for s in steps.values():
         s(x, y)
 res = {k: [] for k in steps}
 names = list(steps)
-for r in range(15):
+for r in range(41):
     for k in names[r % len(names):] + names[:r % len(names)]:  # the order rotating
         t = time.thread_time()
-        for _ in range(10):
+        for _ in range(5):
             steps[k](x, y)
-        res[k].append((time.thread_time() - t) / 10 * 1e3)
+        res[k].append((time.thread_time() - t) / 5 * 1e3)
 hand = res[names[0]]
 for k in names:
     print(f"{k}: {statistics.median(res[k]):.2f} ms/step (CPU time), "
