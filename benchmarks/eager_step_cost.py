@@ -1,7 +1,7 @@
 """What the eager train step costs against the same step written by hand, case by case.
 
     python benchmarks/eager_step_cost.py [--device cpu|cuda] [--profile cpu|full]
-        [--cases seed_mlp,convnet,text_classifier,transformer] [--optimizers fused,plain]
+        [--cases seed_mlp,transformer] [--optimizers fused,plain,fallback]
         [--unit step|epoch] [--rounds N] [--threads N]
 
 For each benchmark case (shared_specs/benchmarks, built by ampkit.bench with make bench's
@@ -48,9 +48,6 @@ import torch  # noqa: E402
 
 import ampkit  # noqa: E402
 import ampkit.bench as bench  # noqa: E402
-
-CASES = ("seed_mlp", "convnet", "text_classifier", "transformer")
-
 
 def _sync(device):
     if device == "cuda":
@@ -129,7 +126,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--profile", default=None, help="default: cpu on the CPU, full on CUDA")
-    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--cases", default="", help="default: every case of shared_specs/benchmarks")
     ap.add_argument("--optimizers", default=None,
                     help="fused, plain, fallback (CUDA: a captured step's eager fallback, fused); "
                          "default: fused,plain on the CPU, fused,plain,fallback on CUDA")
@@ -153,7 +150,7 @@ def main(argv=None):
     clocks = ("wall", "cpu") if args.device == "cpu" else ("wall",)
     print(f"{'case':<16}{'optimizer':<10}{'clock':<6}{'hand ms':>9}{'eager ms':>10}{'ratio':>8}  "
           "[min, max] of the rounds")
-    for case in [c for c in args.cases.split(",") if c]:
+    for case in [c for c in args.cases.split(",") if c] or list(bench.load_cases()):
         built = bench.build_case(case, profile, seed=0, device=args.device)
         settings = args.optimizers or ("fused,plain,fallback" if args.device == "cuda" else "fused,plain")
         for opt in [o for o in settings.split(",") if o]:
