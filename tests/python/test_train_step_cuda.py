@@ -424,7 +424,9 @@ def test_the_eager_fallback_gives_the_graph_its_gradients():
     torch.cuda.synchronize()
     assert all(p.grad is g for p, g in zip(model.parameters(), owned))
     assert torch.equal(loss, ref_loss.detach())
-    for p, q in zip(model.parameters(), ref_model.parameters()):
-        assert torch.equal(p, q) and torch.equal(p.grad, q.grad)
+    for i, (p, q) in enumerate(zip(model.parameters(), ref_model.parameters())):
+        assert torch.equal(p.grad, q.grad), (
+            f"grad {i}: max |diff| {(p.grad.float() - q.grad.float()).abs().max().item()}")
+        assert torch.equal(p, q), f"param {i}: max |diff| {(p.float() - q.float()).abs().max().item()}"
     assert all(torch.equal(s, t) for s, t in zip(state_tensors(opt), state_tensors(ref_opt)))
     assert step.scaler.get_scale() == ref_scaler.get_scale()
