@@ -427,6 +427,9 @@ def test_the_eager_fallback_gives_the_graph_its_gradients():
     for i, (p, q) in enumerate(zip(model.parameters(), ref_model.parameters())):
         assert torch.equal(p.grad, q.grad), (
             f"grad {i}: max |diff| {(p.grad.float() - q.grad.float()).abs().max().item()}")
-        assert torch.equal(p, q), f"param {i}: max |diff| {(p.float() - q.float()).abs().max().item()}"
+        # Fused SGD's kernel gives the two calls' parameters up to a few ulps apart (H100:
+        # at most 4e-9 on weights of ~0.05, with gradients, momentum buffers and scale
+        # bitwise equal): the multi-tensor kernel's path differs between them, not the step.
+        torch.testing.assert_close(p, q, rtol=3e-7, atol=0, msg=f"param {i}")
     assert all(torch.equal(s, t) for s, t in zip(state_tensors(opt), state_tensors(ref_opt)))
     assert step.scaler.get_scale() == ref_scaler.get_scale()
