@@ -429,7 +429,8 @@ def test_the_eager_fallback_gives_the_graph_its_gradients():
             f"grad {i}: max |diff| {(p.grad.float() - q.grad.float()).abs().max().item()}")
         # Fused SGD's kernel gives the two calls' parameters up to a few ulps apart (H100:
         # at most 4e-9 on weights of ~0.05, with gradients, momentum buffers and scale
-        # bitwise equal): the multi-tensor kernel's path differs between them, not the step.
+        # bitwise equal; the cause is not established: a different path of the multi-tensor
+        # kernel for the two calls' tensors is the guess, not shown).
         torch.testing.assert_close(p, q, rtol=3e-7, atol=0, msg=f"param {i}")
     assert all(torch.equal(s, t) for s, t in zip(state_tensors(opt), state_tensors(ref_opt)))
     assert step.scaler.get_scale() == ref_scaler.get_scale()
