@@ -28,6 +28,23 @@ def mlp(seed):
     return torch.nn.Sequential(*[torch.nn.Linear(D, D) for _ in range(3)]).cuda()
 
 
+def torch_loop(model, x, y):
+    """A torch.autocast + torch.amp.GradScaler step over ``model``, warmed up (3 steps)."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, fused=True)
+    scaler = torch.amp.GradScaler("cuda")
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    for _ in range(3):
+        step()
+    return step
+
+
 def child(variant, rounds):
     import ampkit
     import ampkit._train_step as ts_mod
@@ -47,20 +64,7 @@ def child(variant, rounds):
     steps = []
 
     if variant != "no_eager":
-        m0 = mlp(0)
-        o0 = torch.optim.SGD(m0.parameters(), lr=1e-3, fused=True)
-        s0 = torch.amp.GradScaler("cuda")
-
-        def eager():
-            o0.zero_grad(set_to_none=True)
-            with torch.autocast("cuda", dtype=torch.float16):
-                loss = loss_fn(m0(x), y)
-            s0.scale(loss).backward()
-            s0.step(o0)
-            s0.update()
-        for _ in range(3):
-            eager()
-        steps.append(("eager", eager))
+        steps.append(("eager", torch_loop(mlp(0), x, y)))
 
     m1 = mlp(1)
     o1 = torch.optim.SGD(m1.parameters(), lr=1e-3, fused=True)
@@ -72,20 +76,7 @@ def child(variant, rounds):
     assert ts.captured, ts.reason
     steps.append(("captured", lambda: ts(x, y)))
 
-    m2 = torch.compile(mlp(2), mode="reduce-overhead")
-    o2 = torch.optim.SGD(m2.parameters(), lr=1e-3, fused=True)
-    s2 = torch.amp.GradScaler("cuda")
-
-    def compiled():
-        o2.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.float16):
-            loss = loss_fn(m2(x), y)
-        s2.scale(loss).backward()
-        s2.step(o2)
-        s2.update()
-    for _ in range(3):
-        compiled()
-    steps.append(("compiled", compiled))
+    steps.append(("compiled", torch_loop(torch.compile(mlp(2), mode="reduce-overhead"), x, y)))
     torch.cuda.synchronize()
     done = 0
     for _ in range(rounds):

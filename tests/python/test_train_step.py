@@ -60,17 +60,22 @@ def snapshot(model):
     return [p.detach().clone() for p in model.parameters()]
 
 
+def hand_step(model, opt, scaler, x, y, ac=None, loss_fn=torch.nn.functional.mse_loss):
+    """One step of the hand-written AMP loop (the oracle): returns the loss, detached."""
+    opt.zero_grad()
+    with ampkit.autocast(**(AC if ac is None else ac)):
+        loss = loss_fn(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    return loss.detach()
+
+
 def run_hand_loop(model, opt, scaler, batches, loss_fn=torch.nn.functional.mse_loss):
     losses, scales, skipped = [], [], []
     for i, (x, y) in enumerate(batches):
         before = snapshot(model)
-        opt.zero_grad()
-        with ampkit.autocast(**AC):
-            loss = loss_fn(model(x), y)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        losses.append(loss.detach())
+        losses.append(hand_step(model, opt, scaler, x, y, loss_fn=loss_fn))
         scales.append(scaler.get_scale())
         if all(torch.equal(a, b) for a, b in zip(before, model.parameters())):
             skipped.append(i)
@@ -627,13 +632,7 @@ def test_the_step_copies_only_where_the_optimizer_step_could_fail_half_way(name)
     ref_opt = make_opt(ref_model)
     ref_scaler = ampkit.GradScaler("cpu", init_scale=2.0**10)
     for (x, y), loss in zip(batches, got):
-        ref_opt.zero_grad()
-        with ampkit.autocast(**FP16):
-            ref = torch.nn.functional.mse_loss(ref_model(x), y)
-        ref_scaler.scale(ref).backward()
-        ref_scaler.step(ref_opt)
-        ref_scaler.update()
-        assert_bitwise(loss, ref.detach())
+        assert_bitwise(loss, hand_step(ref_model, ref_opt, ref_scaler, x, y, ac=FP16))
     assert_bitwise(list(model.parameters()), list(ref_model.parameters()))
 
 
@@ -769,16 +768,11 @@ def test_the_fallback_beside_a_graph_gives_the_graph_its_gradients_only_once_it_
     ref_scaler = make_scaler()
     ref_scaler.load_state_dict(scaler.state_dict())
     x, y = batches[2]
-    ref_opt.zero_grad()
-    with ampkit.autocast(**FP16):
-        ref_loss = torch.nn.functional.mse_loss(ref_model(x), y)
-    ref_scaler.scale(ref_loss).backward()
-    ref_scaler.step(ref_opt)
-    ref_scaler.update()
+    ref_loss = hand_step(ref_model, ref_opt, ref_scaler, x, y, ac=FP16)
 
     loss = step._eager([x], [y], keep_grads=True)
     assert all(p.grad is g for p, g in zip(model.parameters(), owned))
-    assert_bitwise(loss, ref_loss.detach())
+    assert_bitwise(loss, ref_loss)
     assert_bitwise([p.grad for p in model.parameters()], [p.grad for p in ref_model.parameters()])
     assert_bitwise(list(model.parameters()), list(ref_model.parameters()))
     assert_bitwise(optimizer_state_tensors(opt), optimizer_state_tensors(ref_opt))

@@ -74,6 +74,21 @@ def state_tensors(opt):
     return [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
 
 
+def state(model, opt, step):
+    """Everything a step call may change: parameters, gradients, optimizer state (copies),
+    the scaler's state and the step object's counters and mode."""
+    torch.cuda.synchronize()
+    return ([p.detach().clone() for p in model.parameters()]
+            + [p.grad.clone() for p in model.parameters() if p.grad is not None]
+            + [t.clone() for t in state_tensors(opt)], step.scaler.state_dict(), repr(step))
+
+
+def same(a, b):
+    """Two ``state()``s bitwise equal."""
+    assert len(a[0]) == len(b[0]) and all(torch.equal(x, y) for x, y in zip(a[0], b[0]))
+    assert a[1:] == b[1:]
+
+
 @pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
 def test_captured_equals_eager_over_50_steps_with_infs(opt_name):
     batches = make_batches()
@@ -298,16 +313,6 @@ def test_a_call_that_raises_changes_nothing_around_a_captured_graph(where):
             step = ampkit.make_train_step(model, loss_fn, opt, scaler=scaler(), autocast=AC)
         return model, opt, step, trap
 
-    def state(model, opt, step):
-        torch.cuda.synchronize()
-        return ([p.detach().clone() for p in model.parameters()]
-                + [p.grad.clone() for p in model.parameters() if p.grad is not None]
-                + [t.clone() for t in state_tensors(opt)], step.scaler.state_dict(), repr(step))
-
-    def same(a, b):
-        assert len(a[0]) == len(b[0]) and all(torch.equal(x, y) for x, y in zip(a[0], b[0]))
-        assert a[1:] == b[1:]
-
     ref_model, ref_opt, ref_step, _ = build(armed=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -363,16 +368,6 @@ def test_an_eager_cuda_call_that_raises_changes_nothing(where, opt_name):
             opt.register_step_post_hook(lambda *a: fire())
         step = ampkit.make_train_step(model, loss_fn, opt, scaler=scaler(), autocast=AC, capture=False)
         return model, opt, step, trap
-
-    def state(model, opt, step):
-        torch.cuda.synchronize()
-        return ([p.detach().clone() for p in model.parameters()]
-                + [p.grad.clone() for p in model.parameters() if p.grad is not None]
-                + [t.clone() for t in state_tensors(opt)], step.scaler.state_dict(), repr(step))
-
-    def same(a, b):
-        assert len(a[0]) == len(b[0]) and all(torch.equal(x, y) for x, y in zip(a[0], b[0]))
-        assert a[1:] == b[1:]
 
     ref_model, ref_opt, ref_step, _ = build()
     ref_losses = [ref_step(x, y) for x, y in batches]
