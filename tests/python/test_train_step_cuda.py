@@ -279,6 +279,18 @@ class _Boom(Exception):
     pass
 
 
+class Trap:
+    """Raises _Boom once, at the first fire() after it is armed."""
+
+    def __init__(self, armed):
+        self.armed = armed
+
+    def fire(self):
+        if self.armed:
+            self.armed = False
+            raise _Boom()
+
+
 @pytest.mark.parametrize("where", ["warmup_optimizer_step", "eager_fallback_loss"])
 def test_a_call_that_raises_changes_nothing_around_a_captured_graph(where):
     """A fault during a warm-up step (after the fused optimizer stepped) or during the
@@ -293,12 +305,8 @@ def test_a_call_that_raises_changes_nothing_around_a_captured_graph(where):
     def build(armed):
         model = make_mlp()
         opt = OPTIMIZERS["sgd_fused"](model.parameters())
-        trap = {"armed": armed}
-
-        def fire():
-            if trap["armed"]:
-                trap["armed"] = False
-                raise _Boom()
+        trap = Trap(armed)
+        fire = trap.fire
 
         def loss_fn(out, y):
             if where == "eager_fallback_loss" and out.shape[0] == 16:
@@ -324,10 +332,10 @@ def test_a_call_that_raises_changes_nothing_around_a_captured_graph(where):
         for i, (x, y) in enumerate(batches):
             if i == fault_at:
                 before = state(model, opt, step)
-                trap["armed"] = True
+                trap.armed = True
                 with pytest.raises(_Boom):
                     step(x, y)
-                assert not trap["armed"]
+                assert not trap.armed
                 same(state(model, opt, step), before)
             losses.append(step(x, y))
     assert step.captured and step.captures == ref_step.captures == 1
@@ -352,12 +360,8 @@ def test_an_eager_cuda_call_that_raises_changes_nothing(where, opt_name):
     def build():
         model = make_mlp()
         opt = EAGER_OPTIMIZERS[opt_name](model.parameters())
-        trap = {"armed": False}
-
-        def fire():
-            if trap["armed"]:
-                trap["armed"] = False
-                raise _Boom()
+        trap = Trap(False)
+        fire = trap.fire
 
         def loss_fn(out, y):
             if where == "loss":
@@ -376,10 +380,10 @@ def test_an_eager_cuda_call_that_raises_changes_nothing(where, opt_name):
     for i, (x, y) in enumerate(batches):
         if i == fault_at:
             before = state(model, opt, step)
-            trap["armed"] = True
+            trap.armed = True
             with pytest.raises(_Boom):
                 step(x, y)
-            assert not trap["armed"]
+            assert not trap.armed
             same(state(model, opt, step), before)
             copies = where == "optimizer_post_hook" or opt_name == "adamw_foreach"
             assert (step.rollback_copy is not None) == copies, step.rollback_copy
