@@ -30,6 +30,7 @@ py_torch <- NULL
                           class = "ampkit_python_missing"))
   }
   use_ampkit_env()
+  load_crossing(libname, pkgname)
   lazy <- list(before_load = python_startup, on_error = on_error)
   py_ampkit <<- reticulate::import("ampkit", delay_load = lazy)
   py_torch <<- reticulate::import("torch", delay_load = lazy)
@@ -161,11 +162,13 @@ py_ready <- function() {
                  "bound_zero_grad", "is_torch_function")) {
     assign(name, bridge[[name]], envir = .h)
   }
-  # The hot path's crossings (see py_arg() below): reticulate's own call, without the
-  # R closure around it, and the bridge's functions as Python objects.
-  .h$call_raw <- utils::getFromNamespace("py_call_impl", "reticulate")
+  # The hot path's crossings (see py_arg() below): the compiled crossing (crossing.R), or
+  # reticulate's own call without the R closure around it; the bridge's functions as
+  # Python objects.
+  .h$reticulate_call <- utils::getFromNamespace("py_call_impl", "reticulate")
+  .h$reticulate_to_r <- utils::getFromNamespace("py_ref_to_r", "reticulate")  # a plain value, no dispatch
   .h$call <- py_call
-  .h$to_r <- utils::getFromNamespace("py_ref_to_r", "reticulate")  # a plain value, no dispatch
+  start_crossing()
   .h$fn <- lapply(list(enter_autocast = "enter_autocast", exit_autocast = "exit_autocast",
                        call_method = "call_method", call_releasing = "call_releasing",
                        release_tensors = "release_tensors", update_then = "update_then"),

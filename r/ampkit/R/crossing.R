@@ -1,0 +1,89 @@
+# ---- the compiled crossing (src/crossing.c)
+#
+# reticulate 1.28 costs 30-150 us a call into Python from R; the C API call it makes
+# costs a few. The hot path's crossing (.h$call_raw(f, args, kwargs), through which every
+# call of a training step goes: regions, module and loss calls, the scaler's and the
+# optimizer's per-step calls) is made by the package's own compiled code when it loaded,
+# on the objects reticulate holds, in its interpreter, with the same results (objects of
+# reticulate's form and classes) and the same R conditions (a Python exception is
+# raised again through reticulate). Everything else stays on reticulate.
+#
+# Off, or where it cannot load (the package was installed without a C compiler, the
+# Python's library cannot be found), the crossing is reticulate's py_call_impl(), as
+# before; one message says why, when Python starts. AMPKIT_R_COMPILED=0 (at install or
+# at run time) or options(ampkit.compiled = FALSE) before Python starts turns it off.
+
+.x <- new.env(parent = emptyenv())
+.x$dll <- NULL      # the loaded DLL, or NULL
+.x$why <- NULL      # why it is off (NULL: on, or not decided yet)
+
+# In .onLoad: load the DLL when there is one and the crossing is not turned off.
+load_crossing <- function(libname, pkgname) {
+  if (!crossing_wanted()) {
+    .x$why <- "turned off (AMPKIT_R_COMPILED=0 or options(ampkit.compiled = FALSE))"
+    return(invisible(FALSE))
+  }
+  .x$dll <- tryCatch(library.dynam(pkgname, pkgname, libname), error = function(e) {
+    .x$why <- if (grepl("shared object .* not found", conditionMessage(e))) {
+      "the package was installed without it (no working C compiler at install, or AMPKIT_R_COMPILED=0)"
+    } else {
+      paste("its shared object did not load:", conditionMessage(e))
+    }
+    NULL
+  })
+  invisible(!is.null(.x$dll))
+}
+
+crossing_wanted <- function() {
+  Sys.getenv("AMPKIT_R_COMPILED", "1") != "0" && !identical(getOption("ampkit.compiled"), FALSE)
+}
+
+# In py_ready(), Python started: resolve Python's C API in the libpython reticulate loaded
+# and make the compiled crossing the hot path's. Returns whether it is on.
+start_crossing <- function() {
+  if (is.null(.x$why) && !crossing_wanted()) {
+    .x$why <- "turned off (AMPKIT_R_COMPILED=0 or options(ampkit.compiled = FALSE))"
+  }
+  if (is.null(.x$why) && !is.null(.x$dll)) {
+    routine <- function(name) getNativeSymbolInfo(name, .x$dll)$address
+    got <- tryCatch({
+      .x$call <- routine("ampkit_call")
+      .x$to_r <- routine("ampkit_to_r")
+      lib <- reticulate::py_config()$libpython
+      .Call(routine("ampkit_init"), if (is.null(lib)) NA_character_ else lib,
+            reticulate::py_eval("None", convert = FALSE), .h$reticulate_call, .h$reticulate_to_r)
+    }, error = function(e) conditionMessage(e))
+    if (!identical(got, "")) .x$why <- paste("Python's C API was not found in this Python:", got)
+  } else if (is.null(.x$why)) {
+    .x$why <- "its shared object was not loaded"
+  }
+  use_crossing(is.null(.x$why))
+}
+
+# The hot path's crossing: compiled (`on`) or reticulate's. Tests switch it to compare.
+use_crossing <- function(on) {
+  on <- isTRUE(on) && !is.null(.x$call) && is.null(.x$why)
+  if (on) {
+    call <- .x$call
+    to_r <- .x$to_r
+    .h$call_raw <- function(f, args, kwargs) .Call(call, f, args, kwargs)
+    .h$to_r <- function(x) .Call(to_r, x)
+  } else {
+    .h$call_raw <- .h$reticulate_call
+    .h$to_r <- .h$reticulate_to_r
+    if (!is.null(.x$why) && !isTRUE(.x$told) && !grepl("^turned off", .x$why)) {
+      .x$told <- TRUE
+      packageStartupMessage("ampkit: the compiled crossing into Python is not in use (", .x$why,
+                            "); calls go through reticulate, which is slower.")
+    }
+  }
+  .x$on <- on
+  # what an output held by nothing but its slot reads, through this crossing (memory.R)
+  if (isTRUE(.h$ready)) calibrate_release()
+  invisible(on)
+}
+
+# Whether the hot path crosses through the compiled code (tests, benchmarks), and why not.
+crossing_status <- function() {
+  list(on = isTRUE(.x$on), why = .x$why)
+}
