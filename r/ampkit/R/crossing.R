@@ -16,6 +16,7 @@
 .x <- new.env(parent = emptyenv())
 .x$dll <- NULL      # the loaded DLL, or NULL
 .x$why <- NULL      # why it is off (NULL: on, or not decided yet)
+.x$on <- FALSE      # whether the hot path crosses through it now
 
 # In .onLoad: load the DLL when there is one and the crossing is not turned off.
 load_crossing <- function(libname, pkgname) {
@@ -47,11 +48,20 @@ start_crossing <- function() {
   if (is.null(.x$why) && !is.null(.x$dll)) {
     routine <- function(name) getNativeSymbolInfo(name, .x$dll)$address
     got <- tryCatch({
-      .x$call <- routine("ampkit_call")
-      .x$to_r <- routine("ampkit_to_r")
       lib <- reticulate::py_config()$libpython
-      .Call(routine("ampkit_init"), if (is.null(lib)) NA_character_ else lib,
-            reticulate::py_eval("None", convert = FALSE), .h$reticulate_call, .h$reticulate_to_r)
+      ok <- .Call(routine("ampkit_init"), if (is.null(lib)) NA_character_ else lib,
+                  reticulate::py_eval("None", convert = FALSE), .h$reticulate_call, .h$reticulate_to_r)
+      if (identical(ok, "")) {
+        .Call(routine("ampkit_release_setup"), .rel, .pend,
+              c(RELEASE_KEEP, RELEASE_KEPT, RELEASE_EVERY, RELEASE_EVERY_MAX),
+              list(module_fallback, reticulate::py_to_r, .h$fn$call_releasing))
+        .x$call <- routine("ampkit_call")
+        .x$to_r <- routine("ampkit_to_r")
+        .x$module <- routine("ampkit_module")
+        .x$forget <- routine("ampkit_release_forget")
+        .x$calibrated <- routine("ampkit_release_calibrated")
+      }
+      ok
     }, error = function(e) conditionMessage(e))
     if (!identical(got, "")) .x$why <- paste("Python's C API was not found in this Python:", got)
   } else if (is.null(.x$why)) {
@@ -71,6 +81,7 @@ use_crossing <- function(on) {
   } else {
     .h$call_raw <- .h$reticulate_call
     .h$to_r <- .h$reticulate_to_r
+    if (!is.null(.x$forget)) .Call(.x$forget, FALSE)
     if (!is.null(.x$why) && !isTRUE(.x$told) && !grepl("^turned off", .x$why)) {
       .x$told <- TRUE
       packageStartupMessage("ampkit: the compiled crossing into Python is not in use (", .x$why,
@@ -79,7 +90,7 @@ use_crossing <- function(on) {
   }
   .x$on <- on
   # what an output held by nothing but its slot reads, through this crossing (memory.R)
-  if (isTRUE(.h$ready)) calibrate_release()
+  calibrate_release()
   invisible(on)
 }
 

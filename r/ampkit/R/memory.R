@@ -229,6 +229,7 @@ make_refcnt <- function() {
 # reticulate's making of the R object may count too. R >= 4.0 counts references;
 # where it does not, the release stays off.
 calibrate_release <- function() {
+  if (isTRUE(.x$on)) return(calibrate_release_compiled())
   slots <- .rel$slots
   empty <- py_fn(py_torch$empty)
   probe <- function() {
@@ -334,9 +335,39 @@ dropped_kept <- function() {
 # Before a full collection: let go of the watched outputs, so that the collection frees
 # those that nothing else holds.
 forget_outputs <- function() {
+  if (!is.null(.x$forget)) .Call(.x$forget, FALSE)
   for (key in SLOTS) assign(key, NULL, envir = .rel$slots)
   .rel$used <- logical(RELEASE_KEEP)
   for (key in KEPT) assign(key, NULL, envir = .rel$kept)
   .rel$kused <- logical(RELEASE_KEPT)
   invisible(NULL)
+}
+
+# The compiled twin of the above (src/module.c), calibrated the same way: the outputs of
+# module calls are watched there when the compiled crossing is in use.
+calibrate_release_compiled <- function() {
+  forget_outputs()
+  .Call(.x$forget, TRUE)
+  empty <- py_fn(py_torch$empty)
+  probe <- function() {
+    .External(.x$module, empty, 0L)
+    invisible(NULL)
+  }
+  base <- tryCatch({
+    withr::with_options(list(ampkit.release_outputs = TRUE), probe())
+    .Call(.x$calibrated)
+  }, error = function(e) -1L)
+  .rel$on <- base >= 1L
+  invisible(.rel$on)
+}
+
+# A module call whose arguments the compiled crossing does not convert: the R path
+# (through reticulate for those arguments), with the outputs the compiled rings dropped.
+module_fallback <- function(obj, dead, args) {
+  nm <- names(args)
+  named <- if (is.null(nm)) logical(length(args)) else nzchar(nm) & !is.na(nm)
+  pos <- py_args(unname(args[!named]))
+  kw <- if (any(named)) py_args(args[named]) else NULL
+  if (is.null(dead)) .h$call(obj, pos, kw)
+  else .h$call(.h$fn$call_releasing, c(list(dead, py_arg(obj)), pos), kw)
 }

@@ -168,12 +168,11 @@ py_ready <- function() {
   .h$reticulate_call <- utils::getFromNamespace("py_call_impl", "reticulate")
   .h$reticulate_to_r <- utils::getFromNamespace("py_ref_to_r", "reticulate")  # a plain value, no dispatch
   .h$call <- py_call
-  start_crossing()
   .h$fn <- lapply(list(enter_autocast = "enter_autocast", exit_autocast = "exit_autocast",
                        call_method = "call_method", call_releasing = "call_releasing",
                        release_tensors = "release_tensors", update_then = "update_then"),
                   function(n) py_fn(bridge[[n]]))
-  calibrate_release()
+  start_crossing()  # (calibrates the release through the crossing in use)
   # An out-of-memory error in Python runs R's gc() before the retry.
   py_reset_collector()
   .h$named_parameters <- reticulate::py_eval("lambda m: dict(m.named_parameters())")

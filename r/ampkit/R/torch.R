@@ -303,6 +303,8 @@ module_function <- function(f) {
   module <- py_arg(obj)
   convert <- isTRUE(get0("convert", envir = obj, inherits = FALSE))
   g <- function(...) {
+    # The compiled crossing makes the whole call (src/module.c), the release included.
+    if (.x$on) return(.External(.x$module, obj, ...))
     # The outputs of earlier calls that R has dropped are freed in the same crossing.
     dead <- dropped_outputs()
     res <- if (is.null(dead)) .h$call(obj, dot_args(...), dot_keywords(...))

@@ -29,18 +29,11 @@
 #define _GNU_SOURCE /* RTLD_DEFAULT, RTLD_NOLOAD */
 #endif
 #include <dlfcn.h>
-#include <stddef.h>
 #include <string.h>
-#include <sys/types.h>
 
-#define R_NO_REMAP
-#include <R.h>
-#include <Rinternals.h>
+#include "crossing.h"
 #include <R_ext/Rdynload.h>
 
-typedef struct _object PyObject;
-typedef ssize_t Py_ssize_t;
-typedef int PyGILState_STATE;
 typedef PyObject *(*PyCFunction)(PyObject *, PyObject *);
 typedef struct {
   const char *ml_name;
@@ -50,43 +43,17 @@ typedef struct {
 } PyMethodDef;
 #define METH_NOARGS 0x0004
 
-static struct {
-  int (*IsInitialized)(void);
-  PyGILState_STATE (*GILState_Ensure)(void);
-  void (*GILState_Release)(PyGILState_STATE);
-  void (*IncRef)(PyObject *);
-  void (*DecRef)(PyObject *);
-  PyObject *(*Object_Call)(PyObject *, PyObject *, PyObject *);
-  PyObject *(*Object_GetAttr)(PyObject *, PyObject *);
-  PyObject *(*Object_Type)(PyObject *);
-  PyObject *(*Tuple_New)(Py_ssize_t);
-  int (*Tuple_SetItem)(PyObject *, Py_ssize_t, PyObject *);
-  PyObject *(*List_New)(Py_ssize_t);
-  int (*List_SetItem)(PyObject *, Py_ssize_t, PyObject *);
-  PyObject *(*Dict_New)(void);
-  int (*Dict_SetItemString)(PyObject *, const char *, PyObject *);
-  PyObject *(*Long_FromLong)(long);
-  long (*Long_AsLongAndOverflow)(PyObject *, int *);
-  PyObject *(*Float_FromDouble)(double);
-  double (*Float_AsDouble)(PyObject *);
-  PyObject *(*Bool_FromLong)(long);
-  PyObject *(*Unicode_FromString)(const char *);
-  PyObject *(*Unicode_InternFromString)(const char *);
-  PyObject *(*CFunction_NewEx)(PyMethodDef *, PyObject *, PyObject *);
-  PyObject *(*Err_Occurred)(void);
-  void (*Err_Clear)(void);
-  void (*Err_Fetch)(PyObject **, PyObject **, PyObject **);
-  void (*Err_Restore)(PyObject *, PyObject *, PyObject *);
-} py;
+pyapi py;
+int crossing_ready = 0;
+SEXP sym_pyobj, sym_convert, sym_py_object;
 
-static int ready = 0;
+
 
 /* What init received or made: Python's None, the types a value result converts from,
  * the name "__class__", reticulate's py_call_impl(), take() and restore() as reticulate
  * objects (take with either `convert` flag). */
-static PyObject *py_none, *type_float, *type_int, *type_bool, *type_none, *name_class;
+static PyObject *py_none, *empty_tuple, *type_float, *type_int, *type_bool, *type_none, *name_class;
 static SEXP r_call_impl, r_ref_to_r, r_take[2], r_restore;
-static SEXP sym_pyobj, sym_convert, sym_py_object;
 
 /* A Python exception waiting for restore(), and a result waiting for take(). */
 static PyObject *err_type, *err_value, *err_tb, *taken;
@@ -100,7 +67,7 @@ static int cache_n = 0;
 
 static void finalize_ref(SEXP xp) {
   PyObject *o = (PyObject *) R_ExternalPtrAddr(xp);
-  if (o == NULL || !ready || !py.IsInitialized()) return;
+  if (o == NULL || !crossing_ready || !py.IsInitialized()) return;
   PyGILState_STATE g = py.GILState_Ensure();
   py.DecRef(o);
   py.GILState_Release(g);
@@ -148,8 +115,7 @@ static PyMethodDef def_restore = {"restore", restore, METH_NOARGS,
 static PyMethodDef def_take = {"take", take, METH_NOARGS,
                                "Return the result of ampkit's compiled call."};
 
-/* The PyObject* of a reticulate object (an environment holding `pyobj`), or NULL. */
-static PyObject *env_object(SEXP env, int *convert) {
+PyObject *env_object(SEXP env, int *convert) {
   if (TYPEOF(env) != ENVSXP) return NULL;
   SEXP xp = Rf_findVarInFrame(env, sym_pyobj);
   if (TYPEOF(xp) != EXTPTRSXP) return NULL;
@@ -230,8 +196,7 @@ static PyObject *to_python(SEXP x) {
   return o;
 }
 
-/* R's call of reticulate's py_call_impl(f, args, kwargs). */
-static SEXP via_reticulate(SEXP f, SEXP args, SEXP kwargs) {
+SEXP via_reticulate(SEXP f, SEXP args, SEXP kwargs) {
   SEXP call = PROTECT(Rf_lang4(r_call_impl, f, args, kwargs));
   SEXP res = Rf_eval(call, R_GlobalEnv);
   UNPROTECT(1);
@@ -316,50 +281,96 @@ static SEXP wrap_result(PyObject *res, PyObject *cls, int at, int convert) {
   return out;
 }
 
-/* ampkit_call(f, args, kwargs): reticulate's py_call_impl(f, args, kwargs). */
-SEXP ampkit_call(SEXP f, SEXP args, SEXP kwargs) {
-  int convert = 1;
-  PyObject *fobj = ready ? env_object(f, &convert) : NULL;
-  R_xlen_t nargs = Rf_xlength(args), nkw = Rf_xlength(kwargs);
-  int ok = fobj != NULL && (args == R_NilValue || TYPEOF(args) == VECSXP) &&
-           (kwargs == R_NilValue || TYPEOF(kwargs) == VECSXP);
-  for (R_xlen_t i = 0; ok && i < nargs; i++) ok = convertible(VECTOR_ELT(args, i));
-  SEXP names = ok && nkw ? Rf_getAttrib(kwargs, R_NamesSymbol) : R_NilValue;
-  if (ok && nkw) ok = TYPEOF(names) == STRSXP;
-  for (R_xlen_t i = 0; ok && i < nkw; i++) {
-    SEXP nm = STRING_ELT(names, i);
-    ok = plain_ascii(nm) && CHAR(nm)[0] != '\0' && convertible(VECTOR_ELT(kwargs, i));
+static int add_arg(call_args *a, SEXP value, const char *name) {
+  if (!convertible(value)) return 0;
+  if (name == NULL) {
+    if (a->npos == MAX_ARGS) return 0;
+    a->pos[a->npos++] = value;
+  } else {
+    if (a->nkw == MAX_ARGS || name[0] == '\0') return 0;
+    for (const unsigned char *p = (const unsigned char *) name; *p; p++)
+      if (*p > 127) return 0;
+    a->kw[a->nkw] = value;
+    a->name[a->nkw++] = name;
   }
-  if (!ok) return via_reticulate(f, args, kwargs);
+  return 1;
+}
 
-  PyGILState_STATE g = py.GILState_Ensure();
-  PyObject *tuple = py.Tuple_New(nargs), *dict = NULL, *res = NULL, *cls = NULL;
-  int built = tuple != NULL;
-  for (R_xlen_t i = 0; built && i < nargs; i++) {
-    PyObject *a = to_python(VECTOR_ELT(args, i));
-    built = a != NULL && py.Tuple_SetItem(tuple, i, a) == 0;  /* (steals `a`) */
+int args_from_lists(call_args *a, SEXP args, SEXP kwargs) {
+  a->npos = a->nkw = 0;
+  if ((args != R_NilValue && TYPEOF(args) != VECSXP) || (kwargs != R_NilValue && TYPEOF(kwargs) != VECSXP))
+    return 0;
+  for (R_xlen_t i = 0; i < Rf_xlength(args); i++)
+    if (!add_arg(a, VECTOR_ELT(args, i), NULL)) return 0;
+  R_xlen_t nkw = Rf_xlength(kwargs);
+  if (nkw == 0) return 1;
+  SEXP names = Rf_getAttrib(kwargs, R_NamesSymbol);
+  if (TYPEOF(names) != STRSXP) return 0;
+  for (R_xlen_t i = 0; i < nkw; i++) {
+    SEXP nm = STRING_ELT(names, i);
+    if (nm == NA_STRING || !add_arg(a, VECTOR_ELT(kwargs, i), CHAR(nm))) return 0;
   }
-  if (built && nkw) {
+  return 1;
+}
+
+int args_from_pairlist(call_args *a, SEXP list) {
+  a->npos = a->nkw = 0;
+  for (; list != R_NilValue; list = CDR(list)) {
+    SEXP tag = TAG(list);
+    const char *name = tag == R_NilValue ? NULL : CHAR(PRINTNAME(tag));
+    if (name != NULL && name[0] == '\0') name = NULL;
+    if (!add_arg(a, CAR(list), name)) return 0;
+  }
+  return 1;
+}
+
+/* Keep the Python exception raised for restore() (the GIL held). */
+static void keep_exception(void) {
+  if (err_type != NULL) {  /* one never raised again: drop it */
+    py.DecRef(err_type);
+    if (err_value != NULL) py.DecRef(err_value);
+    if (err_tb != NULL) py.DecRef(err_tb);
+  }
+  py.Err_Fetch(&err_type, &err_value, &err_tb);
+}
+
+SEXP call_python(PyObject *before, PyObject *f, PyObject **first, int nfirst,
+                 const call_args *a, int convert) {
+  PyGILState_STATE g = py.GILState_Ensure();
+  PyObject *tuple = NULL, *dict = NULL, *res = NULL, *cls = NULL;
+  int built = 1, at = -1;
+  if (before != NULL) {
+    res = py.Object_Call(before, empty_tuple, NULL);
+    built = res != NULL;
+    if (res != NULL) py.DecRef(res);
+    res = NULL;
+  }
+  if (built) {
+    tuple = py.Tuple_New(nfirst + a->npos);
+    built = tuple != NULL;
+  }
+  for (int i = 0; i < nfirst; i++) {  /* (the tuple steals them; dropped if there is none) */
+    if (built) built = py.Tuple_SetItem(tuple, i, first[i]) == 0;
+    else py.DecRef(first[i]);
+  }
+  for (int i = 0; built && i < a->npos; i++) {
+    PyObject *o = to_python(a->pos[i]);
+    built = o != NULL && py.Tuple_SetItem(tuple, nfirst + i, o) == 0;
+  }
+  if (built && a->nkw) {
     dict = py.Dict_New();
     built = dict != NULL;
-    for (R_xlen_t i = 0; built && i < nkw; i++) {
-      PyObject *a = to_python(VECTOR_ELT(kwargs, i));
-      built = a != NULL && py.Dict_SetItemString(dict, CHAR(STRING_ELT(names, i)), a) == 0;
-      if (a != NULL) py.DecRef(a);
+    for (int i = 0; built && i < a->nkw; i++) {
+      PyObject *o = to_python(a->kw[i]);
+      built = o != NULL && py.Dict_SetItemString(dict, a->name[i], o) == 0;
+      if (o != NULL) py.DecRef(o);
     }
   }
-  if (built) res = py.Object_Call(fobj, tuple, dict);
+  if (built) res = py.Object_Call(f, tuple, dict);
   if (tuple != NULL) py.DecRef(tuple);
   if (dict != NULL) py.DecRef(dict);
-
-  int at = -1;
   if (res == NULL) {
-    if (err_type != NULL) {  /* an exception never raised again: drop it */
-      py.DecRef(err_type);
-      if (err_value != NULL) py.DecRef(err_value);
-      if (err_tb != NULL) py.DecRef(err_tb);
-    }
-    py.Err_Fetch(&err_type, &err_value, &err_tb);
+    keep_exception();
   } else {
     cls = py.Object_GetAttr(res, name_class);
     if (cls == NULL) py.Err_Clear();
@@ -375,12 +386,21 @@ SEXP ampkit_call(SEXP f, SEXP args, SEXP kwargs) {
   return wrap_result(res, cls, at, convert);
 }
 
+/* ampkit_call(f, args, kwargs): reticulate's py_call_impl(f, args, kwargs). */
+SEXP ampkit_call(SEXP f, SEXP args, SEXP kwargs) {
+  int convert = 1;
+  call_args a;
+  PyObject *fobj = crossing_ready ? env_object(f, &convert) : NULL;
+  if (fobj == NULL || !args_from_lists(&a, args, kwargs)) return via_reticulate(f, args, kwargs);
+  return call_python(NULL, fobj, NULL, 0, &a, convert);
+}
+
 /* ampkit_to_r(x): reticulate's py_ref_to_r(x); None, floats, bools and ints within R's
  * integers of a converting object read here. */
 SEXP ampkit_to_r(SEXP x) {
   int convert = 0, kind = NOT_VALUE, integer = 0;
   double real = 0;
-  PyObject *o = ready && OBJECT(x) ? env_object(x, &convert) : NULL;
+  PyObject *o = crossing_ready && OBJECT(x) ? env_object(x, &convert) : NULL;
   if (o == NULL || !convert) return ref_to_r(x);
   PyGILState_STATE g = py.GILState_Ensure();
   PyObject *cls = py.Object_GetAttr(o, name_class);
@@ -415,7 +435,7 @@ static SEXP own_ref(PyObject *o, int convert) {
  * `ref_to_r` reticulate's py_call_impl() and py_ref_to_r(). Returns "" when ready, else
  * what is missing. */
 SEXP ampkit_init(SEXP libpython, SEXP none, SEXP call_impl, SEXP ref_to_r) {
-  if (ready) return Rf_mkString("");
+  if (crossing_ready) return Rf_mkString("");
   void *lib = NULL;
   if (TYPEOF(libpython) == STRSXP && XLENGTH(libpython) == 1 && STRING_ELT(libpython, 0) != NA_STRING)
     lib = dlopen(CHAR(STRING_ELT(libpython, 0)), RTLD_LAZY | RTLD_NOLOAD);
@@ -466,9 +486,10 @@ SEXP ampkit_init(SEXP libpython, SEXP none, SEXP call_impl, SEXP ref_to_r) {
   py.DecRef(i);
   py.DecRef(b);
   name_class = py.Unicode_InternFromString("__class__");
-  PyObject *t = py.CFunction_NewEx(&def_take, NULL, NULL);
-  PyObject *r = py.CFunction_NewEx(&def_restore, NULL, NULL);
-  int made = type_float && type_int && type_bool && type_none && name_class && t && r;
+  empty_tuple = py.Tuple_New(0);
+  PyObject *t = py.CFunction_NewEx((void *) &def_take, NULL, NULL);
+  PyObject *r = py.CFunction_NewEx((void *) &def_restore, NULL, NULL);
+  int made = empty_tuple && type_float && type_int && type_bool && type_none && name_class && t && r;
   if (t != NULL) py.IncRef(t);  /* one reference for each of the two take objects */
   py.GILState_Release(g);
   if (!made) return Rf_mkString("could not make the helper objects");
@@ -479,7 +500,7 @@ SEXP ampkit_init(SEXP libpython, SEXP none, SEXP call_impl, SEXP ref_to_r) {
   r_take[0] = own_ref(t, 0);
   r_take[1] = own_ref(t, 1);
   r_restore = own_ref(r, 1);
-  ready = 1;
+  crossing_ready = 1;
   return Rf_mkString("");
 }
 
@@ -493,11 +514,19 @@ static const R_CallMethodDef call_methods[] = {
   {"ampkit_to_r", (DL_FUNC) &ampkit_to_r, 1},
   {"ampkit_init", (DL_FUNC) &ampkit_init, 4},
   {"ampkit_crossing_stats", (DL_FUNC) &ampkit_crossing_stats, 0},
+  {"ampkit_release_setup", (DL_FUNC) &ampkit_release_setup, 4},
+  {"ampkit_release_forget", (DL_FUNC) &ampkit_release_forget, 1},
+  {"ampkit_release_calibrated", (DL_FUNC) &ampkit_release_calibrated, 0},
+  {NULL, NULL, 0}
+};
+
+static const R_ExternalMethodDef external_methods[] = {
+  {"ampkit_module", (DL_FUNC) &ampkit_module, -1},
   {NULL, NULL, 0}
 };
 
 void R_init_ampkit(DllInfo *dll) {
-  R_registerRoutines(dll, NULL, call_methods, NULL, NULL);
+  R_registerRoutines(dll, NULL, call_methods, NULL, external_methods);
   R_useDynamicSymbols(dll, FALSE);
   sym_pyobj = Rf_install("pyobj");
   sym_convert = Rf_install("convert");
