@@ -177,14 +177,20 @@ enter_autocast <- function(device_type, dtype, enabled, cache_enabled, policy) {
   if (!isTRUE(enabled)) enabled <- as_py_bool(enabled, "enabled")
   if (!is.null(cache_enabled)) cache_enabled <- as_py_bool(cache_enabled, "cache_enabled")
   if (!is.null(policy)) policy <- as_py_policy(policy)
-  # The token stays a Python int: it goes back to exit_autocast() unconverted.
+  # The token: an R integer through the compiled crossing; through reticulate a Python
+  # int, which goes back to exit_autocast() unconverted.
+  if (.x$on) {
+    return(.External(.x$callx, "with_autocast()", CALLX_TO_R, .h$fn$enter_autocast,
+                     device_type, dtype, enabled, cache_enabled, policy))
+  }
   py_try(.h$call(.h$fn$enter_autocast,
                  list(device_type, py_arg(dtype), enabled, cache_enabled, py_arg(policy)), NULL),
          "with_autocast()")
 }
 
 exit_autocast <- function(region) {
-  .h$call(.h$fn$exit_autocast, list(py_arg(region)), NULL)
+  if (.x$on) .External(.x$callx, NULL, CALLX_NOTHING, .h$fn$exit_autocast, region)
+  else .h$call(.h$fn$exit_autocast, list(py_arg(region)), NULL)
   invisible(NULL)
 }
 

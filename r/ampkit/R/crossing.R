@@ -50,13 +50,16 @@ start_crossing <- function() {
     got <- tryCatch({
       lib <- reticulate::py_config()$libpython
       ok <- .Call(routine("ampkit_init"), if (is.null(lib)) NA_character_ else lib,
-                  reticulate::py_eval("None", convert = FALSE), .h$reticulate_call, .h$reticulate_to_r)
+                  list(reticulate::py_eval("None", convert = FALSE), .h$reticulate_call,
+                       .h$reticulate_to_r, reticulate::py_to_r, .pend, py_rethrow_or_stop,
+                       callx_fallback, NULL))
       if (identical(ok, "")) {
-        .Call(routine("ampkit_release_setup"), .rel, .pend,
+        .Call(routine("ampkit_release_setup"), .rel,
               c(RELEASE_KEEP, RELEASE_KEPT, RELEASE_EVERY, RELEASE_EVERY_MAX),
               list(module_fallback, reticulate::py_to_r, .h$fn$call_releasing))
         .x$call <- routine("ampkit_call")
         .x$to_r <- routine("ampkit_to_r")
+        .x$callx <- routine("ampkit_callx")
         .x$module <- routine("ampkit_module")
         .x$forget <- routine("ampkit_release_forget")
         .x$calibrated <- routine("ampkit_release_calibrated")
@@ -94,7 +97,41 @@ use_crossing <- function(on) {
   invisible(on)
 }
 
-# Whether the hot path crosses through the compiled code (tests, benchmarks), and why not.
-crossing_status <- function() {
-  list(on = isTRUE(.x$on), why = .x$why)
+# Whether the hot path crosses through the compiled code (tests, benchmarks), and why not;
+# with the counts of the compiled crossing: calls into Python so far, seconds spent in
+# Python in them, Python classes whose R class vector is cached (`reset`: count calls and
+# seconds again), dropped outputs whose Python reference was let go (src/module.c).
+crossing_status <- function(reset = FALSE) {
+  counts <- if (is.null(.x$dll)) c(0, 0, 0) else
+    .Call(getNativeSymbolInfo("ampkit_crossing_stats", .x$dll)$address, isTRUE(reset))
+  let_go <- if (is.null(.x$dll)) 0 else .Call(getNativeSymbolInfo("ampkit_release_counts", .x$dll)$address)
+  list(on = isTRUE(.x$on), why = .x$why, calls = counts[[1]], seconds_in_python = counts[[2]],
+       classes = counts[[3]], let_go = let_go)
+}
+
+# The result conversions of .External(.x$callx, context, mode, f, ...) (src/crossing.c).
+CALLX_REF <- 0L      # reticulate's object
+CALLX_TO_R <- 1L     # .h$to_r() of it (a plain value)
+CALLX_VALUE <- 2L    # py_value() of it
+CALLX_NOTHING <- 3L  # NULL
+
+# A call of .External(.x$callx, ...) whose arguments the compiled crossing does not
+# convert: the R path, through reticulate for those arguments.
+callx_fallback <- function(context, mode, f, args) {
+  nm <- names(args)
+  named <- if (is.null(nm)) logical(length(args)) else nzchar(nm) & !is.na(nm)
+  pos <- py_args(unname(args[!named]))
+  kw <- if (any(named)) py_args(args[named]) else NULL
+  run <- function() {
+    res <- .h$call(f, pos, kw)
+    switch(mode + 1L, res, .h$to_r(res), py_value(res), NULL)
+  }
+  if (is.null(context)) run() else py_try(run(), context)
+}
+
+# The compiled crossing's error with a context (src/crossing.c): the package's condition
+# for a Python exception, as py_try() makes it; any other error as it is.
+py_rethrow_or_stop <- function(e, context) {
+  py_rethrow(e, context)
+  stop(e)
 }

@@ -174,8 +174,9 @@ GradScalerR6 <- R6::R6Class("ampkit_grad_scaler",
         abort(sprintf("`$step()` takes a torch optimizer (from optim_sgd(), optim_adam(), ...), not %s.",
                       describe(optimizer)), class = "ampkit_bad_argument")
       }
-      res <- py_try(py_value(.h$call(private$hot$step, c(list(py_arg(optimizer)), dot_args(...)),
-                                     dot_keywords(...))), "$step()")
+      res <- if (.x$on) .External(.x$callx, "$step()", CALLX_VALUE, private$hot$step, optimizer, ...)
+             else py_try(py_value(.h$call(private$hot$step, c(list(py_arg(optimizer)), dot_args(...)),
+                                          dot_keywords(...))), "$step()")
       private$stepped <- TRUE
       invisible(res)
     },
@@ -190,8 +191,9 @@ GradScalerR6 <- R6::R6Class("ampkit_grad_scaler",
         new_scale <- as_py_num(new_scale, "new_scale")
       }
       private$stepped <- FALSE
-      watch_memory(py_try(.h$to_r(.h$call(private$hot$update, list(py_arg(new_scale)), NULL)),
-                          "$update()"))
+      watch_memory(if (.x$on) .External(.x$callx, "$update()", CALLX_TO_R, private$hot$update, new_scale)
+                   else py_try(.h$to_r(.h$call(private$hot$update, list(py_arg(new_scale)), NULL)),
+                               "$update()"))
     },
     unscale_ = function(optimizer) {
       flush_update()
@@ -276,8 +278,13 @@ scaled_backward <- function(x) {
   force(x)
   function(...) {
     if (is.null(.subset2(x, "loss"))) scaled_tensor(x)  # the error: used already
-    py_try(.h$call(.subset2(x, "backward"), c(list(py_arg(.subset2(x, "loss"))), dot_args(...)),
-                   dot_keywords(...)), "$scale(loss)$backward()")
+    if (.x$on) {
+      .External(.x$callx, "$scale(loss)$backward()", CALLX_NOTHING, .subset2(x, "backward"),
+                .subset2(x, "loss"), ...)
+    } else {
+      py_try(.h$call(.subset2(x, "backward"), c(list(py_arg(.subset2(x, "loss"))), dot_args(...)),
+                     dot_keywords(...)), "$scale(loss)$backward()")
+    }
     # Without arguments (retain_graph and such) the graph is gone: let go of the loss.
     if (!...length()) x$loss <- NULL
     invisible(NULL)

@@ -241,9 +241,11 @@ method_function <- function(x, name) bound_method(py_arg(x), name)
 bound_method <- function(self, name) {
   force(self)
   force(name)  # an unforced promise would keep the caller's frame, and `x`, alive
+  context <- paste0("$", name, "()")
   function(...) {
+    if (.x$on) return(.External(.x$callx, context, CALLX_VALUE, .h$fn$call_method, self, name, ...))
     py_try(py_value(.h$call(.h$fn$call_method, c(list(self, name), dot_args(...)), dot_keywords(...))),
-           paste0("$", name, "()"))
+           context)
   }
 }
 
@@ -260,8 +262,9 @@ bound_method <- function(self, name) {
     if (is.null(zero)) {
       bound <- py_fn(.h$bound_zero_grad(x))
       zero <- function(...) {
-        watch_memory(py_try(.h$to_r(.h$call(bound, dot_args(...), dot_keywords(...))),
-                            "$zero_grad()"))
+        watch_memory(if (.x$on) .External(.x$callx, "$zero_grad()", CALLX_TO_R, bound, ...)
+                     else py_try(.h$to_r(.h$call(bound, dot_args(...), dot_keywords(...))),
+                                 "$zero_grad()"))
       }
       assign(".ampkit_zero_grad", zero, envir = x)
     }

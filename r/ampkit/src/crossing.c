@@ -30,9 +30,11 @@
 #endif
 #include <dlfcn.h>
 #include <string.h>
+#include <time.h>
 
 #include "crossing.h"
 #include <R_ext/Rdynload.h>
+#include <R_ext/Error.h>
 
 typedef PyObject *(*PyCFunction)(PyObject *, PyObject *);
 typedef struct {
@@ -54,6 +56,7 @@ SEXP sym_pyobj, sym_convert, sym_py_object;
  * objects (take with either `convert` flag). */
 static PyObject *py_none, *empty_tuple, *type_float, *type_int, *type_bool, *type_none, *name_class;
 static SEXP r_call_impl, r_ref_to_r, r_take[2], r_restore;
+static SEXP r_pend, r_rethrow, r_callx_fallback, r_py_to_r, sym_update;
 
 /* A Python exception waiting for restore(), and a result waiting for take(). */
 static PyObject *err_type, *err_value, *err_tb, *taken;
@@ -64,6 +67,15 @@ static PyObject *err_type, *err_value, *err_tb, *taken;
 static PyObject *cache_key[CLASS_CACHE];
 static SEXP cache_class[CLASS_CACHE];
 static int cache_n = 0;
+
+/* Calls made and seconds spent in them, in Python (probes: crossing_stats()). */
+static double calls_made = 0, seconds_in = 0;
+
+static double now(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double) t.tv_sec + 1e-9 * (double) t.tv_nsec;
+}
 
 static void finalize_ref(SEXP xp) {
   PyObject *o = (PyObject *) R_ExternalPtrAddr(xp);
@@ -240,14 +252,17 @@ static SEXP r_value(int kind, double real, int integer) {
   }
 }
 
-/* R's call of reticulate's py_ref_to_r(x), for a result that is not a plain value. */
-static SEXP ref_to_r(SEXP x) {
+/* R's call f(x). */
+SEXP eval_r(SEXP f, SEXP x) {
   PROTECT(x);
-  SEXP call = PROTECT(Rf_lang2(r_ref_to_r, x));
+  SEXP call = PROTECT(Rf_lang2(f, x));
   SEXP res = Rf_eval(call, R_GlobalEnv);
   UNPROTECT(2);
   return res;
 }
+
+/* reticulate's py_ref_to_r(x), for a result that is not a plain value. */
+static SEXP ref_to_r(SEXP x) { return eval_r(r_ref_to_r, x); }
 
 /* A result as an R object of reticulate's form (takes `res` and `cls`). */
 static SEXP wrap_result(PyObject *res, PyObject *cls, int at, int convert) {
@@ -334,13 +349,43 @@ static void keep_exception(void) {
   py.Err_Fetch(&err_type, &err_value, &err_tb);
 }
 
+/* Reticulate's R error for the Python exception kept: as it is (`context` NULL), or as the
+ * package's condition (R/conditions.R's py_rethrow(), as py_try(expr, context) makes it). */
+static SEXP restore_body(void *data) {
+  (void) data;
+  return via_reticulate(r_restore, R_NilValue, R_NilValue);
+}
+
+static SEXP restore_handler(SEXP cond, void *data) {
+  SEXP call = PROTECT(Rf_lang3(r_rethrow, cond, *(SEXP *) data));
+  Rf_eval(call, R_GlobalEnv);  /* raises */
+  UNPROTECT(1);
+  return R_NilValue;
+}
+
+static SEXP raise_python_error(SEXP context) {
+  if (context == R_NilValue) return via_reticulate(r_restore, R_NilValue, R_NilValue);
+  return R_tryCatchError(restore_body, NULL, restore_handler, &context);
+}
+
+/* A result that R does not keep as an object: its R value (the GIL held). */
+static int value_now(PyObject *res, PyObject *cls, int mode, int convert, double *real, int *integer) {
+  if (mode == MODE_NOTHING) return VALUE_NULL;
+  if (mode == MODE_VALUE && cls == type_none) return VALUE_NULL;
+  if (mode == MODE_TO_R && convert) return read_value(res, cls, real, integer);
+  return NOT_VALUE;
+}
+
 SEXP call_python(PyObject *before, PyObject *f, PyObject **first, int nfirst,
-                 const call_args *a, int convert) {
+                 const call_args *a, int convert, SEXP context, int mode) {
   PyGILState_STATE g = py.GILState_Ensure();
   PyObject *tuple = NULL, *dict = NULL, *res = NULL, *cls = NULL;
-  int built = 1, at = -1;
+  int built = 1, at = -1, kind = NOT_VALUE, integer = 0;
+  double real = 0;
   if (before != NULL) {
+    double t0 = now();
     res = py.Object_Call(before, empty_tuple, NULL);
+    seconds_in += now() - t0;
     built = res != NULL;
     if (res != NULL) py.DecRef(res);
     res = NULL;
@@ -366,24 +411,46 @@ SEXP call_python(PyObject *before, PyObject *f, PyObject **first, int nfirst,
       if (o != NULL) py.DecRef(o);
     }
   }
-  if (built) res = py.Object_Call(f, tuple, dict);
+  if (built) {
+    double t0 = now();
+    res = py.Object_Call(f, tuple, dict);
+    seconds_in += now() - t0;
+    calls_made++;
+  }
   if (tuple != NULL) py.DecRef(tuple);
   if (dict != NULL) py.DecRef(dict);
   if (res == NULL) {
     keep_exception();
   } else {
     cls = py.Object_GetAttr(res, name_class);
-    if (cls == NULL) py.Err_Clear();
-    else at = cache_find(cls);
-    if (at >= 0) {
+    if (cls == NULL) {
+      py.Err_Clear();
+    } else {
+      kind = value_now(res, cls, mode, convert, &real, &integer);
+      if (py.Err_Occurred()) {
+        py.Err_Clear();
+        kind = NOT_VALUE;
+      }
+      if (kind == NOT_VALUE) at = cache_find(cls);
+    }
+    if (kind != NOT_VALUE) {
+      py.DecRef(res);
+      res = NULL;
+    }
+    if (cls != NULL && (kind != NOT_VALUE || at >= 0)) {
       py.DecRef(cls);
       cls = NULL;
     }
   }
   py.GILState_Release(g);
 
-  if (res == NULL) return via_reticulate(r_restore, R_NilValue, R_NilValue);
-  return wrap_result(res, cls, at, convert);
+  if (kind != NOT_VALUE) return r_value(kind, real, integer);
+  if (res == NULL) return raise_python_error(context);
+  SEXP out = PROTECT(wrap_result(res, cls, at, convert));
+  if (mode == MODE_TO_R) out = ref_to_r(out);
+  else if (mode == MODE_VALUE && !Rf_inherits(out, "torch.Tensor")) out = eval_r(r_py_to_r, out);
+  UNPROTECT(1);
+  return out;
 }
 
 /* ampkit_call(f, args, kwargs): reticulate's py_call_impl(f, args, kwargs). */
@@ -392,7 +459,51 @@ SEXP ampkit_call(SEXP f, SEXP args, SEXP kwargs) {
   call_args a;
   PyObject *fobj = crossing_ready ? env_object(f, &convert) : NULL;
   if (fobj == NULL || !args_from_lists(&a, args, kwargs)) return via_reticulate(f, args, kwargs);
-  return call_python(NULL, fobj, NULL, 0, &a, convert);
+  return call_python(NULL, fobj, NULL, 0, &a, convert, R_NilValue, MODE_REF);
+}
+
+/* The deferred scaler update (R/scaler.R), taken from .pend for this call: its Python
+ * callable, or NULL. `*keep` receives its R object, for the caller to protect. */
+PyObject *pending_update(SEXP *keep) {
+  SEXP u = Rf_findVarInFrame(r_pend, sym_update);
+  *keep = R_NilValue;
+  if (u == R_UnboundValue || u == R_NilValue) return NULL;
+  *keep = u;
+  Rf_defineVar(sym_update, R_NilValue, r_pend);
+  return env_object(Rf_getAttrib(u, sym_py_object), NULL);
+}
+
+/* .External(ampkit_callx, context, mode, f, ...): the hot path's call of a Python
+ * callable, as py_try(<conversion>(.h$call(f, list(...), <keywords>)), context) makes it
+ * (R/package.R py_call()), the deferred update first, with the arguments as R passed
+ * them (no list holds them: R's reference counts see nothing of the call). `mode`: the
+ * result as reticulate's object (0), as py_ref_to_r() makes it (1), as py_value() makes
+ * it (2), or NULL (3). `context` NULL: a Python exception is reticulate's error as it is. */
+SEXP ampkit_callx(SEXP args) {
+  args = CDR(args);
+  SEXP context = CAR(args);
+  args = CDR(args);
+  int mode = Rf_asInteger(CAR(args));
+  args = CDR(args);
+  SEXP f = CAR(args), rest = CDR(args);
+  int convert = 1;
+  call_args a;
+  PyObject *fobj = crossing_ready ? env_object(f, &convert) : NULL;
+  if (fobj == NULL || !args_from_pairlist(&a, rest)) {
+    /* callx_fallback(context, mode, f, list(...)): the R path, through reticulate */
+    SEXP list = PROTECT(Rf_PairToVectorList(rest));
+    SEXP m = PROTECT(Rf_ScalarInteger(mode));
+    SEXP call = PROTECT(Rf_lang5(r_callx_fallback, context, m, f, list));
+    SEXP res = Rf_eval(call, R_GlobalEnv);
+    UNPROTECT(3);
+    return res;
+  }
+  SEXP keep;
+  PyObject *before = pending_update(&keep);
+  PROTECT(keep);
+  SEXP res = call_python(before, fobj, NULL, 0, &a, convert, context, mode);
+  UNPROTECT(1);
+  return res;
 }
 
 /* ampkit_to_r(x): reticulate's py_ref_to_r(x); None, floats, bools and ints within R's
@@ -430,11 +541,14 @@ static SEXP own_ref(PyObject *o, int convert) {
   return r;
 }
 
-/* ampkit_init(libpython, none, call_impl, ref_to_r): resolve the C API in the libpython
- * reticulate loaded (or in the process); `none` is reticulate's None, `call_impl` and
- * `ref_to_r` reticulate's py_call_impl() and py_ref_to_r(). Returns "" when ready, else
- * what is missing. */
-SEXP ampkit_init(SEXP libpython, SEXP none, SEXP call_impl, SEXP ref_to_r) {
+/* ampkit_init(libpython, objects): resolve the C API in the libpython reticulate loaded
+ * (or in the process). `objects`: reticulate's None, reticulate's py_call_impl(),
+ * py_ref_to_r() and py_to_r(), the package's .pend, its py_rethrow_or_stop() and
+ * callx_fallback(), and an 8th, unused. Returns "" when ready, else what is missing. */
+SEXP ampkit_init(SEXP libpython, SEXP objects) {
+  if (TYPEOF(objects) != VECSXP || XLENGTH(objects) != 8) return Rf_mkString("bad arguments");
+  SEXP none = VECTOR_ELT(objects, 0), call_impl = VECTOR_ELT(objects, 1),
+       ref_to_r = VECTOR_ELT(objects, 2);
   if (crossing_ready) return Rf_mkString("");
   void *lib = NULL;
   if (TYPEOF(libpython) == STRSXP && XLENGTH(libpython) == 1 && STRING_ELT(libpython, 0) != NA_STRING)
@@ -473,7 +587,10 @@ SEXP ampkit_init(SEXP libpython, SEXP none, SEXP call_impl, SEXP ref_to_r) {
 #undef RESOLVE
   if (!py.IsInitialized()) return Rf_mkString("Python is not initialized");
   py_none = env_object(none, NULL);
-  if (py_none == NULL || !Rf_isFunction(call_impl) || !Rf_isFunction(ref_to_r)) return Rf_mkString("bad arguments");
+  if (py_none == NULL || !Rf_isFunction(call_impl) || !Rf_isFunction(ref_to_r) ||
+      !Rf_isFunction(VECTOR_ELT(objects, 3)) || !Rf_isEnvironment(VECTOR_ELT(objects, 4)) ||
+      !Rf_isFunction(VECTOR_ELT(objects, 5)) || !Rf_isFunction(VECTOR_ELT(objects, 6)))
+    return Rf_mkString("bad arguments");
 
   PyGILState_STATE g = py.GILState_Ensure();
   py.IncRef(py_none);
@@ -497,6 +614,12 @@ SEXP ampkit_init(SEXP libpython, SEXP none, SEXP call_impl, SEXP ref_to_r) {
   R_PreserveObject(r_call_impl);
   r_ref_to_r = ref_to_r;
   R_PreserveObject(r_ref_to_r);
+  r_py_to_r = VECTOR_ELT(objects, 3);
+  r_pend = VECTOR_ELT(objects, 4);
+  r_rethrow = VECTOR_ELT(objects, 5);
+  r_callx_fallback = VECTOR_ELT(objects, 6);
+  R_PreserveObject(objects);
+  sym_update = Rf_install("update");
   r_take[0] = own_ref(t, 0);
   r_take[1] = own_ref(t, 1);
   r_restore = own_ref(r, 1);
@@ -504,24 +627,33 @@ SEXP ampkit_init(SEXP libpython, SEXP none, SEXP call_impl, SEXP ref_to_r) {
   return Rf_mkString("");
 }
 
-/* ampkit_crossing_stats(): classes cached so far (tests). */
-SEXP ampkit_crossing_stats(void) {
-  return Rf_ScalarInteger(cache_n);
+/* ampkit_crossing_stats(reset): the calls made into Python so far, the seconds spent in
+ * them (in Python: conversions excluded) and the classes cached; `reset` TRUE starts the
+ * counts again. */
+SEXP ampkit_crossing_stats(SEXP reset) {
+  SEXP out = Rf_allocVector(REALSXP, 3);
+  REAL(out)[0] = calls_made;
+  REAL(out)[1] = seconds_in;
+  REAL(out)[2] = cache_n;
+  if (Rf_asLogical(reset) == TRUE) calls_made = seconds_in = 0;
+  return out;
 }
 
 static const R_CallMethodDef call_methods[] = {
   {"ampkit_call", (DL_FUNC) &ampkit_call, 3},
   {"ampkit_to_r", (DL_FUNC) &ampkit_to_r, 1},
-  {"ampkit_init", (DL_FUNC) &ampkit_init, 4},
-  {"ampkit_crossing_stats", (DL_FUNC) &ampkit_crossing_stats, 0},
-  {"ampkit_release_setup", (DL_FUNC) &ampkit_release_setup, 4},
+  {"ampkit_init", (DL_FUNC) &ampkit_init, 2},
+  {"ampkit_crossing_stats", (DL_FUNC) &ampkit_crossing_stats, 1},
+  {"ampkit_release_setup", (DL_FUNC) &ampkit_release_setup, 3},
   {"ampkit_release_forget", (DL_FUNC) &ampkit_release_forget, 1},
   {"ampkit_release_calibrated", (DL_FUNC) &ampkit_release_calibrated, 0},
+  {"ampkit_release_counts", (DL_FUNC) &ampkit_release_counts, 0},
   {NULL, NULL, 0}
 };
 
 static const R_ExternalMethodDef external_methods[] = {
   {"ampkit_module", (DL_FUNC) &ampkit_module, -1},
+  {"ampkit_callx", (DL_FUNC) &ampkit_callx, -1},
   {NULL, NULL, 0}
 };
 

@@ -65,18 +65,31 @@ int args_from_lists(call_args *a, SEXP args, SEXP kwargs);
 int args_from_pairlist(call_args *a, SEXP list);
 
 /* f(*first, *a.pos, **a.kw), after `before()` when given (NULL: none), with the GIL
- * taken; then the result in reticulate's form, or reticulate's R error for the Python
- * exception. It takes the references `first`. */
+ * taken; then the result as `mode` says (MODE_REF: reticulate's object; MODE_TO_R:
+ * py_ref_to_r() of it; MODE_VALUE: py_value() of it (R/package.R); MODE_NOTHING: NULL),
+ * or reticulate's R error for the Python exception, as the package's condition with
+ * `context` (a string) unless it is NULL. It takes the references `first`. */
+enum { MODE_REF = 0, MODE_TO_R = 1, MODE_VALUE = 2, MODE_NOTHING = 3 };
 SEXP call_python(PyObject *before, PyObject *f, PyObject **first, int nfirst,
-                 const call_args *a, int convert);
+                 const call_args *a, int convert, SEXP context, int mode);
+
+/* The deferred scaler update (R/scaler.R), taken for this call: its Python callable or
+ * NULL; `*keep` its R object, for the caller to protect. */
+PyObject *pending_update(SEXP *keep);
+
+/* R's call f(x). */
+SEXP eval_r(SEXP f, SEXP x);
+
+SEXP ampkit_callx(SEXP args);
 
 /* R's call of reticulate's py_call_impl(f, args, kwargs). */
 SEXP via_reticulate(SEXP f, SEXP args, SEXP kwargs);
 
 /* module.c: the module call and the release of outputs R dropped. */
 SEXP ampkit_module(SEXP args);
-SEXP ampkit_release_setup(SEXP rel, SEXP pend, SEXP sizes, SEXP fns);
+SEXP ampkit_release_setup(SEXP rel, SEXP sizes, SEXP fns);
 SEXP ampkit_release_forget(SEXP calibrating);
 SEXP ampkit_release_calibrated(void);
+SEXP ampkit_release_counts(void);
 
 #endif

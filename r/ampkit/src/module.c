@@ -21,22 +21,23 @@
 /* .rel (R/memory.R's state: `released` and `every` are kept up to date there), .pend
  * (the deferred update), the bridge's call_releasing, the R fallback of a call whose
  * arguments do not convert here, and reticulate's py_to_r(). */
-static SEXP r_rel, r_pend, r_fallback, r_py_to_r;
+static SEXP r_rel, r_fallback, r_py_to_r;
 static PyObject *py_call_releasing;
-static SEXP sym_update, sym_released, sym_every, sym_option;
+static SEXP sym_released, sym_every, sym_option;
+static double dropped_refs = 0;  /* outputs whose Python reference R dropped (tests) */
 
 static SEXP ring, kept;      /* the two rings (R lists, preserved) */
 static int keep_n, kept_n;  /* their sizes */
 static int ring_at, kept_at; /* the element filled last */
 static int every_min, every_max, every, calls;
 static int base = -1;        /* the count of an output held only by its element; -1: off */
+static int xp_base = -1;     /* the count of its external pointer */
 static int calibrating = 0;
 
-SEXP ampkit_release_setup(SEXP rel, SEXP pend, SEXP sizes, SEXP fns) {
+SEXP ampkit_release_setup(SEXP rel, SEXP sizes, SEXP fns) {
   if (TYPEOF(sizes) != INTSXP || XLENGTH(sizes) != 4 || TYPEOF(fns) != VECSXP || XLENGTH(fns) != 3)
     Rf_error("ampkit_release_setup: bad arguments");
   r_rel = rel;
-  r_pend = pend;
   r_fallback = VECTOR_ELT(fns, 0);
   r_py_to_r = VECTOR_ELT(fns, 1);
   py_call_releasing = env_object(VECTOR_ELT(fns, 2), NULL);
@@ -54,7 +55,6 @@ SEXP ampkit_release_setup(SEXP rel, SEXP pend, SEXP sizes, SEXP fns) {
     kept = Rf_allocVector(VECSXP, kept_n);
     R_PreserveObject(kept);
   }
-  sym_update = Rf_install("update");
   sym_released = Rf_install("released");
   sym_every = Rf_install("every");
   sym_option = Rf_install("ampkit.release_outputs");
@@ -144,7 +144,7 @@ SEXP ampkit_release_forget(SEXP calibrate) {
   for (int k = 0; k < keep_n; k++) SET_VECTOR_ELT(ring, k, R_NilValue);
   for (int j = 0; j < kept_n; j++) SET_VECTOR_ELT(kept, j, R_NilValue);
   calibrating = Rf_asLogical(calibrate) == TRUE;
-  if (calibrating) base = -1;
+  if (calibrating) base = xp_base = -1;
   return R_NilValue;
 }
 
@@ -153,19 +153,49 @@ SEXP ampkit_release_forget(SEXP calibrate) {
 SEXP ampkit_release_calibrated(void) {
   SEXP last = ring == NULL ? R_NilValue : VECTOR_ELT(ring, ring_at);
   base = last == R_NilValue ? -1 : REFCNT(last);
+  SEXP xp = last == R_NilValue ? R_NilValue : Rf_findVarInFrame(last, sym_pyobj);
+  xp_base = TYPEOF(xp) == EXTPTRSXP ? REFCNT(xp) : -1;
   calibrating = 0;
   ampkit_release_forget(Rf_ScalarLogical(FALSE));
   return Rf_ScalarInteger(base);
 }
 
-/* reticulate's py_to_r(x) (S3 dispatch), for a converting module's other results. */
-static SEXP eval2(SEXP f, SEXP x) {
-  PROTECT(x);
-  SEXP call = PROTECT(Rf_lang2(f, x));
-  SEXP res = Rf_eval(call, R_GlobalEnv);
-  UNPROTECT(2);
-  return res;
+/* Whether nothing in R reaches the Python object of a dropped output but the output
+ * itself: its external pointer reads the count of the calibration's output, which only
+ * that output's binding (and its finalizer) held. A carrier made for it (py_arg() in
+ * R/package.R) holds the pointer too: such an output takes the bridge's release instead.
+ * (R's counts never count too few.) */
+static int sole_holder(SEXP xp) { return xp_base >= 1 && REFCNT(xp) <= xp_base; }
+
+/* Let go of R's Python reference to the dropped outputs that nothing else in R reaches,
+ * as R's collector will when it frees them, but now: Python frees what nothing else holds,
+ * as in a Python loop where `output = net(x)` rebinds `output`. They leave `dead`; the
+ * others stay, for the bridge's release (r_bridge.release_tensors). Returns how many were
+ * let go. */
+static int let_go(SEXP dead) {
+  int n = 0;
+  PyObject *objs[64];
+  R_xlen_t len = XLENGTH(dead);
+  for (R_xlen_t i = 0; i < len && n < 64; i++) {
+    SEXP env = VECTOR_ELT(dead, i);
+    SEXP xp = Rf_findVarInFrame(env, sym_pyobj);
+    if (TYPEOF(xp) != EXTPTRSXP || R_ExternalPtrAddr(xp) == NULL || !sole_holder(xp)) continue;
+    objs[n++] = (PyObject *) R_ExternalPtrAddr(xp);
+    R_ClearExternalPtr(xp);  /* (its finalizer then has nothing to do) */
+    SET_VECTOR_ELT(dead, i, R_NilValue);
+  }
+  if (n) {
+    PyGILState_STATE g = py.GILState_Ensure();
+    for (int i = 0; i < n; i++) py.DecRef(objs[i]);
+    py.GILState_Release(g);
+    dropped_refs += n;
+  }
+  return n;
 }
+
+/* ampkit_release_counts(): the outputs whose Python reference was let go so far. */
+SEXP ampkit_release_counts(void) { return Rf_ScalarReal(dropped_refs); }
+
 
 SEXP ampkit_module(SEXP args) {
   args = CDR(args);  /* the routine */
@@ -177,18 +207,23 @@ SEXP ampkit_module(SEXP args) {
   int ok = args_from_pairlist(&a, rest);
   SEXP dead = PROTECT(take_dropped());
   SEXP res;
+  if (dead != R_NilValue && let_go(dead) == XLENGTH(dead)) dead = R_NilValue;
+  else if (dead != R_NilValue) {  /* the others, for the bridge's release */
+    R_xlen_t n = 0;
+    for (R_xlen_t i = 0; i < XLENGTH(dead); i++) n += VECTOR_ELT(dead, i) != R_NilValue;
+    SEXP rest_dead = Rf_allocVector(VECSXP, n);
+    for (R_xlen_t i = 0, j = 0; i < XLENGTH(dead); i++)
+      if (VECTOR_ELT(dead, i) != R_NilValue) SET_VECTOR_ELT(rest_dead, j++, VECTOR_ELT(dead, i));
+    UNPROTECT(1);
+    dead = PROTECT(rest_dead);
+  }
   if (ok) {
-    PyObject *before = NULL, *first[2] = {NULL, fobj};
-    SEXP u = Rf_findVarInFrame(r_pend, sym_update);
-    if (u != R_UnboundValue && u != R_NilValue) {
-      before = env_object(Rf_getAttrib(u, sym_py_object), NULL);
-      PROTECT(u);
-      Rf_defineVar(sym_update, R_NilValue, r_pend);
-    } else {
-      PROTECT(u = R_NilValue);
-    }
+    PyObject *first[2] = {NULL, fobj};
+    SEXP u;
+    PyObject *before = pending_update(&u);
+    PROTECT(u);
     if (dead == R_NilValue) {
-      res = call_python(before, fobj, NULL, 0, &a, convert);
+      res = call_python(before, fobj, NULL, 0, &a, convert, R_NilValue, MODE_REF);
     } else {  /* call_releasing(dead, fobj, ...): the release in the same call */
       PyGILState_STATE g = py.GILState_Ensure();
       first[0] = py.List_New(XLENGTH(dead));
@@ -200,8 +235,8 @@ SEXP ampkit_module(SEXP args) {
       if (first[0] == NULL) py.Err_Clear();
       else py.IncRef(fobj);
       py.GILState_Release(g);
-      res = first[0] == NULL ? call_python(before, fobj, NULL, 0, &a, convert)
-                             : call_python(before, py_call_releasing, first, 2, &a, convert);
+      res = first[0] == NULL ? call_python(before, fobj, NULL, 0, &a, convert, R_NilValue, MODE_REF)
+                             : call_python(before, py_call_releasing, first, 2, &a, convert, R_NilValue, MODE_REF);
     }
     UNPROTECT(1);
   } else {
@@ -213,7 +248,7 @@ SEXP ampkit_module(SEXP args) {
   }
   PROTECT(res);
   if (Rf_inherits(res, "torch.Tensor")) keep_output(res);
-  else if (convert) res = eval2(r_py_to_r, res);
+  else if (convert) res = eval_r(r_py_to_r, res);  /* reticulate's py_to_r() */
   UNPROTECT(2);
   return res;
 }
