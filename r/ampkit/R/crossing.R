@@ -61,6 +61,11 @@ start_crossing <- function() {
         .x$to_r <- routine("ampkit_to_r")
         .x$callx <- routine("ampkit_callx")
         .x$module <- routine("ampkit_module")
+        .Call(routine("ampkit_region_setup"),
+              list(.h$fn$enter_autocast, .h$fn$exit_autocast, region_error))
+        .x$region <- routine("ampkit_region")
+        .x$scaled_loss <- routine("ampkit_scaled_loss")
+        .x$defer_update <- routine("ampkit_defer_update")
         .x$forget <- routine("ampkit_release_forget")
         .x$calibrated <- routine("ampkit_release_calibrated")
       }

@@ -119,7 +119,10 @@ gc_threshold_bytes <- function(option = "ampkit.gc_threshold_mb", default = 1024
 # comparison on the hot path.
 watch_memory <- function(bytes) {
   base <- .mem$base
-  if (identical(bytes, base)) return(invisible(NULL))  # no growth (always so on the CPU)
+  # no growth (always so on the CPU); primitives only: identical() is a closure
+  if (is.double(bytes) && length(bytes) == 1L && !is.na(base) && !is.na(bytes) && bytes == base) {
+    return(invisible(NULL))
+  }
   if (is.na(base) || bytes < base) {
     .mem$base <- bytes  # growth is measured from the lowest reading since the last collection
     if (!is.na(.mem$floor) && bytes < .mem$floor) .mem$floor <- bytes

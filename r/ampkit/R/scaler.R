@@ -161,7 +161,10 @@ GradScalerR6 <- R6::R6Class("ampkit_grad_scaler",
       private$deferred <- py_arg(calls[["update_deferred"]])
     },
     scale = function(x) {
-      if (inherits(x, "torch.Tensor")) return(scaled_loss(private$pyobj, x, private$hot$scale_backward))
+      if (inherits(x, "torch.Tensor")) {
+        if (.x$on) return(.Call(.x$scaled_loss, private$pyobj, x, private$hot$scale_backward))
+        return(scaled_loss(private$pyobj, x, private$hot$scale_backward))
+      }
       if (!is_tensor_list(x)) {
         abort(sprintf("`$scale()` takes a torch tensor (the loss) or a list of tensors, not %s.", describe(x)),
               class = "ampkit_bad_argument")
@@ -177,10 +180,12 @@ GradScalerR6 <- R6::R6Class("ampkit_grad_scaler",
       res <- if (.x$on) .External(.x$callx, "$step()", CALLX_VALUE, private$hot$step, optimizer, ...)
              else py_try(py_value(.h$call(private$hot$step, c(list(py_arg(optimizer)), dot_args(...)),
                                           dot_keywords(...))), "$step()")
-      private$stepped <- TRUE
+      assign("stepped", TRUE, envir = private)
       invisible(res)
     },
     update = function(new_scale = NULL) {
+      # (the compiled crossing makes the common case in one call: src/scaler.c)
+      if (is.null(new_scale) && .x$on && .Call(.x$defer_update, private, .pend)) return(invisible(NULL))
       if (is.null(new_scale) && private$stepped && option_on("ampkit.defer_update")) {
         flush_update()  # another scaler's
         private$stepped <- FALSE
@@ -269,7 +274,7 @@ scaled_tensor <- function(x) {
 
 #' @export
 `$.ampkit_scaled_loss` <- function(x, name) {
-  if (identical(name, "backward")) return(scaled_backward(x))
+  if (name == "backward") return(scaled_backward(x))
   t <- scaled_tensor(x)
   `$`(t, name)
 }

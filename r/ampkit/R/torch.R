@@ -253,12 +253,12 @@ bound_method <- function(self, name) {
 # memory allocated, for the garbage watch of memory.R.
 #' @export
 `$.torch.optim.optimizer.Optimizer` <- function(x, name) {
-  if (identical(name, "zero_grad")) {
+  if (name == "zero_grad") {
     if (is.null(.h$ready)) py_ready()
     # Bound in Python once per optimizer and kept in the optimizer's own R object
     # (an environment): no optimizer argument to convert each step.
     # The R function too: `opt$zero_grad` builds nothing after the first step.
-    zero <- get0(".ampkit_zero_grad", envir = x, inherits = FALSE)
+    zero <- .subset2(x, ".ampkit_zero_grad")
     if (is.null(zero)) {
       bound <- py_fn(.h$bound_zero_grad(x))
       zero <- function(...) {

@@ -648,12 +648,16 @@ static const R_CallMethodDef call_methods[] = {
   {"ampkit_release_forget", (DL_FUNC) &ampkit_release_forget, 1},
   {"ampkit_release_calibrated", (DL_FUNC) &ampkit_release_calibrated, 0},
   {"ampkit_release_counts", (DL_FUNC) &ampkit_release_counts, 0},
+  {"ampkit_region_setup", (DL_FUNC) &ampkit_region_setup, 1},
+  {"ampkit_scaled_loss", (DL_FUNC) &ampkit_scaled_loss, 3},
+  {"ampkit_defer_update", (DL_FUNC) &ampkit_defer_update, 2},
   {NULL, NULL, 0}
 };
 
 static const R_ExternalMethodDef external_methods[] = {
   {"ampkit_module", (DL_FUNC) &ampkit_module, -1},
   {"ampkit_callx", (DL_FUNC) &ampkit_callx, -1},
+  {"ampkit_region", (DL_FUNC) &ampkit_region, -1},
   {NULL, NULL, 0}
 };
 

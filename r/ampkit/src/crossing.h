@@ -92,4 +92,10 @@ SEXP ampkit_release_forget(SEXP calibrating);
 SEXP ampkit_release_calibrated(void);
 SEXP ampkit_release_counts(void);
 
+/* region.c, scaler.c */
+SEXP ampkit_region(SEXP args);
+SEXP ampkit_region_setup(SEXP fns);
+SEXP ampkit_scaled_loss(SEXP scaler, SEXP loss, SEXP backward);
+SEXP ampkit_defer_update(SEXP private_env, SEXP pend);
+
 #endif

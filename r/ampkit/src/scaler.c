@@ -1,0 +1,51 @@
+/* The scaler's per-step R side with the compiled crossing (R/scaler.R): the scaled loss
+ * that `scaler$scale(loss)` returns, made in one call, and `$update()` deferred to the
+ * next call into Python (the rule is R/scaler.R's; this only makes it cheap). */
+#include "crossing.h"
+
+static SEXP sym_scaler, sym_loss, sym_backward, sym_stepped, sym_deferred, sym_update, sym_option,
+    klass;
+
+/* ampkit_scaled_loss(scaler, loss, backward): R/scaler.R's scaled_loss(). */
+SEXP ampkit_scaled_loss(SEXP scaler, SEXP loss, SEXP backward) {
+  if (klass == NULL) {
+    sym_scaler = Rf_install("scaler");
+    sym_loss = Rf_install("loss");
+    sym_backward = Rf_install("backward");
+    klass = Rf_mkString("ampkit_scaled_loss");
+    R_PreserveObject(klass);
+    MARK_NOT_MUTABLE(klass);
+  }
+  SEXP x = PROTECT(R_NewEnv(R_EmptyEnv, TRUE, 3));
+  Rf_defineVar(sym_scaler, scaler, x);
+  Rf_defineVar(sym_loss, loss, x);
+  Rf_defineVar(sym_backward, backward, x);
+  Rf_setAttrib(x, R_ClassSymbol, klass);
+  UNPROTECT(1);
+  return x;
+}
+
+/* ampkit_defer_update(private, pend): `$update()` without a new scale, after `$step()`,
+ * with options(ampkit.defer_update) on and no other update pending: record it in `pend`
+ * for the next call into Python and return TRUE; else FALSE (R makes it). */
+SEXP ampkit_defer_update(SEXP private_env, SEXP pend) {
+  if (sym_stepped == NULL) {
+    sym_stepped = Rf_install("stepped");
+    sym_deferred = Rf_install("deferred");
+    sym_update = Rf_install("update");
+    sym_option = Rf_install("ampkit.defer_update");
+  }
+  SEXP stepped = Rf_findVarInFrame(private_env, sym_stepped);
+  if (TYPEOF(stepped) != LGLSXP || XLENGTH(stepped) != 1 || LOGICAL(stepped)[0] != TRUE)
+    return Rf_ScalarLogical(FALSE);
+  SEXP on = Rf_GetOption1(sym_option);
+  if (on != R_NilValue && !(TYPEOF(on) == LGLSXP && XLENGTH(on) == 1 && LOGICAL(on)[0] == TRUE))
+    return Rf_ScalarLogical(FALSE);
+  SEXP pending = Rf_findVarInFrame(pend, sym_update);
+  if (pending != R_UnboundValue && pending != R_NilValue) return Rf_ScalarLogical(FALSE);
+  SEXP deferred = Rf_findVarInFrame(private_env, sym_deferred);
+  if (deferred == R_UnboundValue) return Rf_ScalarLogical(FALSE);
+  Rf_defineVar(sym_stepped, Rf_ScalarLogical(FALSE), private_env);
+  Rf_defineVar(sym_update, deferred, pend);
+  return Rf_ScalarLogical(TRUE);
+}
