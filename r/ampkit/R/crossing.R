@@ -66,6 +66,7 @@ start_crossing <- function() {
         .x$region <- routine("ampkit_region")
         .x$scaled_loss <- routine("ampkit_scaled_loss")
         .x$defer_update <- routine("ampkit_defer_update")
+        .x$compiled_methods <- routine("ampkit_compiled_methods")
         .x$forget <- routine("ampkit_release_forget")
         .x$calibrated <- routine("ampkit_release_calibrated")
       }

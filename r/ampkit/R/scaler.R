@@ -159,6 +159,10 @@ GradScalerR6 <- R6::R6Class("ampkit_grad_scaler",
       private$hot <- lapply(list(scale_backward = "scale_backward", step = "step", update = "update"),
                             function(n) py_fn(calls[[n]]))
       private$deferred <- py_arg(calls[["update_deferred"]])
+      # The per-step methods as byte code (R6 drops it: src/scaler.c says why).
+      if (!is.null(.x$compiled_methods)) {
+        .Call(.x$compiled_methods, self, GradScalerR6$public_methods[c("scale", "step", "update")])
+      }
     },
     scale = function(x) {
       if (inherits(x, "torch.Tensor")) {

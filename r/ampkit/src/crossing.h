@@ -97,5 +97,6 @@ SEXP ampkit_region(SEXP args);
 SEXP ampkit_region_setup(SEXP fns);
 SEXP ampkit_scaled_loss(SEXP scaler, SEXP loss, SEXP backward);
 SEXP ampkit_defer_update(SEXP private_env, SEXP pend);
+SEXP ampkit_compiled_methods(SEXP self, SEXP methods);
 
 #endif
