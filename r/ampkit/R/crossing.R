@@ -26,7 +26,7 @@ load_crossing <- function(libname, pkgname) {
   }
   .x$dll <- tryCatch(library.dynam(pkgname, pkgname, libname), error = function(e) {
     .x$why <- if (grepl("shared object .* not found", conditionMessage(e))) {
-      "the package was installed without it (no working C compiler at install, or AMPKIT_R_COMPILED=0)"
+      "the package was installed without it: no working C compiler at install, or AMPKIT_R_COMPILED=0"
     } else {
       paste("its shared object did not load:", conditionMessage(e))
     }
@@ -94,7 +94,7 @@ use_crossing <- function(on) {
     if (!is.null(.x$why) && !isTRUE(.x$told) && !grepl("^turned off", .x$why)) {
       .x$told <- TRUE
       packageStartupMessage("ampkit: the compiled crossing into Python is not in use (", .x$why,
-                            "); calls go through reticulate, which is slower.")
+                            "). Calls go through reticulate, which is slower.")
     }
   }
   .x$on <- on

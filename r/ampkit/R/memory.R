@@ -55,9 +55,11 @@
 #' }
 #'
 #' Outputs R has dropped: the outputs of module calls are watched; when a later
-#' step rebinds `output` and nothing else in R (R's own reference count) or in
-#' Python holds the old one, the next module call frees its memory in the same
-#' call to Python (the tensor becomes empty). So a loop written as the seed
+#' step rebinds `output` and nothing else in R (R's own reference count) holds
+#' the old one, the next module call lets go of R's reference to it in the same
+#' call to Python (with the compiled crossing; otherwise it empties the tensor
+#' when nothing in Python holds it either), so that Python frees it as it would
+#' in a Python loop. So a loop written as the seed
 #' writes it holds no earlier step's outputs, with no collection at all. A
 #' tensor you keep (bound to another name, stored in a list) is never freed;
 #' an output passed to code that keeps a reference until R collects is left to
@@ -172,6 +174,10 @@ free_memory <- function() {
 }
 
 # ---- the outputs of earlier steps, freed when R drops them
+#
+# (With the compiled crossing, src/module.c keeps these rings and applies this rule; an
+# output whose Python object nothing else in R reaches is let go there rather than
+# emptied through the bridge.)
 #
 # R frees a Python tensor when it collects the R object holding it, which can be many
 # steps later (see above). The outputs of module calls (`output <- net(x)`, `loss <-

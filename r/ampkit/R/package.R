@@ -11,6 +11,15 @@
 #' and `make test` do), else the virtual environment that [install_ampkit()]
 #' made. It is started on first use, not when the package loads.
 #'
+#' The calls a training step makes into Python (regions, module and loss calls, the
+#' scaler's and the optimizer's per-step calls) go through the package's compiled code,
+#' on the objects reticulate holds, with the same results and conditions as through
+#' reticulate; everything else goes through reticulate. A package installed without a
+#' C compiler, or a Python whose C API is not found, calls through reticulate instead
+#' (slower), and says so once when Python starts. `AMPKIT_R_COMPILED=0` (at install or at
+#' run time) or `options(ampkit.compiled = FALSE)` before Python starts turns the compiled
+#' code off.
+#'
 #' @keywords internal
 #' @importFrom R6 R6Class
 "_PACKAGE"
