@@ -86,6 +86,14 @@ static void finalize_ref(SEXP xp) {
   R_ClearExternalPtr(xp);
 }
 
+void set_class(SEXP x, SEXP klass) {
+  SEXP a = PROTECT(Rf_cons(klass, R_NilValue));
+  SET_TAG(a, R_ClassSymbol);
+  SET_ATTRIB(x, a);
+  SET_OBJECT(x, 1);
+  UNPROTECT(1);
+}
+
 /* reticulate's form of a Python object (takes the reference `o`). */
 static SEXP make_ref(PyObject *o, int convert, SEXP klass) {
   SEXP xp = PROTECT(R_MakeExternalPtr(o, R_NilValue, R_NilValue));
@@ -93,7 +101,7 @@ static SEXP make_ref(PyObject *o, int convert, SEXP klass) {
   SEXP env = PROTECT(R_NewEnv(R_EmptyEnv, FALSE, 0));
   Rf_defineVar(sym_pyobj, xp, env);
   Rf_defineVar(sym_convert, Rf_ScalarLogical(convert), env);
-  if (klass != R_NilValue) Rf_setAttrib(env, R_ClassSymbol, klass);
+  if (klass != R_NilValue) set_class(env, klass);
   UNPROTECT(2);
   return env;
 }

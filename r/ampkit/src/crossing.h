@@ -92,6 +92,11 @@ SEXP ampkit_release_forget(SEXP calibrating);
 SEXP ampkit_release_calibrated(void);
 SEXP ampkit_release_counts(void);
 
+/* Give the new object `x` (no attributes yet) the class vector `klass`, shared and not
+ * copied (setAttrib() copies a vector that is referenced; `klass` is marked not mutable,
+ * so that changing one object's class copies it). */
+void set_class(SEXP x, SEXP klass);
+
 /* region.c, scaler.c */
 SEXP ampkit_region(SEXP args);
 SEXP ampkit_region_setup(SEXP fns);

@@ -20,7 +20,7 @@ SEXP ampkit_scaled_loss(SEXP scaler, SEXP loss, SEXP backward) {
   Rf_defineVar(sym_scaler, scaler, x);
   Rf_defineVar(sym_loss, loss, x);
   Rf_defineVar(sym_backward, backward, x);
-  Rf_setAttrib(x, R_ClassSymbol, klass);
+  set_class(x, klass);
   UNPROTECT(1);
   return x;
 }
