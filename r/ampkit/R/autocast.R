@@ -117,11 +117,9 @@ with_autocast_positional <- function(device_type, ..., env) {
 # so that R's reference count of the value drops when the caller drops it (memory.R).
 run_region <- function(expr, env, device_type, dtype, enabled, cache_enabled, policy) {
   if (.x$on) {  # the same checks, then all of it in compiled code (src/region.c)
-    if (!identical(device_type, "cuda") && !identical(device_type, "cpu")) {
-      device_type <- as_device_type(device_type)
-    }
+    if (!is_device_type(device_type)) device_type <- as_device_type(device_type)
     if (!is.null(dtype)) dtype <- as_py_dtype(dtype)
-    if (!isTRUE(enabled)) enabled <- as_py_bool(enabled, "enabled")
+    if (!is_true(enabled)) enabled <- as_py_bool(enabled, "enabled")
     if (!is.null(cache_enabled)) cache_enabled <- as_py_bool(cache_enabled, "cache_enabled")
     if (!is.null(policy)) policy <- as_py_policy(policy)
     return(.External(.x$region, expr, env, device_type, dtype, enabled, cache_enabled, policy))
@@ -181,9 +179,7 @@ enter_autocast <- function(device_type, dtype, enabled, cache_enabled, policy) {
     abort("`device_type` is missing: give \"cuda\" or \"cpu\", e.g. local_autocast(\"cuda\").",
           class = "ampkit_bad_device", call = sys.call(-1))
   }
-  if (!identical(device_type, "cuda") && !identical(device_type, "cpu")) {
-    device_type <- as_device_type(device_type)
-  }
+  if (!is_device_type(device_type)) device_type <- as_device_type(device_type)
   if (is.null(.h$ready)) py_ready()
   if (!is.null(dtype)) dtype <- as_py_dtype(dtype)
   if (!isTRUE(enabled)) enabled <- as_py_bool(enabled, "enabled")

@@ -65,6 +65,7 @@ start_crossing <- function() {
               list(.h$fn$enter_autocast, .h$fn$exit_autocast, region_error))
         .x$region <- routine("ampkit_region")
         .x$scaled_loss <- routine("ampkit_scaled_loss")
+        .x$scaled_done <- routine("ampkit_scaled_done")
         .x$defer_update <- routine("ampkit_defer_update")
         .x$compiled_methods <- routine("ampkit_compiled_methods")
         .x$forget <- routine("ampkit_release_forget")

@@ -295,7 +295,10 @@ scaled_backward <- function(x) {
                      dot_keywords(...)), "$scale(loss)$backward()")
     }
     # Without arguments (retain_graph and such) the graph is gone: let go of the loss.
-    if (!...length()) x$loss <- NULL
+    # (`x$loss <- NULL` dispatches `$<-` on the class; the compiled crossing unbinds it.)
+    if (!...length()) {
+      if (.x$on) .Call(.x$scaled_done, x) else x$loss <- NULL
+    }
     invisible(NULL)
   }
 }

@@ -658,6 +658,7 @@ static const R_CallMethodDef call_methods[] = {
   {"ampkit_release_counts", (DL_FUNC) &ampkit_release_counts, 0},
   {"ampkit_region_setup", (DL_FUNC) &ampkit_region_setup, 1},
   {"ampkit_scaled_loss", (DL_FUNC) &ampkit_scaled_loss, 3},
+  {"ampkit_scaled_done", (DL_FUNC) &ampkit_scaled_done, 1},
   {"ampkit_defer_update", (DL_FUNC) &ampkit_defer_update, 2},
   {"ampkit_compiled_methods", (DL_FUNC) &ampkit_compiled_methods, 2},
   {NULL, NULL, 0}

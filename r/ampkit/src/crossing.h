@@ -101,6 +101,7 @@ void set_class(SEXP x, SEXP klass);
 SEXP ampkit_region(SEXP args);
 SEXP ampkit_region_setup(SEXP fns);
 SEXP ampkit_scaled_loss(SEXP scaler, SEXP loss, SEXP backward);
+SEXP ampkit_scaled_done(SEXP x);
 SEXP ampkit_defer_update(SEXP private_env, SEXP pend);
 SEXP ampkit_compiled_methods(SEXP self, SEXP methods);
 

@@ -25,6 +25,14 @@ SEXP ampkit_scaled_loss(SEXP scaler, SEXP loss, SEXP backward) {
   return x;
 }
 
+/* ampkit_scaled_done(x): `x$loss <- NULL` on a scaled loss, without `$<-`'s dispatch. */
+SEXP ampkit_scaled_done(SEXP x) {
+  if (!Rf_isEnvironment(x)) Rf_error("ampkit_scaled_done: bad argument");
+  if (sym_loss == NULL) sym_loss = Rf_install("loss");
+  Rf_defineVar(sym_loss, R_NilValue, x);
+  return R_NilValue;
+}
+
 /* ampkit_defer_update(private, pend): `$update()` without a new scale, after `$step()`,
  * with options(ampkit.defer_update) on and no other update pending: record it in `pend`
  * for the next call into Python and return TRUE; else FALSE (R makes it). */
