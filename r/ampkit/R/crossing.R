@@ -73,7 +73,7 @@ start_crossing <- function() {
       }
       ok
     }, error = function(e) conditionMessage(e))
-    if (!identical(got, "")) .x$why <- paste("Python's C API was not found in this Python:", got)
+    if (!identical(got, "")) .x$why <- paste("it could not start:", got)
   } else if (is.null(.x$why)) {
     .x$why <- "its shared object was not loaded"
   }

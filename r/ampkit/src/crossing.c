@@ -564,7 +564,7 @@ SEXP ampkit_init(SEXP libpython, SEXP objects) {
 #define RESOLVE(field, name)                                          \
   do {                                                                \
     *(void **) (&py.field) = find(lib, name);                         \
-    if (py.field == NULL) return Rf_mkString("no symbol " name);      \
+    if (py.field == NULL) return Rf_mkString("Python's C API has no " name); \
   } while (0)
   RESOLVE(IsInitialized, "Py_IsInitialized");
   RESOLVE(GILState_Ensure, "PyGILState_Ensure");
@@ -595,7 +595,9 @@ SEXP ampkit_init(SEXP libpython, SEXP objects) {
 #undef RESOLVE
   if (!py.IsInitialized()) return Rf_mkString("Python is not initialized");
   py_none = env_object(none, NULL);
-  if (py_none == NULL || !Rf_isFunction(call_impl) || !Rf_isFunction(ref_to_r) ||
+  if (py_none == NULL)  /* (reticulate 1.28's form: an environment holding `pyobj`) */
+    return Rf_mkString("reticulate's objects are not of the form this package reads");
+  if (!Rf_isFunction(call_impl) || !Rf_isFunction(ref_to_r) ||
       !Rf_isFunction(VECTOR_ELT(objects, 3)) || !Rf_isEnvironment(VECTOR_ELT(objects, 4)) ||
       !Rf_isFunction(VECTOR_ELT(objects, 5)) || !Rf_isFunction(VECTOR_ELT(objects, 6)))
     return Rf_mkString("bad arguments");
