@@ -195,7 +195,7 @@ class TrainStep:
         self._graph = None
         self._last_replayed = False
         self._stream = None
-        self._rollback_pool = {}  # CPU copies kept between eager steps (_OptimizerCopy)
+        self._rollback_pool = {}  # copies kept between eager steps (_KeptCopies: buffers, CPU optimizer state)
         self._reset_static()
 
         reasons = _static_refusals(capture, device_type, model, optimizer, scaler)
