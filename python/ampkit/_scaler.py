@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from . import _doctor
 from ._distributed import InfFlagSync, local_shards, reduce_over
+from ._listeners import gradients_checked
 
 __all__ = ["GradScaler", "OptState", "ScalerStats", "cuda_amp_grad_scaler", "HISTORY_SIZE"]
 
@@ -776,7 +776,8 @@ class GradScaler:
         grouped, grads = self._collect_grads(optimizer, allow_fp16=False)
         found = self.found_inf(grouped, unscale=True)
         combine = self._sync.needed(optimizer)
-        _doctor.scaler_checked(found, optimizer, combine)  # an armed doctor takes it as its step's check
+        if gradients_checked:  # (an armed doctor takes the flags as its step's check)
+            gradients_checked.notify(found, optimizer, combine)
         if combine:
             self._sync.combine(found, scale.device)
         self._per_optimizer[id(optimizer)] = _OptRecord(OptState.UNSCALED, found, grads=grads)
@@ -821,7 +822,8 @@ class GradScaler:
                 raise _NoGrads()
             # Fused: only read the gradients; the optimizer unscales them in its kernel.
             found = self.found_inf(grouped, unscale=not fused)
-            _doctor.scaler_checked(found, optimizer, combine)  # (this rank's flags: where a replay finds the op)
+            if gradients_checked:  # (this rank's flags, before they are combined)
+                gradients_checked.notify(found, optimizer, combine)
             if combine:
                 self._sync.combine(found, scale.device)
             if not fused:  # as unscale_() records it: a failing step() won't unscale twice
