@@ -24,12 +24,7 @@ from typing import Any
 
 import torch
 
-from ._scaler_checks import F32_MAX, real_in
-
-#: Number of recent ``update()`` calls whose scale is kept on the device.
-HISTORY_SIZE = 1024
-# The stats counters (int64 on the device) count modulo this; a loaded _steps must be below.
-COUNT_LIMIT = 2**62
+from ._scaler_checks import COUNT_LIMIT, F32_MAX, HISTORY_SIZE, real_in
 
 
 @dataclasses.dataclass(eq=False)

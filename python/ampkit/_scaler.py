@@ -7,6 +7,14 @@ scale, the growth tracker, the parameters and the optimizer state follow
 statistics) adds no host-device sync: device-tensor arithmetic where the inf flag lives
 only on the device (fused optimizers, CUDA graphs), Python integers where the plain path
 has read the flag on the host already (then an update runs no more kernels than torch's).
+
+This module holds the class and its stage machine; beside it, each on its own floor of
+the import graph (none imports anything of ampkit above the scaler): ``_scaler_checks``
+(limits, argument checks, misuse errors), ``_grad_check`` (the gradients grouped for the
+check), ``_scale_update`` (the scale's device state and update rule, a base of the class),
+``_scaler_state_dict`` (the state dict's keys and checks), ``_distributed`` (the inf flags
+over ranks). The scaler knows no diagnostic: it notifies ``_listeners.gradients_checked``
+after each gradient check, which costs one truth test when nothing subscribed.
 """
 
 from __future__ import annotations
@@ -23,9 +31,9 @@ import torch
 from ._distributed import InfFlagSync, local_shards, reduce_over
 from ._grad_check import any_flag, collect_grads, finite_probes, grads_of, same_tensors
 from ._listeners import gradients_checked
-from ._scale_update import HISTORY_SIZE, HostCounts, ScaleUpdate, to_device_counters
-from ._scaler_checks import (F32_MAX, INT32_MAX, ORDER, NoChecksError, NoGradsError, check_clamps, check_optimizer,
-                             check_outputs, device_type_of, int_in, optional_scale, real_in)
+from ._scale_update import HostCounts, ScaleUpdate, to_device_counters
+from ._scaler_checks import (F32_MAX, HISTORY_SIZE, INT32_MAX, ORDER, NoChecksError, NoGradsError, check_clamps,
+                             check_optimizer, check_outputs, device_type_of, int_in, optional_scale, real_in)
 from ._scaler_state_dict import ScaleHistory, parse_state_dict
 
 __all__ = ["GradScaler", "OptState", "ScalerStats", "cuda_amp_grad_scaler", "HISTORY_SIZE"]

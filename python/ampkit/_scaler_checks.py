@@ -1,4 +1,4 @@
-"""The scaler's argument checks, and the errors that name the order its calls broke."""
+"""The scaler's limits and argument checks, and the errors that name the order its calls broke."""
 
 from __future__ import annotations
 
@@ -8,6 +8,10 @@ from typing import Any
 
 import torch
 
+#: Number of recent ``update()`` calls whose scale is kept on the device.
+HISTORY_SIZE = 1024
+# The stats counters (int64 on the device) count modulo this; a loaded _steps must be below.
+COUNT_LIMIT = 2**62
 INT32_MAX = 2**31 - 1
 F32_MAX = float(torch.finfo(torch.float32).max)
 ORDER = "scale(loss).backward() -> [unscale_(opt)] -> step(opt) -> update()"

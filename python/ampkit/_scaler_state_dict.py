@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from ._scale_update import COUNT_LIMIT, HISTORY_SIZE
-from ._scaler_checks import F32_MAX, INT32_MAX, check_clamps, int_in, optional_scale, real_in
+from ._scaler_checks import (COUNT_LIMIT, F32_MAX, HISTORY_SIZE, INT32_MAX, check_clamps, int_in, optional_scale,
+                             real_in)
 
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 OUR_KEYS = (
