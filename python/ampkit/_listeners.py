@@ -5,7 +5,8 @@ diagnostic (``ampkit.doctor``) subscribes when it is armed and unsubscribes when
 closed. A point with no listener costs one truth test of an empty tuple at its call site::
 
     point.subscribe(fn)          # fn is called on every notify(), in subscription order
-    point.notify(*args)          # for fn in listeners: fn(*args)
+    if point.listeners:          # (the call site's test: a tuple, empty when none subscribed)
+        point.notify(*args)      # for fn in point.listeners: fn(*args)
     point.unsubscribe(fn)        # (a listener that is not subscribed is ignored)
 
 The points:
@@ -23,8 +24,8 @@ The points:
 >>> point = Listeners("example")
 >>> point.subscribe(seen.append)
 >>> point.notify(1); point.unsubscribe(seen.append); point.notify(2)
->>> seen, bool(point)
-([1], False)
+>>> seen, point.listeners
+([1], ())
 """
 
 from __future__ import annotations
@@ -35,37 +36,31 @@ from collections.abc import Callable
 class Listeners:
     """One listener point: the functions subscribed to it, called in order by ``notify``.
 
-    The listeners are held as a tuple that each (un)subscription replaces, so a listener
-    may unsubscribe (or subscribe another) while ``notify`` runs: that call goes on with
-    the listeners it began with.
+    ``listeners`` is a tuple that each (un)subscription replaces (never changed in place),
+    so a listener may unsubscribe (or subscribe another) while ``notify`` runs: that call
+    goes on with the listeners it began with.
     """
 
-    __slots__ = ("name", "_fns")
+    __slots__ = ("name", "listeners")
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._fns: tuple[Callable[..., None], ...] = ()
-
-    def __bool__(self) -> bool:
-        return bool(self._fns)
-
-    def __len__(self) -> int:
-        return len(self._fns)
+        self.listeners: tuple[Callable[..., None], ...] = ()
 
     def subscribe(self, fn: Callable[..., None]) -> None:
         if not callable(fn):
             raise TypeError(f"Listeners({self.name!r}).subscribe() takes a callable, got {fn!r:.60}")
-        self._fns += (fn,)
+        self.listeners += (fn,)
 
     def unsubscribe(self, fn: Callable[..., None]) -> None:
-        self._fns = tuple(f for f in self._fns if f is not fn and f != fn)
+        self.listeners = tuple(f for f in self.listeners if f is not fn and f != fn)
 
     def notify(self, *args) -> None:
-        for fn in self._fns:
+        for fn in self.listeners:
             fn(*args)
 
     def __repr__(self) -> str:
-        return f"<Listeners {self.name!r}: {len(self._fns)} subscribed>"
+        return f"<Listeners {self.name!r}: {len(self.listeners)} subscribed>"
 
 
 #: An ``ampkit.GradScaler`` checked an optimizer's gradients (see the module's doc).

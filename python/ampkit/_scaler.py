@@ -521,7 +521,7 @@ class GradScaler(ScaleUpdate):
         grouped, grads = collect_grads(optimizer, allow_fp16=False)
         found = self.found_inf(grouped, unscale=True)
         combine = self._sync.needed(optimizer)
-        if gradients_checked:  # (an armed doctor takes the flags as its step's check)
+        if gradients_checked.listeners:  # (an armed doctor takes the flags as its step's check)
             gradients_checked.notify(found, optimizer, combine)
         if combine:
             self._sync.combine(found, scale.device)
@@ -567,7 +567,7 @@ class GradScaler(ScaleUpdate):
                 raise NoGradsError()
             # Fused: only read the gradients; the optimizer unscales them in its kernel.
             found = self.found_inf(grouped, unscale=not fused)
-            if gradients_checked:  # (this rank's flags, before they are combined)
+            if gradients_checked.listeners:  # (this rank's flags, before they are combined)
                 gradients_checked.notify(found, optimizer, combine)
             if combine:
                 self._sync.combine(found, scale.device)

@@ -818,3 +818,32 @@ def test_a_step_checked_twice_keeps_its_data_for_the_bad_second_check(placed_by)
     assert skipped1 == skipped2 == 1
     assert f1 is not None and f1.step == 4 and f1.op != "<not reproduced>"
     assert f2 is not None and (f2.op, f2.module, f2.phase, f2.step) == (f1.op, f1.module, f1.phase, f1.step)
+
+
+def test_the_doctor_listens_to_the_scaler_and_the_capture_only_while_armed():
+    # the core offers listener points and knows no doctor: arming subscribes, closing (or
+    # the doctor's collection with its model, never closed) unsubscribes; a second model's
+    # doctor may arm once the first is gone
+    import gc
+    import weakref
+
+    from ampkit._listeners import about_to_capture, gradients_checked
+
+    def points():
+        return len(gradients_checked.listeners), len(about_to_capture.listeners)
+
+    before = points()
+    model = torch.nn.Linear(4, 1)
+    doc = ampkit.doctor(model)
+    assert points() == (before[0] + 1, before[1] + 1)
+    doc.close()
+    assert points() == before
+    doc = ampkit.doctor(model)
+    with pytest.raises(RuntimeError, match="already armed"):
+        ampkit.doctor(model)
+    ref = weakref.ref(doc)
+    del doc, model
+    gc.collect()
+    assert ref() is None and points() == before
+    ampkit.doctor(torch.nn.Linear(4, 1)).close()
+    assert points() == before
