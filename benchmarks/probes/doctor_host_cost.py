@@ -18,7 +18,7 @@ import time
 import torch
 
 import ampkit
-from ampkit import _doctor, _doctor_step
+from ampkit.doctor import _doctor, _step_watch
 from ampkit.bench import build_case
 
 ap = argparse.ArgumentParser()
@@ -44,13 +44,13 @@ def timed(owner, name):
 
 
 for owner, name in [(_doctor.doctor, "_root_pre"), (_doctor.doctor, "_root_post"), (_doctor.doctor, "_hook_grad"),
-                    (_doctor_step.StepWatch, "record"), (_doctor_step.StepWatch, "_send"),
-                    (_doctor_step.StepWatch, "poll"), (_doctor_step.StepWatch, "begin"), (_doctor_step.StepWatch, "begin_new"),
-                    (_doctor_step.StepWatch, "keep_grad"),
-                    (_doctor, "scaler_checked"),  # (the scaler calls it through the module)
-                    (_doctor, "_capturing"), (_doctor.doctor, "_log_rng"), (_doctor.doctor, "_new_step"),
-                    (_doctor_step.StepWatch, "check_pending"), (_doctor_step, "region_config"),
-                    (_doctor_step.StepWatch, "hold_output_grads"), (_doctor.doctor, "_scaler_report"),
+                    (_step_watch.StepWatch, "record"), (_step_watch.StepWatch, "_send"),
+                    (_step_watch.StepWatch, "poll"), (_step_watch.StepWatch, "begin"), (_step_watch.StepWatch, "begin_new"),
+                    (_step_watch.StepWatch, "keep_grad"),
+                    (_doctor.doctor, "_gradients_checked"),  # (the scaler's listener point calls it)
+                    (_doctor, "capturing"), (_doctor.doctor, "_log_rng"), (_doctor.doctor, "_new_step"),
+                    (_step_watch.StepWatch, "check_pending"), (_doctor, "region_config"),
+                    (_step_watch.StepWatch, "hold_output_grads"), (_doctor.doctor, "_scaler_report"),
                     (_doctor.doctor, "_steps")]:
     timed(owner, name)
 
@@ -91,7 +91,7 @@ for i in range(a.steps + 10):
     raw_stream(get_device())
     samples.setdefault("(C) raw current stream, after step", []).append(time.perf_counter() - t)
     t = time.perf_counter()
-    _doctor_step.capturing()
+    _step_watch.capturing()
     samples.setdefault("(C) capturing(), after step", []).append(time.perf_counter() - t)
     t = time.perf_counter()
     pinned[i % 64].copy_(flag, non_blocking=True)  # (what one flag a step sent at once would cost)

@@ -17,7 +17,7 @@ import time
 import torch
 
 import ampkit
-from ampkit import _doctor_step
+from ampkit.doctor import _step_watch
 from ampkit.bench import build_case
 
 ap = argparse.ArgumentParser()
@@ -38,7 +38,7 @@ def sync():
 def device_allocs():
     return torch.cuda.memory_stats().get("num_device_alloc", 0) if dev == "cuda" else 0
 n = len(built.batches)
-_record = _doctor_step.StepWatch.record
+_record = _step_watch.StepWatch.record
 _QUIET = set()
 
 
@@ -48,7 +48,7 @@ def record(self, bad):  # the no-op record of the third copy's watch
     return _record(self, bad)
 
 
-_doctor_step.StepWatch.record = record
+_step_watch.StepWatch.record = record
 
 
 def make(kind):

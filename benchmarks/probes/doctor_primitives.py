@@ -19,7 +19,7 @@ import weakref
 import torch
 
 import ampkit
-from ampkit import _doctor_step
+from ampkit.doctor import _replay, _step_watch
 from ampkit.bench import build_case, loop_step
 
 ap = argparse.ArgumentParser()
@@ -30,7 +30,7 @@ dev = a.device
 x = torch.randn(64, 64, device=dev, requires_grad=True)
 y = (x * 2).sum(1)
 flag = torch.zeros((), device=dev)
-gen = _doctor_step.cuda_generator(torch.device(dev)) if dev == "cuda" else torch.default_generator
+gen = _replay.cuda_generator(torch.device(dev)) if dev == "cuda" else torch.default_generator
 lst: list = []
 
 
@@ -52,7 +52,7 @@ def mul_only():
 calls = {
     "python call": nothing,
     "list append+clear": lambda: (lst.append(flag), lst.clear()),
-    "capturing()": _doctor_step.capturing,
+    "capturing()": _step_watch.capturing,
     "raw current stream": (lambda: torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())) if dev == "cuda" else nothing,
     "generator.initial_seed()": gen.initial_seed,
     "generator.get_offset()": gen.get_offset if dev == "cuda" else nothing,
@@ -63,7 +63,7 @@ calls = {
     "x.nbytes": lambda: x.nbytes,
     "x._version": lambda: x._version,
     "weakref.ref(x)": lambda: weakref.ref(x),
-    "region_config((dev,))": lambda: _doctor_step.region_config((dev,)),
+    "region_config((dev,))": lambda: _replay.region_config((dev,)),
     "x * 1.0 (one launch)": mul_only,
     "x * 1.0 + hook dict": hook_dict,
     "torch.zeros(())": lambda: torch.zeros((), device=dev),
@@ -107,5 +107,5 @@ for tt, ct, nc, name in rows[:40]:
     print(f"  {tt / a.steps * 1e6:8.1f} {ct / a.steps * 1e6:8.1f} {nc / a.steps:6.2f}  {name}")
 print("the doctor's own functions by cumulative time (us a step; calls a step):")
 for tt, ct, nc, name in sorted(rows, key=lambda r: -r[1]):
-    if name.startswith("_doctor"):
+    if name.startswith(("_doctor.py", "_step_watch.py", "_op_watch.py", "_replay.py", "_replaying.py")):
         print(f"  {tt / a.steps * 1e6:8.1f} {ct / a.steps * 1e6:8.1f} {nc / a.steps:6.2f}  {name}")

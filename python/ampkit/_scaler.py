@@ -7,6 +7,14 @@ scale, the growth tracker, the parameters and the optimizer state follow
 statistics) adds no host-device sync: device-tensor arithmetic where the inf flag lives
 only on the device (fused optimizers, CUDA graphs), Python integers where the plain path
 has read the flag on the host already (then an update runs no more kernels than torch's).
+
+This module holds the class and its stage machine; beside it, each on its own floor of
+the import graph (none imports anything of ampkit above the scaler): ``_scaler_checks``
+(limits, argument checks, misuse errors), ``_grad_check`` (the gradients grouped for the
+check), ``_scale_update`` (the scale's device state and update rule, a base of the class),
+``_scaler_state_dict`` (the state dict's keys and checks), ``_distributed`` (the inf flags
+over ranks). The scaler knows no diagnostic: it notifies ``_listeners.gradients_checked``
+after each gradient check, which costs one truth test when nothing subscribed.
 """
 
 from __future__ import annotations
@@ -14,40 +22,23 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-import numbers
 import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from . import _doctor
 from ._distributed import InfFlagSync, local_shards, reduce_over
+from ._grad_check import any_flag, collect_grads, finite_probes, grads_of, same_tensors
+from ._listeners import gradients_checked
+from ._scale_update import HostCounts, ScaleUpdate, to_device_counters
+from ._scaler_checks import (F32_MAX, HISTORY_SIZE, INT32_MAX, ORDER, NoChecksError, NoGradsError, check_clamps,
+                             check_optimizer, check_outputs, device_type_of, int_in, optional_scale, real_in)
+from ._scaler_state_dict import ScaleHistory, parse_state_dict
 
 __all__ = ["GradScaler", "OptState", "ScalerStats", "cuda_amp_grad_scaler", "HISTORY_SIZE"]
 
-#: Number of recent ``update()`` calls whose scale is kept on the device.
-HISTORY_SIZE = 1024
-
-_INT32_MAX = 2**31 - 1
-# The stats counters (int64 on the device) count modulo this; a loaded _steps must be below.
-_COUNT_LIMIT = 2**62
-# torch's C++ grouping of tensor lists by (device, dtype), used by its foreach optimizers.
-_GROUP = getattr(torch._C, "_group_tensors_by_device_and_dtype", None)
-_F32_MAX = float(torch.finfo(torch.float32).max)
 _is_grad_enabled, _set_grad_enabled = torch.is_grad_enabled, torch._C._set_grad_enabled
-_ORDER = "scale(loss).backward() -> [unscale_(opt)] -> step(opt) -> update()"
-_TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
-_OUR_KEYS = (
-    "hysteresis",
-    "min_scale",
-    "max_scale",
-    "_hysteresis_left",
-    "_steps",
-    "_skipped",
-    "_last_skipped",
-    "_scale_history",
-)
 
 
 class OptState(enum.Enum):
@@ -97,182 +88,10 @@ class ScalerStats:
 # --------------------------------------------------------------------------- validation
 
 
-def _real(name: str, value: Any, lo: float, hi: float, lo_open: bool, hi_open: bool) -> float:
-    """A finite real number in the given interval, as a float; else TypeError/ValueError."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
-    v = float(value)
-    valid = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
-    inside = (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
-    if not (math.isfinite(v) and inside):
-        raise ValueError(f"{name}={value!r} is invalid; it must be finite and in {valid}")
-    return v
-
-
-def _int(name: str, value: Any, lo: int, hi: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    if not lo <= int(value) <= hi:
-        raise ValueError(f"{name}={value!r} is invalid; it must be an int in [{lo}, {hi}]")
-    return int(value)
-
-
-def _opt_real(name: str, value: Any) -> float | None:
-    return None if value is None else _real(name, value, 0.0, _F32_MAX, True, False)
-
-
-def _check_clamps(min_scale: float | None, max_scale: float | None, prefix: str = "") -> None:
-    if min_scale is not None and max_scale is not None and min_scale > max_scale:
-        raise ValueError(
-            f"{prefix}min_scale={min_scale!r} is larger than {prefix}max_scale={max_scale!r}; "
-            "min_scale must be <= max_scale"
-        )
-
-
-def _device_type(device: Any) -> str:
-    if not isinstance(device, (str, torch.device)):
-        raise TypeError(f"device must be a str such as 'cuda' or 'cpu', got {device!r}")
-    try:
-        return torch.device(device).type
-    except RuntimeError as e:
-        raise ValueError(f"device={device!r} is not a torch device type; use 'cuda' or 'cpu'") from e
-
-
-def _check_outputs(value: Any, where: str = "outputs") -> torch.Tensor | None:
-    """Validate ``scale()``'s input before touching state; return its first tensor."""
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, (list, tuple)):
-        first = None
-        for i, v in enumerate(value):
-            t = _check_outputs(v, f"{where}[{i}]")
-            first = first if first is not None else t
-        return first
-    raise TypeError(
-        f"scale() takes a tensor or (nested) lists/tuples of tensors, but {where} is "
-        f"{type(value).__name__} ({value!r:.60}); pass the loss tensor(s) themselves"
-    )
-
-
-def _check_optimizer(optimizer, method: str) -> None:
-    if getattr(optimizer, "param_groups", None) is None:
-        raise TypeError(f"{method}() expected a torch.optim.Optimizer (something with "
-                        f"param_groups), got {optimizer!r:.60}")
-
-
-class _NoGrads(RuntimeError):
-    def __init__(self):
-        super().__init__(
-            "step(): this optimizer has no gradients (every .grad is None), so there is "
-            "nothing to check or apply. Call scaler.scale(loss).backward() on a loss that "
-            "depends on its parameters first."
-        )
-
-
-class _NoChecks(RuntimeError):
-    def __init__(self):
-        super().__init__(
-            "update() found no inf/NaN checks: no optimizer was stepped (or unscaled) "
-            f"since the last update(); the order is {_ORDER}. Call "
-            "scaler.step(optimizer) first, or update(new_scale=...) to set the scale."
-        )
-
-
-def _grads_of(optimizer) -> tuple:
-    """The gradient tensors of the optimizer's parameters that have one."""
-    return tuple(g for group in optimizer.param_groups for p in group["params"] if (g := p.grad) is not None)
-
-
-def _same_tensors(a: tuple, b: tuple) -> bool:
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
-
-
-@dataclasses.dataclass(eq=False)
-class _HostCounts:
-    """What update() counts in Python while the host knows every inf flag (see GradScaler).
-
-    ``tracker`` is the growth tracker (the device's copy lags), so the host knows which
-    update changes the scale; the history entries of the updates from ``unwritten`` on all equal the
-    current scale and are written to the device ring only when it changes or is read."""
-
-    steps: int
-    skipped: int
-    last: int  # -1: none
-    run: int  # consecutive overflows (read where hysteresis > 1)
-    tracker: int
-    unwritten: int
-
-    @classmethod
-    def of(cls, counters: list[int], run: int, tracker: int) -> _HostCounts:
-        steps, skipped, last = counters
-        return cls(steps, skipped, last, run, tracker, steps)
-
-
-def _to_device_counters(counters: list[int]) -> list[int]:
-    """(steps, skipped, last_skipped) -> the device form (steps, skipped, gap, slot)."""
-    steps, skipped, last = counters
-    gap = steps - 1 - last if last >= 0 else steps
-    return [steps, skipped, gap, steps % HISTORY_SIZE]
-
-
-def _from_device_counters(values: list[int]) -> list[int]:
-    steps, skipped, gap, _ = values
-    return [steps, skipped, steps - 1 - gap if skipped else -1]
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def _any_flag(flags, device: torch.device) -> torch.Tensor:
-    """One inf flag on ``device`` from several 1.0/0.0 flags (per device, per optimizer).
-
-    Their max, not their sum: it stays 1.0 or 0.0, and fused optimizers skip a step only
-    when ``found_inf == 1.0`` (two overflowing devices would sum to 2.0 and step). A lone
-    flag already on ``device`` is returned as is (no kernel); each further one costs one
-    ``maximum`` (plus a copy if it lives elsewhere). No sync.
-    """
-    total = None
-    for flag in flags:
-        if flag.device != device:
-            flag = flag.to(device, non_blocking=True)
-        total = flag if total is None else torch.maximum(total, flag)
-    return total
-
-
-def _finite_probes(grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Scalars, read from ``grads`` without writing them, non-finite iff a grad holds inf/NaN.
-
-    max |g| (the inf-norm, NaN-propagating) of every non-empty gradient: one multi-tensor
-    kernel on CUDA. The CPU's ``_foreach_norm`` is a scalar loop (about 20x slower than
-    torch's check), so there it is (min, max) per gradient, vectorized and NaN-propagating.
-    ``grads`` are plain tensors (DTensors' local shards: see ``found_inf``).
-    """
-    grads = [g for g in grads if g.numel()]  # an empty gradient holds nothing to check
-    if not grads:
-        return []
-    if grads[0].device.type != "cpu":
-        return _inf_norms(grads)
-    return [m for g in grads for m in torch.aminmax(g)]
-
-
-def _inf_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    """max |g| of every gradient of one (device, dtype) group: one multi-tensor kernel.
-
-    torch's check kernel has no bfloat16 on CUDA, so bfloat16 norms come out of the same
-    kernel as float32 (``dtype=``; it reduces in float32 anyway): the max of bfloat16
-    values is exact in float32, and inf and NaN stay inf and NaN. No extra kernel per
-    gradient (a ``.float()`` each), no sync.
-    """
-    if grads[0].dtype == torch.bfloat16:
-        return list(torch._foreach_norm(grads, math.inf, dtype=torch.float32))
-    return list(torch._foreach_norm(grads, math.inf))
-
-
 # --------------------------------------------------------------------------- the scaler
 
 
-class GradScaler:
+class GradScaler(ScaleUpdate):
     """Dynamic loss scaling with torch's numerics, plus hysteresis, clamps and stats.
 
     The state machine (one ``update()`` per iteration; ``found`` is "some gradient of
@@ -379,17 +198,17 @@ class GradScaler:
         max_scale: float | None = None,
         process_group: Any = None,
     ) -> None:
-        device_type = _device_type(device)
+        device_type = device_type_of(device)
         if not isinstance(enabled, bool):
             raise TypeError(f"enabled must be True or False, got {enabled!r}")
-        init_scale = _real("init_scale", init_scale, 0.0, _F32_MAX, True, False)
-        growth_factor = _real("growth_factor", growth_factor, 1.0, math.inf, True, True)
-        backoff_factor = _real("backoff_factor", backoff_factor, 0.0, 1.0, True, True)
-        growth_interval = _int("growth_interval", growth_interval, 1, _INT32_MAX)
-        hysteresis = _int("hysteresis", hysteresis, 1, _INT32_MAX)
-        min_scale = _opt_real("min_scale", min_scale)
-        max_scale = _opt_real("max_scale", max_scale)
-        _check_clamps(min_scale, max_scale)
+        init_scale = real_in("init_scale", init_scale, 0.0, F32_MAX, True, False)
+        growth_factor = real_in("growth_factor", growth_factor, 1.0, math.inf, True, True)
+        backoff_factor = real_in("backoff_factor", backoff_factor, 0.0, 1.0, True, True)
+        growth_interval = int_in("growth_interval", growth_interval, 1, INT32_MAX)
+        hysteresis = int_in("hysteresis", hysteresis, 1, INT32_MAX)
+        min_scale = optional_scale("min_scale", min_scale)
+        max_scale = optional_scale("max_scale", max_scale)
+        check_clamps(min_scale, max_scale)
         if (min_scale is not None and init_scale < min_scale) or (
             max_scale is not None and init_scale > max_scale
         ):
@@ -439,7 +258,7 @@ class GradScaler:
         # update() counted on the device (a fused optimizer's): a CUDA graph may replay that
         # one, unseen by the host, so the host never takes the counting back
         # (_device_counted).
-        self._host_counts: _HostCounts | None = None
+        self._host_counts: HostCounts | None = None
         self._device_behind = False
         self._device_counted = False
         self._per_optimizer: dict[int, _OptRecord] = {}
@@ -473,19 +292,19 @@ class GradScaler:
         return self._growth_factor
 
     def set_growth_factor(self, new_factor: float) -> None:
-        self._growth_factor = _real("growth_factor", new_factor, 1.0, math.inf, True, True)
+        self._growth_factor = real_in("growth_factor", new_factor, 1.0, math.inf, True, True)
 
     def get_backoff_factor(self) -> float:
         return self._backoff_factor
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        self._backoff_factor = _real("backoff_factor", new_factor, 0.0, 1.0, True, True)
+        self._backoff_factor = real_in("backoff_factor", new_factor, 0.0, 1.0, True, True)
 
     def get_growth_interval(self) -> int:
         return self._growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
-        self._growth_interval = _int("growth_interval", new_interval, 1, _INT32_MAX)
+        self._growth_interval = int_in("growth_interval", new_interval, 1, INT32_MAX)
 
     @property
     def scale_tensor(self) -> torch.Tensor | None:
@@ -514,7 +333,7 @@ class GradScaler:
 
     def stage(self, optimizer: torch.optim.Optimizer) -> OptState:
         """The stage of ``optimizer`` in the current iteration."""
-        _check_optimizer(optimizer, "stage")
+        check_optimizer(optimizer, "stage")
         record = self._per_optimizer.get(id(optimizer))
         return OptState.READY if record is None else record.stage
 
@@ -535,7 +354,7 @@ class GradScaler:
         >>> scaler.is_sync_free(torch.optim.SGD(params, lr=0.1))
         False
         """
-        _check_optimizer(optimizer, "is_sync_free")
+        check_optimizer(optimizer, "is_sync_free")
         return not self._enabled or bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
     def _settings(self) -> tuple:
@@ -569,34 +388,11 @@ class GradScaler:
 
     # ------------------------------------------------------------------ device state
 
-    def _lazy_init(self, device: torch.device) -> None:
-        p = self._pending
-        self._scale = torch.full((), p["scale"], dtype=torch.float32, device=device)
-        self._growth_tracker = torch.full((), p["growth_tracker"], dtype=torch.int32, device=device)
-        self._overflow_run = torch.full(
-            (), self._hysteresis - p["hysteresis_left"], dtype=torch.int32, device=device
-        )
-        self._counters = torch.tensor(_to_device_counters(p["counters"]), dtype=torch.int64, device=device)
-        self._history = torch.tensor(p["history"], dtype=torch.float32, device=device)
-        # Stats step on the device: counters = (counters + delta) % modulus, elementwise,
-        # with (delta, modulus) picked by the inf flag: steps+1, skipped+flag, gap+1 (mod 1
-        # -> 0 on a skip), slot+1 (mod HISTORY_SIZE). No sync.
-        big = _COUNT_LIMIT
-        clean, skip = ([1, 0, 1, 1], [big, big, big, HISTORY_SIZE]), ([1, 1, 1, 1], [big, big, 1, HISTORY_SIZE])
-        table = torch.tensor([clean, skip], dtype=torch.int64, device=device)
-        # (delta if clean, delta if skipped, modulus if clean, modulus if skipped)
-        self._stat_steps = (table[0, 0], table[1, 0], table[0, 1], table[1, 1])
-        # Made once: a view costs an op per step (the slot counter, the scale as a
-        # 1-element tensor); every write to these tensors is in place.
-        self._views = (self._counters[3:], self._scale.view(1))
-        self._host_counts = _HostCounts.of(
-            p["counters"], self._hysteresis - p["hysteresis_left"], p["growth_tracker"])
-        self._device_behind = False
 
     def _require_scale(self, method: str) -> torch.Tensor:
         if self._scale is None:
             raise RuntimeError(
-                f"{method}() was called before any scale(); the order is {_ORDER}. "
+                f"{method}() was called before any scale(); the order is {ORDER}. "
                 "Call scaler.scale(loss).backward() first in each iteration."
             )
         return self._scale
@@ -611,7 +407,7 @@ class GradScaler:
         """
         if not self._enabled:
             return outputs
-        first = _check_outputs(outputs)
+        first = check_outputs(outputs)
         if first is None:
             return outputs
         if self._scale is None:
@@ -636,57 +432,6 @@ class GradScaler:
 
     # ------------------------------------------------------------------ unscale_
 
-    @staticmethod
-    def _collect_grads(optimizer, allow_fp16: bool) -> tuple[dict, tuple]:
-        """Group the optimizer's gradients by (device, dtype); validate before mutating.
-
-        Returns the groups and the parameters' gradient tensors (``_grads_of``)."""
-        groups = getattr(optimizer, "param_groups", None)
-        if groups is None:
-            raise TypeError(
-                f"expected a torch.optim.Optimizer (something with param_groups), "
-                f"got {type(optimizer).__name__}"
-            )
-        grads = [g for group in groups for p in group["params"] if (g := p.grad) is not None]
-        if not grads:
-            return {}, ()
-        if _GROUP is None or any(g.is_sparse for g in grads):
-            return GradScaler._collect_grads_slowly(groups, allow_fp16)
-        grouped = {key: lists[0] for key, (lists, _) in _GROUP([grads], False).items()}
-        if not allow_fp16 and any(dtype == torch.float16 for _, dtype in grouped):
-            GradScaler._collect_grads_slowly(groups, allow_fp16)  # raises, naming the parameter
-        return grouped, tuple(grads)
-
-    @staticmethod
-    def _collect_grads_slowly(groups, allow_fp16: bool) -> tuple[dict, tuple]:
-        """_collect_grads for sparse gradients (and a torch without its grouping), and the
-        float16 refusal with the parameter's shape."""
-        params = [p for group in groups for p in group["params"] if p.grad is not None]
-        grads = [p.grad for p in params]
-        if not allow_fp16:
-            for p, grad in zip(params, grads):
-                if grad.dtype == torch.float16:
-                    raise ValueError(
-                        f"unscale_() got a float16 gradient (parameter of shape "
-                        f"{tuple(p.shape)}); unscaling in float16 loses the small "
-                        "gradients that loss scaling exists to keep. Keep parameters in "
-                        "float32 and run the forward pass under ampkit.autocast, or use a "
-                        "fused optimizer that unscales internally."
-                    )
-        if any(g.is_sparse for g in grads):
-            with torch.no_grad():
-                for i, p in enumerate(params):
-                    if grads[i].is_sparse:
-                        if grads[i].dtype is torch.float16:  # duplicates could overflow
-                            p.grad = grads[i] = grads[i].coalesce()
-                        grads[i] = grads[i]._values()
-        kept = tuple(p.grad for p in params)
-        if _GROUP is not None:
-            return {key: lists[0] for key, (lists, _) in _GROUP([grads], False).items()}, kept
-        grouped: dict[tuple, list[torch.Tensor]] = {}
-        for grad in grads:
-            grouped.setdefault((grad.device, grad.dtype), []).append(grad)
-        return grouped, kept
 
     def found_inf(self, grouped: dict, unscale: bool) -> dict:
         """One float32 flag per device: 1.0 when some gradient holds an inf or NaN, else 0.0.
@@ -728,7 +473,7 @@ class GradScaler:
                     # and the flag is reduced over their meshes below, on every rank.
                     grads, groups = local_shards(grads)
                     mesh_groups += [g for g in groups if not any(g is h for h in mesh_groups)]
-                    grads, inv = _finite_probes(grads), self._one(device)
+                    grads, inv = finite_probes(grads), self._one(device)
                 else:  # torch's check on DTensors reduces the flag over the mesh itself
                     inv = inv_scale if inv_scale.device == device else inv_scale.to(device)
                 if grads:
@@ -751,14 +496,14 @@ class GradScaler:
         if stage is OptState.UNSCALED:
             raise RuntimeError(
                 "unscale_() was already called for this optimizer since the last update(); "
-                f"call it at most once per optimizer per iteration ({_ORDER}), after all "
+                f"call it at most once per optimizer per iteration ({ORDER}), after all "
                 "backward passes of the iteration. If the iteration that called it failed, "
                 "call scaler.reset_iteration() before starting a new one."
             )
         if stage is OptState.STEPPED:
             raise RuntimeError(
                 "unscale_() was called after step() for this optimizer; the order is "
-                f"{_ORDER}. Move unscale_() before step(), or call update() to start a new "
+                f"{ORDER}. Move unscale_() before step(), or call update() to start a new "
                 "iteration."
             )
 
@@ -770,13 +515,14 @@ class GradScaler:
         """
         if not self._enabled:
             return
-        _check_optimizer(optimizer, "unscale_")
+        check_optimizer(optimizer, "unscale_")
         scale = self._require_scale("unscale_")
         self._check_ready_for_unscale(optimizer)
-        grouped, grads = self._collect_grads(optimizer, allow_fp16=False)
+        grouped, grads = collect_grads(optimizer, allow_fp16=False)
         found = self.found_inf(grouped, unscale=True)
         combine = self._sync.needed(optimizer)
-        _doctor.scaler_checked(found, optimizer, combine)  # an armed doctor takes it as its step's check
+        if gradients_checked.listeners:  # (an armed doctor takes the flags as its step's check)
+            gradients_checked.notify(found, optimizer, combine)
         if combine:
             self._sync.combine(found, scale.device)
         self._per_optimizer[id(optimizer)] = _OptRecord(OptState.UNSCALED, found, grads=grads)
@@ -802,26 +548,27 @@ class GradScaler:
                 "closure would recompute gradients after they were checked. Run the forward "
                 "and scaler.scale(loss).backward() yourself, then call scaler.step(optimizer)."
             )
-        _check_optimizer(optimizer, "step")
+        check_optimizer(optimizer, "step")
         scale = self._require_scale("step")
         record = self._per_optimizer.get(id(optimizer))
         stage = OptState.READY if record is None else record.stage
         if stage is OptState.STEPPED:
             raise RuntimeError(
                 "step() was already called for this optimizer since the last update(); the "
-                f"order is {_ORDER}. Call scaler.update() once per iteration after stepping "
+                f"order is {ORDER}. Call scaler.update() once per iteration after stepping "
                 "every optimizer, before the next step() (or scaler.reset_iteration() if "
                 "the iteration failed and must not count)."
             )
         fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))  # is_sync_free
         if stage is OptState.READY:
-            grouped, grads = self._collect_grads(optimizer, allow_fp16=fused)
+            grouped, grads = collect_grads(optimizer, allow_fp16=fused)
             combine = self._sync.needed(optimizer)
             if not grouped and not combine:  # combined, this rank's share may be nothing
-                raise _NoGrads()
+                raise NoGradsError()
             # Fused: only read the gradients; the optimizer unscales them in its kernel.
             found = self.found_inf(grouped, unscale=not fused)
-            _doctor.scaler_checked(found, optimizer, combine)  # (this rank's flags: where a replay finds the op)
+            if gradients_checked.listeners:  # (this rank's flags, before they are combined)
+                gradients_checked.notify(found, optimizer, combine)
             if combine:
                 self._sync.combine(found, scale.device)
             if not fused:  # as unscale_() records it: a failing step() won't unscale twice
@@ -830,8 +577,8 @@ class GradScaler:
         else:
             found = record.found_inf_per_device
             if not found:
-                raise _NoGrads()
-            if not _same_tensors(record.grads, _grads_of(optimizer)):
+                raise NoGradsError()
+            if not same_tensors(record.grads, grads_of(optimizer)):
                 raise RuntimeError(
                     "step(): this optimizer's gradients are not the ones unscale_() unscaled "
                     "(a new backward after zero_grad(): the iteration that unscaled them "
@@ -852,7 +599,7 @@ class GradScaler:
         return retval
 
     def _fused_step(self, optimizer, stage, scale, found, args, kwargs):
-        found_inf = _any_flag(found.values(), scale.device)
+        found_inf = any_flag(found.values(), scale.device)
         state = optimizer.state
         fresh = [
             p for g in optimizer.param_groups for p in g["params"]
@@ -911,195 +658,23 @@ class GradScaler:
             (record,) = records.values()
             flags = record.found_inf_per_device
             if not flags:
-                raise _NoChecks()
+                raise NoChecksError()
             found = next(iter(flags.values())) if len(flags) == 1 else None
             if found is None or found.device != scale.device:
-                found = _any_flag(flags.values(), scale.device)
+                found = any_flag(flags.values(), scale.device)
             self._update_scale(found, record.host_found)
         else:
             flags = [t for record in records.values() for t in record.found_inf_per_device.values()]
             if not flags:
-                raise _NoChecks()
-            found = _any_flag(flags, scale.device)
+                raise NoChecksError()
+            found = any_flag(flags, scale.device)
             host = [r.host_found for r in records.values()]
             self._update_scale(found, None if None in host else any(host))
         self._per_optimizer = {}
 
-    def _set_scale(self, scale: torch.Tensor, new_scale) -> None:
-        if isinstance(new_scale, torch.Tensor):
-            if (
-                new_scale.device.type != scale.device.type
-                or new_scale.numel() != 1
-                or new_scale.requires_grad
-                or not new_scale.is_floating_point()
-            ):
-                raise ValueError(
-                    f"update(new_scale=tensor) needs a one-element floating tensor on "
-                    f"{scale.device.type} without requires_grad; got shape "
-                    f"{tuple(new_scale.shape)}, dtype {new_scale.dtype}, device "
-                    f"{new_scale.device}, requires_grad={new_scale.requires_grad}"
-                )
-            if not _capturing(new_scale.device):  # the one read (a capture cannot read)
-                value = float(new_scale.item())
-                if not (math.isfinite(value) and 0.0 < value <= _F32_MAX):
-                    raise ValueError(
-                        f"update(new_scale=tensor({value!r})) is invalid; the scale must be "
-                        "finite and > 0 (within the clamps, if any, it is clamped)"
-                    )
-            if self._host_counts is not None:  # the updates since the last change keep the old scale
-                self._write_history()
-            scale.copy_(new_scale.reshape(()))
-            if self._min_scale is not None or self._max_scale is not None:
-                scale.clamp_(min=self._min_scale, max=self._max_scale)
-            return
-        lo = self._min_scale if self._min_scale is not None else 0.0
-        hi = self._max_scale if self._max_scale is not None else _F32_MAX
-        value = _real("new_scale", new_scale, lo, hi, self._min_scale is None, False)
-        if self._host_counts is not None:
-            self._write_history()
-        scale.fill_(value)
-
-    def _update_scale(self, found: torch.Tensor, host_found: bool | None) -> None:
-        if host_found is not None and self._host_counts is not None:
-            self._update_on_host(found, host_found)
-            return
-        if self._host_counts is not None:  # from now on the device counts
-            self._catch_up_device()
-            self._host_counts = None
-        if host_found is None:
-            self._device_counted = True
-        scale, tracker = self._scale, self._growth_tracker
-        args = (self._growth_factor, self._backoff_factor, self._growth_interval)
-        found_b = None
-        if self._hysteresis > 1:
-            # An overflow is absorbed while fewer than hysteresis-1 overflows precede it in a
-            # row. The kernel backs off as usual (tracker -> 0, as DeepSpeed restarts its growth
-            # window); an absorbed step then gets its old scale back.
-            found_b = found > 0
-            run = self._overflow_run
-            absorb = found_b & (run < self._hysteresis - 1)
-            old = scale.clone()
-            torch._amp_update_scale_(scale, tracker, found, *args)
-            torch.where(absorb, old, scale, out=scale)
-            run.add_(1).mul_(found_b)  # consecutive overflows; a clean step resets it to 0
-        else:
-            torch._amp_update_scale_(scale, tracker, found, *args)
-        if self._min_scale is not None or self._max_scale is not None:
-            scale.clamp_(min=self._min_scale, max=self._max_scale)
-        # Stats, on the device: the scale into the ring buffer at `slot`, then the counters.
-        slot, scale_row = self._views
-        self._history.scatter_(0, slot, scale_row)
-        clean, skip, clean_mod, skip_mod = self._stat_steps
-        if host_found is None:
-            if found_b is None:
-                found_b = found > 0
-            delta, modulus = torch.where(found_b, skip, clean), torch.where(found_b, skip_mod, clean_mod)
-        else:  # the plain path already read the flag on the host
-            delta, modulus = (skip, skip_mod) if host_found else (clean, clean_mod)
-        self._counters.add_(delta).remainder_(modulus)
-
-    def _update_on_host(self, found: torch.Tensor, host_found: bool) -> None:
-        """_update_scale when the host knows the flag and the counters: torch's kernel where
-        the scale changes (a backoff, a growth), nothing on the device otherwise (the host
-        counts, the growth tracker included); the history is written before a change."""
-        c = self._host_counts
-        absorbed = host_found and c.run < self._hysteresis - 1
-        grows = not host_found and c.tracker + 1 == self._growth_interval
-        if grows or (host_found and not absorbed):  # the scale changes (or may: growth)
-            self._write_history()
-            c.unwritten = c.steps  # from this update on: the new scale
-            if grows:  # the kernel decides by the tracker, which the device has not kept
-                self._growth_tracker.fill_(c.tracker)
-            torch._amp_update_scale_(self._scale, self._growth_tracker, found, self._growth_factor,
-                                     self._backoff_factor, self._growth_interval)
-            if self._min_scale is not None or self._max_scale is not None:
-                self._scale.clamp_(min=self._min_scale, max=self._max_scale)
-        if host_found:  # backed off or absorbed: the growth window restarts
-            c.skipped = (c.skipped + 1) % _COUNT_LIMIT
-            c.last = c.steps
-            c.tracker = 0
-            if self._hysteresis > 1:  # (kept only where it is read)
-                c.run += 1
-        else:
-            c.tracker = 0 if grows else c.tracker + 1
-            if self._hysteresis > 1:
-                c.run = 0
-        c.steps = (c.steps + 1) % _COUNT_LIMIT
-        self._device_behind = True
-
-    def _write_history(self) -> None:
-        """Write the current scale into the ring for the updates the host has not written."""
-        c = self._host_counts
-        n = c.steps - c.unwritten
-        if n <= 0:
-            return
-        history = self._history
-        if n >= HISTORY_SIZE:
-            history.copy_(self._scale)
-        else:
-            i = c.unwritten % HISTORY_SIZE
-            history[i:i + n].copy_(self._scale)  # (broadcast: no host read)
-            if i + n > HISTORY_SIZE:
-                history[:i + n - HISTORY_SIZE].copy_(self._scale)
-        c.unwritten = c.steps
-
-    def _catch_up_device(self) -> None:
-        """Write the host's counters, overflow run and history into the device tensors."""
-        if not self._device_behind:
-            return
-        device = self._counters.device
-        if _capturing(device):
-            raise RuntimeError(
-                "update() inside a CUDA graph capture, but the scaler's counters were last "
-                "kept on the host (its earlier steps used an optimizer that is not sync-free); "
-                "run one eager iteration with the sync-free optimizer before capturing")
-        c = self._host_counts
-        self._write_history()
-        self._counters.copy_(
-            torch.tensor(_to_device_counters([c.steps, c.skipped, c.last]), dtype=torch.int64).to(device))
-        self._overflow_run.fill_(c.run)
-        self._growth_tracker.fill_(c.tracker)
-        self._device_behind = False
 
     # ------------------------------------------------------------------ stats
 
-    def _host_state(self) -> dict[str, Any]:
-        """Every device field as host values, with a single device-to-host copy."""
-        if self._scale is None:
-            p = self._pending
-            return {
-                "scale": float(p["scale"]),
-                "growth_tracker": int(p["growth_tracker"]),
-                "hysteresis_left": int(p["hysteresis_left"]),
-                "counters": [int(c) for c in p["counters"]],
-                "history": [float(h) for h in p["history"]],
-            }
-        c = self._host_counts
-        if c is not None:
-            self._write_history()
-        # One int64 buffer: the counters (up to 2**62) stay exact, which float64 would not
-        # keep past 2**53; the float fields travel as the bits of their float64 values.
-        packed = torch.cat(
-            (
-                self._growth_tracker.long().reshape(1),
-                self._overflow_run.long().reshape(1),
-                self._counters,
-                self._scale.double().reshape(1).view(torch.int64),
-                self._history.double().view(torch.int64),
-            )
-        ).cpu()
-        ints, floats = packed[:6].tolist(), packed[6:].view(torch.float64).tolist()
-        run, counters = ints[1], _from_device_counters(ints[2:6])
-        tracker = ints[0]
-        if c is not None:  # the device copies may lag
-            counters, run, tracker = [c.steps, c.skipped, c.last], c.run, c.tracker
-        return {
-            "scale": floats[0],
-            "growth_tracker": tracker,
-            "hysteresis_left": max(self._hysteresis - run, 1),
-            "counters": counters,
-            "history": floats[1:],
-        }
 
     def stats(self) -> ScalerStats:
         """Steps, skipped steps, the last skip and the recent scale history. Syncs once.
@@ -1148,7 +723,7 @@ class GradScaler:
             "_steps": steps,
             "_skipped": skipped,
             "_last_skipped": last,
-            "_scale_history": h["history"],
+            "_scale_history": ScaleHistory(h["history"]),
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -1166,7 +741,7 @@ class GradScaler:
                 "load_state_dict() got an empty dict, probably saved from a disabled scaler "
                 "(enabled=False); load a state dict saved from an enabled scaler"
             )
-        new = self._parse_state_dict(state_dict)
+        new = parse_state_dict(state_dict, self._kept_by_torch_state)
         # Everything is valid: mutate.
         for key in ("growth_factor", "backoff_factor", "growth_interval", "hysteresis"):
             setattr(self, "_" + key, new[key])
@@ -1183,81 +758,19 @@ class GradScaler:
         self._overflow_run.fill_(new["hysteresis"] - new["hysteresis_left"])
         device = self._scale.device
         self._counters.copy_(
-            torch.tensor(_to_device_counters(new["counters"]), dtype=torch.int64).to(device)
+            torch.tensor(to_device_counters(new["counters"]), dtype=torch.int64).to(device)
         )
         self._history.copy_(torch.tensor(new["history"], dtype=torch.float32).to(device))
         self._device_behind = False
         if not self._device_counted:  # (else a captured graph may count on the device)
-            self._host_counts = _HostCounts.of(
+            self._host_counts = HostCounts.of(
                 new["counters"], new["hysteresis"] - new["hysteresis_left"], new["growth_tracker"])
 
-    def _parse_state_dict(self, sd: Mapping[str, Any]) -> dict[str, Any]:
-        missing = [k for k in _TORCH_KEYS if k not in sd]
-        ours = [k for k in _OUR_KEYS if k in sd]
-        if ours:
-            missing += [k for k in _OUR_KEYS if k not in sd]
-        if missing:
-            raise ValueError(
-                f"load_state_dict(): missing key(s) {missing}; pass a dict from "
-                "ampkit.GradScaler.state_dict() or torch.amp.GradScaler.state_dict()"
-            )
-
-        def q(k):
-            return f"state_dict[{k!r}]"
-
-        new: dict[str, Any] = {
-            "scale": _real(q("scale"), sd["scale"], 0.0, _F32_MAX, True, False),
-            "growth_factor": _real(q("growth_factor"), sd["growth_factor"], 1, math.inf, True, True),
-            "backoff_factor": _real(q("backoff_factor"), sd["backoff_factor"], 0, 1, True, True),
-            "growth_interval": _int(q("growth_interval"), sd["growth_interval"], 1, _INT32_MAX),
-        }
-        # torch's kernel grows when the tracker *reaches* the interval: one at or past it
-        # would never grow again.
-        new["growth_tracker"] = _int(q("_growth_tracker"), sd["_growth_tracker"], 0,
-                                     new["growth_interval"] - 1)
-        if not ours:  # a torch state dict: keep our config and stats
-            h = self._host_state()
-            new.update(
-                hysteresis=self._hysteresis,
-                min_scale=self._min_scale,
-                max_scale=self._max_scale,
-                hysteresis_left=self._hysteresis,
-                counters=h["counters"],
-                history=h["history"],
-            )
-            lo, hi = self._min_scale, self._max_scale
-            new["scale"] = min(max(new["scale"], lo or 0.0), hi or _F32_MAX)
-            return new
-        hyst = _int(q("hysteresis"), sd["hysteresis"], 1, _INT32_MAX)
-        lo, hi = _opt_real(q("min_scale"), sd["min_scale"]), _opt_real(q("max_scale"), sd["max_scale"])
-        _check_clamps(lo, hi, prefix="state_dict ")
-        if (lo is not None and new["scale"] < lo) or (hi is not None and new["scale"] > hi):
-            raise ValueError(
-                f"{q('scale')}={new['scale']!r} lies outside its own clamps [{lo}, {hi}]"
-            )
-        steps = _int(q("_steps"), sd["_steps"], 0, _COUNT_LIMIT - 1)
-        skipped = _int(q("_skipped"), sd["_skipped"], 0, steps)
-        last = _int(q("_last_skipped"), sd["_last_skipped"], -1 if skipped == 0 else 0,
-                    -1 if skipped == 0 else steps - 1)
-        history = sd["_scale_history"]
-        if not isinstance(history, (list, tuple)) or len(history) != HISTORY_SIZE:
-            raise ValueError(
-                f"{q('_scale_history')} must be a list of {HISTORY_SIZE} floats, got "
-                f"{type(history).__name__} of length {len(history) if hasattr(history, '__len__') else '?'}"
-            )
-        history = [
-            _real(f"{q('_scale_history')}[{i}]", v, 0.0, _F32_MAX, False, False)
-            for i, v in enumerate(history)
-        ]
-        new.update(
-            hysteresis=hyst,
-            min_scale=lo,
-            max_scale=hi,
-            hysteresis_left=_int(q("_hysteresis_left"), sd["_hysteresis_left"], 1, hyst),
-            counters=[steps, skipped, last],
-            history=history,
-        )
-        return new
+    def _kept_by_torch_state(self) -> dict[str, Any]:
+        """What a torch state dict leaves as it is: our configuration and stats."""
+        h = self._host_state()
+        return {"hysteresis": self._hysteresis, "min_scale": self._min_scale, "max_scale": self._max_scale,
+                "counters": h["counters"], "history": h["history"]}
 
 
 def cuda_amp_grad_scaler(**kwargs: Any) -> GradScaler:

@@ -62,7 +62,7 @@ try:
 except ImportError:  # (not CPython)
     _signal = signal
 
-from ampkit import _doctor
+from ampkit._listeners import about_to_capture
 from ampkit._autocast import autocast as autocast_region
 from ampkit._policy import load_policy
 from ampkit._scaler import GradScaler
@@ -408,7 +408,7 @@ class TrainStep:
         scale_before = self.scaler.scale_tensor
         self.optimizer.zero_grad(set_to_none=True)
         graph = torch.cuda.CUDAGraph()
-        _doctor.before_capture()
+        about_to_capture.notify()
         stream = _fresh_stream()
         stream.wait_stream(self._side_stream())
         try:

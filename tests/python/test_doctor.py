@@ -295,7 +295,7 @@ def test_a_mode_entered_in_a_sampled_step_keeps_its_place():
         model(torch.randn(2, 8)).sum().backward()
         assert _get_current_dispatch_mode_stack()[-1] is counter
     stack = _get_current_dispatch_mode_stack()
-    assert len(stack) == 1 and type(stack[0]).__module__ == "ampkit._doctor"  # the doctor's own
+    assert len(stack) == 1 and type(stack[0]).__module__ == "ampkit.doctor._op_watch"  # the doctor's own
     doc.close()
     assert not doc.armed and len(_get_current_dispatch_mode_stack()) == 0
 
@@ -443,10 +443,10 @@ def test_the_bad_batch_is_replayed_whether_steps_get_new_tensors_or_refill_one(d
 def test_the_verdicts_sent_in_batches_or_waited_for_name_the_same_step(monkeypatch, batch, pending):
     # the host sends the held flags every `batch` steps and waits once `pending` steps
     # hold their tensors: however they are set, the first bad step is the one replayed
-    from ampkit import _doctor_step
+    from ampkit.doctor import _step_watch
 
-    monkeypatch.setattr(_doctor_step, "_BATCH", batch)
-    monkeypatch.setattr(_doctor_step, "_PENDING", pending)
+    monkeypatch.setattr(_step_watch, "_BATCH", batch)
+    monkeypatch.setattr(_step_watch, "_PENDING", pending)
     f, xs, host = _bad_batch_run("cpu", "new", steps=9)
     assert host == 8  # (step 0 has no last step to compare its inputs with: the device copies it)
     assert (f.module, f.phase, f.step) == ("0", "forward", 3)
@@ -485,12 +485,12 @@ def test_the_flag_ring_wraps_and_folds_many_checks_of_a_step(monkeypatch, optimi
     # with a check of its own, which reports an inf at the third check of step 33 only (the
     # replay then finds no op: the step is what counts; without the fold the flag is lost).
     # Either way step 33 is named: its flags are among those sent across the ring's end.
-    from ampkit import _doctor_step
+    from ampkit.doctor import _step_watch
 
-    monkeypatch.setattr(_doctor_step, "_RING", 32)
-    monkeypatch.setattr(_doctor_step, "_BATCH", 3)
-    monkeypatch.setattr(_doctor_step, "_PENDING", 4)
-    monkeypatch.setattr(_doctor_step, "_FLAGS", 2)
+    monkeypatch.setattr(_step_watch, "_RING", 32)
+    monkeypatch.setattr(_step_watch, "_BATCH", 3)
+    monkeypatch.setattr(_step_watch, "_PENDING", 4)
+    monkeypatch.setattr(_step_watch, "_FLAGS", 2)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     params = list(model.parameters())
@@ -515,10 +515,10 @@ def test_an_armed_run_trains_as_the_unarmed_one_and_names_its_first_skip(monkeyp
     # (32 slots, passed twice): the training must not change (the oracle: the same run
     # unarmed, every parameter bitwise, the scale, the skipped steps), and the step the
     # doctor names is the scaler's first skipped one
-    from ampkit import _doctor_step
+    from ampkit.doctor import _step_watch
 
-    monkeypatch.setattr(_doctor_step, "_RING", 32)
-    monkeypatch.setattr(_doctor_step, "_BATCH", 3)
+    monkeypatch.setattr(_step_watch, "_RING", 32)
+    monkeypatch.setattr(_step_watch, "_BATCH", 3)
 
     def run(armed):
         torch.manual_seed(0)
@@ -570,11 +570,11 @@ def test_a_doctor_armed_under_another_default_dtype_checks_float32_training():
 
 
 def test_an_evaluation_forward_is_checked_before_a_capture_begins():
-    # make_train_step calls before_capture() right before its CUDA graph capture: a forward
+    # make_train_step notifies about_to_capture right before its CUDA graph capture: a forward
     # whose output got no backward (here: an overflowing evaluation batch, its output kept)
     # is checked then, eagerly, not inside the capture. The output is changed afterwards:
-    # only a check made at before_capture() still sees its inf
-    from ampkit import _doctor
+    # only a check made at that point still sees its inf
+    from ampkit._listeners import about_to_capture
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
@@ -588,7 +588,7 @@ def test_an_evaluation_forward_is_checked_before_a_capture_begins():
         with torch.no_grad(), ampkit.autocast("cpu", dtype=torch.float16):
             out = model(x)  # step 3, evaluation: no backward
         assert not torch.isfinite(out).all()
-        _doctor.before_capture()
+        about_to_capture.notify()
         out.zero_()
         f = doc.first_nonfinite()
     assert f is not None and (f.module, f.phase, f.step) == ("0", "forward", 3)
@@ -818,3 +818,32 @@ def test_a_step_checked_twice_keeps_its_data_for_the_bad_second_check(placed_by)
     assert skipped1 == skipped2 == 1
     assert f1 is not None and f1.step == 4 and f1.op != "<not reproduced>"
     assert f2 is not None and (f2.op, f2.module, f2.phase, f2.step) == (f1.op, f1.module, f1.phase, f1.step)
+
+
+def test_the_doctor_listens_to_the_scaler_and_the_capture_only_while_armed():
+    # the core offers listener points and knows no doctor: arming subscribes, closing (or
+    # the doctor's collection with its model, never closed) unsubscribes; a second model's
+    # doctor may arm once the first is gone
+    import gc
+    import weakref
+
+    from ampkit._listeners import about_to_capture, gradients_checked
+
+    def points():
+        return len(gradients_checked.listeners), len(about_to_capture.listeners)
+
+    before = points()
+    model = torch.nn.Linear(4, 1)
+    doc = ampkit.doctor(model)
+    assert points() == (before[0] + 1, before[1] + 1)
+    doc.close()
+    assert points() == before
+    doc = ampkit.doctor(model)
+    with pytest.raises(RuntimeError, match="already armed"):
+        ampkit.doctor(model)
+    ref = weakref.ref(doc)
+    del doc, model
+    gc.collect()
+    assert ref() is None and points() == before
+    ampkit.doctor(torch.nn.Linear(4, 1)).close()
+    assert points() == before

@@ -17,7 +17,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampkit
-from ampkit._scaler import HISTORY_SIZE, OptState, _finite_probes
+from ampkit._grad_check import finite_probes
+from ampkit._scaler import HISTORY_SIZE, OptState
 from conftest import bits_equal
 
 INF, NAN = float("inf"), float("nan")
@@ -651,6 +652,36 @@ def test_state_dict_round_trips_every_field_with_non_default_values():
         sd = scaler.state_dict()
 
 
+def test_state_dict_prints_its_history_compactly_and_round_trips_through_torch_save(tmp_path):
+    flags = [i % 5 == 2 for i in range(40)]
+    kw = dict(init_scale=2.0**10, growth_factor=2.0, backoff_factor=0.5, growth_interval=2)
+    scaler = ampkit.GradScaler("cpu", **kw)
+    toy = Toy(scaler)
+    for f in flags:
+        toy.iterate(f)
+    ring = [0.0] * HISTORY_SIZE  # slot i % HISTORY_SIZE: the scale update i left (0.0: never written)
+    for i, row in enumerate(reference(flags, **kw)):
+        ring[i % HISTORY_SIZE] = row["scale"]
+    sd = scaler.state_dict()
+    assert sd["_scale_history"] == ring and len(set(ring)) > 2
+    plain = {**sd, "_scale_history": list(sd["_scale_history"])}
+    assert len(repr(sd)) < 600 < len(repr(plain))  # a summary, not 1024 floats
+    assert f"{HISTORY_SIZE} scales" in repr(sd) and str(sd) == repr(sd)
+    path = tmp_path / "scaler.pt"
+    torch.save(sd, path)
+    loaded = torch.load(path)  # weights_only, torch's default
+    assert type(loaded["_scale_history"]) is type(sd["_scale_history"])
+    assert loaded == sd and loaded["_scale_history"] == ring
+    assert copy.deepcopy(sd) == sd and repr(copy.deepcopy(sd)) == repr(sd)
+    resumed = ampkit.GradScaler("cpu")
+    resumed.load_state_dict(loaded)
+    assert resumed.state_dict() == sd and resumed.stats() == scaler.stats()
+    assert resumed.stats().history_scales == tuple(ring[:len(flags)])
+    torch_scaler = torch.amp.GradScaler("cpu")
+    torch_scaler.load_state_dict(loaded)  # torch reads its own five keys
+    assert torch_scaler.get_scale() == scaler.get_scale()
+
+
 @pytest.mark.parametrize("initialized", [True, False], ids=["after-scale", "before-scale"])
 def test_state_dict_keeps_counters_past_2_to_the_53_exactly(initialized):
     """The counters are int64 on the device; float64 would round 2**53 + 1 to 2**53."""
@@ -1120,7 +1151,7 @@ def test_device_probes_are_one_multi_tensor_kernel(dtype):
     that path on a machine without a GPU; the values are checked in test_scaler_property."""
     grads = [torch.empty(s, device="meta", dtype=dtype) for s in [(5,), (3, 4), (0,), (7,)]]
     with _Ops() as ops:
-        probes = _finite_probes(grads)
+        probes = finite_probes(grads)
     assert ops.ops == ["aten._foreach_norm.Scalar"]
     want = torch.float32 if dtype == torch.bfloat16 else dtype
     assert [(p.dtype, p.shape) for p in probes] == [(want, torch.Size([]))] * 3

@@ -12,7 +12,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import ampkit
-from ampkit._scaler import _inf_norms
+from ampkit._grad_check import inf_norms
 from conftest import bits_equal
 
 # Constructor keywords per optimizer; every Optimizer subclass in torch.optim must be listed
@@ -211,7 +211,7 @@ def test_bfloat16_inf_norms_equal_the_widened_norms(sizes, pokes, transpose):
     exactly what torch's check flags. Run on CPU tensors (no GPU here), whose _foreach_norm
     is the per-tensor route of the same op."""
     grads = _poked_grads(torch.bfloat16, sizes, pokes, transpose)
-    ours = _inf_norms(grads)
+    ours = inf_norms(grads)
     widened = [p.float() for p in torch._foreach_norm(grads, math.inf)]
     assert len(ours) == len(widened)
     for a, b in zip(ours, widened):

@@ -206,7 +206,12 @@ GradScalerR6 <- R6::R6Class("ampkit_grad_scaler",
     is_enabled = function() py_try(private$f$is_enabled(), "$is_enabled()"),
     state_dict = function() {
       flush_update()
-      py_try(private$f$state_dict(), "$state_dict()")
+      st <- py_try(private$f$state_dict(), "$state_dict()")
+      # The scale history is a Python list subclass (it prints as a summary there), which
+      # reticulate leaves unconverted: made a plain list, it converts as every other list.
+      h <- st[["_scale_history"]]
+      if (inherits(h, "python.builtin.object")) st[["_scale_history"]] <- reticulate::import_builtins()$list(h)
+      st
     },
     load_state_dict = function(state) {
       if (!is.list(state)) {

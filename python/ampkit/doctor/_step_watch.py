@@ -24,8 +24,8 @@ eagerly). So the doctor splits the work:
     the verdict one conditional copy per held tensor puts them into the frozen bytes only
     if the step is the first bad one: on CUDA a Triton kernel whose blocks return at once
     otherwise (no pass over the bytes), elsewhere ``torch.where``.
-* **on demand** (``_doctor.doctor.first_nonfinite``): the frozen step is replayed under
-  the op-level watch of ``_doctor``: the same inputs, autocast regions and random state
+* **on demand** (``doctor.first_nonfinite``, ``_replay``): the frozen step is replayed
+  under the op-level watch (``_op_watch``): the same inputs, autocast regions and random state
   (and with ``keep_weights`` the step's own weights), the forward, then the backward from
   the frozen output gradient; then everything is put back.
 
@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import array
 import collections
-import contextlib
 import ctypes
 import dataclasses
 import time
@@ -638,75 +637,3 @@ def state_of(model, keep_weights=False):
                 "arming, or arm without keep_weights")
         by_dev.setdefault(t.device, []).append(t)
     return by_dev
-
-
-_ENGINE = []  # ampkit._autocast.thread_engine, once imported (it imports the doctor's users)
-_NO_REGIONS: dict = {}
-
-
-def region_config(types):
-    """The autocast regions in force, to enter again in a replay: ampkit's (all), and
-    torch's own for the device types ``types`` (the model's: another type's region casts
-    none of its ops) where no ampkit region is."""
-    if not _ENGINE:
-        from ampkit._autocast import thread_engine
-
-        _ENGINE.append(thread_engine)
-    devs = _ENGINE[0]().devs()  # {device_type: (enabled, dtype, policy, cache)}: one object per region, never changed
-    plain = _NO_REGIONS
-    for dt in types:
-        if dt not in devs and torch.is_autocast_enabled(dt):
-            if plain is _NO_REGIONS:
-                plain = {}
-            plain[dt] = torch.get_autocast_dtype(dt)
-    return devs, plain
-
-
-@contextlib.contextmanager
-def enter_region(config):
-    """Enter the regions ``region_config()`` described."""
-    from ampkit._autocast import autocast
-
-    devs, plain = config
-    with contextlib.ExitStack() as stack:
-        for dt, (enabled, dtype, policy, cache) in devs.items():
-            stack.enter_context(autocast(dt, dtype=dtype, enabled=enabled, cache_enabled=cache, policy=policy))
-        for dt, dtype in plain.items():
-            stack.enter_context(torch.autocast(dt, dtype=dtype))
-        yield
-
-
-def cuda_generator(dev):
-    """The CUDA generator of ``dev`` (its default one), whose state a replay needs."""
-    return torch.cuda.default_generators[dev.index if dev.index is not None else torch.cuda.current_device()]
-
-
-@contextlib.contextmanager
-def replay_rng(state):
-    """Run with the random state ``state`` (("cuda", generator, seed, offset), or ("cpu",
-    the CPU generator's bytes)); put the current one back."""
-    if state is None:
-        yield
-        return
-    if state[0] == "cuda":
-        _, g, seed, offset = state
-        old = (g.initial_seed(), g.get_offset())
-        g.manual_seed(seed)
-        g.set_offset(offset)
-        try:
-            yield
-        finally:
-            g.manual_seed(old[0])
-            g.set_offset(old[1])
-        return
-    old = torch.get_rng_state()
-    torch.set_rng_state(state[1])
-    try:
-        yield
-    finally:
-        torch.set_rng_state(old)
-
-
-def leaves_requiring_grad(out):
-    return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad
-            and t.is_floating_point()]
