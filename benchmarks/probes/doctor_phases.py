@@ -17,7 +17,7 @@ import time
 import torch
 
 import ampkit
-from ampkit.doctor import _step_watch
+from ampkit._doctor import _step_watch
 from ampkit.bench import build_case
 
 ap = argparse.ArgumentParser()

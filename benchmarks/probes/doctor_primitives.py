@@ -19,7 +19,7 @@ import weakref
 import torch
 
 import ampkit
-from ampkit.doctor import _replay, _step_watch
+from ampkit._doctor import _replay, _step_watch
 from ampkit.bench import build_case, loop_step
 
 ap = argparse.ArgumentParser()

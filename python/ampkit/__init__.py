@@ -32,8 +32,8 @@ from ampkit._scaler import ScalerStats
 from ampkit._scaler import cuda_amp_grad_scaler
 from ampkit._train_step import TrainStep
 from ampkit._train_step import make_train_step
-from ampkit.doctor import Finding
-from ampkit.doctor import doctor
+from ampkit._doctor import Finding
+from ampkit._doctor import doctor
 from ampkit._module_policy import ModuleScope
 from ampkit._module_policy import ModuleScopes
 

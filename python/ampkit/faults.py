@@ -20,7 +20,7 @@ from __future__ import annotations
 import warnings
 
 import torch
-from ampkit.doctor import replaying
+from ampkit._doctor import replaying
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 

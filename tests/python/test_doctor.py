@@ -295,7 +295,7 @@ def test_a_mode_entered_in_a_sampled_step_keeps_its_place():
         model(torch.randn(2, 8)).sum().backward()
         assert _get_current_dispatch_mode_stack()[-1] is counter
     stack = _get_current_dispatch_mode_stack()
-    assert len(stack) == 1 and type(stack[0]).__module__ == "ampkit.doctor._op_watch"  # the doctor's own
+    assert len(stack) == 1 and type(stack[0]).__module__ == "ampkit._doctor._op_watch"  # the doctor's own
     doc.close()
     assert not doc.armed and len(_get_current_dispatch_mode_stack()) == 0
 
@@ -443,7 +443,7 @@ def test_the_bad_batch_is_replayed_whether_steps_get_new_tensors_or_refill_one(d
 def test_the_verdicts_sent_in_batches_or_waited_for_name_the_same_step(monkeypatch, batch, pending):
     # the host sends the held flags every `batch` steps and waits once `pending` steps
     # hold their tensors: however they are set, the first bad step is the one replayed
-    from ampkit.doctor import _step_watch
+    from ampkit._doctor import _step_watch
 
     monkeypatch.setattr(_step_watch, "_BATCH", batch)
     monkeypatch.setattr(_step_watch, "_PENDING", pending)
@@ -485,7 +485,7 @@ def test_the_flag_ring_wraps_and_folds_many_checks_of_a_step(monkeypatch, optimi
     # with a check of its own, which reports an inf at the third check of step 33 only (the
     # replay then finds no op: the step is what counts; without the fold the flag is lost).
     # Either way step 33 is named: its flags are among those sent across the ring's end.
-    from ampkit.doctor import _step_watch
+    from ampkit._doctor import _step_watch
 
     monkeypatch.setattr(_step_watch, "_RING", 32)
     monkeypatch.setattr(_step_watch, "_BATCH", 3)
@@ -515,7 +515,7 @@ def test_an_armed_run_trains_as_the_unarmed_one_and_names_its_first_skip(monkeyp
     # (32 slots, passed twice): the training must not change (the oracle: the same run
     # unarmed, every parameter bitwise, the scale, the skipped steps), and the step the
     # doctor names is the scaler's first skipped one
-    from ampkit.doctor import _step_watch
+    from ampkit._doctor import _step_watch
 
     monkeypatch.setattr(_step_watch, "_RING", 32)
     monkeypatch.setattr(_step_watch, "_BATCH", 3)

@@ -67,7 +67,7 @@ def test_eager_step_armed_adds_no_sync():
 def test_host_verdicts_add_no_sync(monkeypatch):
     # new batches each step: the host reads the verdicts; with sends every 2 steps, the
     # flags' stack and its copy to pinned memory run inside the checked steps too
-    from ampkit.doctor import _step_watch
+    from ampkit._doctor import _step_watch
 
     monkeypatch.setattr(_step_watch, "_BATCH", 2)
     built = build_case("seed_mlp", "tiny", device="cuda")

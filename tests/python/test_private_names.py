@@ -42,19 +42,19 @@ ALLOWED = {
     ("tests/python/test_autocast_narrow.py", "ampkit._narrow_casts"): WHITE_BOX,
     ("tests/python/test_doctor.py", "ampkit._listeners"):
         "the listener point make_train_step notifies before a CUDA graph capture, notified on the CPU",
-    ("tests/python/test_doctor.py", "ampkit.doctor._step_watch"):
+    ("tests/python/test_doctor.py", "ampkit._doctor._step_watch"):
         "the host's batch and queue sizes, set small to run the send and wait paths on a short run",
-    ("tests/python/test_doctor_cuda.py", "ampkit.doctor._step_watch"):
+    ("tests/python/test_doctor_cuda.py", "ampkit._doctor._step_watch"):
         "the host's batch size, set small so that a send runs inside the no-sync check",
-    ("benchmarks/probes/doctor_host_cost.py", "ampkit.doctor._doctor"):
+    ("benchmarks/probes/doctor_host_cost.py", "ampkit._doctor._doctor"):
         "a probe that times the doctor's hooks one by one inside a step (wrapped with a clock)",
-    ("benchmarks/probes/doctor_host_cost.py", "ampkit.doctor._step_watch"):
+    ("benchmarks/probes/doctor_host_cost.py", "ampkit._doctor._step_watch"):
         "a probe that times the doctor's per-step watch one method at a time",
-    ("benchmarks/probes/doctor_primitives.py", "ampkit.doctor._step_watch"):
+    ("benchmarks/probes/doctor_primitives.py", "ampkit._doctor._step_watch"):
         "a probe that times the calls the doctor makes per step (its capture test)",
-    ("benchmarks/probes/doctor_primitives.py", "ampkit.doctor._replay"):
+    ("benchmarks/probes/doctor_primitives.py", "ampkit._doctor._replay"):
         "a probe that times the calls the doctor makes per step (its regions, the generator)",
-    ("benchmarks/probes/doctor_phases.py", "ampkit.doctor._step_watch"):
+    ("benchmarks/probes/doctor_phases.py", "ampkit._doctor._step_watch"):
         "a probe that turns one copy's per-step record into a no-op, to time the hooks alone",
     ("benchmarks/probes/doctor_phases.py", "_watches"):
         "the same probe picks that copy's watches out of its doctor",

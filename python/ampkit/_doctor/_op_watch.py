@@ -33,9 +33,9 @@ from torch.utils._python_dispatch import (TorchDispatchMode, _get_current_dispat
                                           _push_mode)
 from torch.utils._pytree import tree_leaves
 
-from ampkit.doctor._finding import OUTSIDE
-from ampkit.doctor._replaying import replaying
-from ampkit.doctor._step_watch import capturing
+from ampkit._doctor._finding import OUTSIDE
+from ampkit._doctor._replaying import replaying
+from ampkit._doctor._step_watch import capturing
 
 _LOW = (torch.float16, torch.bfloat16)
 _TAG = "ampkit_doctor_module"

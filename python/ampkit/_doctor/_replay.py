@@ -24,9 +24,9 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from ampkit._autocast import autocast, thread_engine
-from ampkit.doctor._finding import OUTSIDE, Finding
-from ampkit.doctor._op_watch import absmax
-from ampkit.doctor._replaying import set_replaying
+from ampkit._doctor._finding import OUTSIDE, Finding
+from ampkit._doctor._op_watch import absmax
+from ampkit._doctor._replaying import set_replaying
 
 _NO_REGIONS: dict = {}
 

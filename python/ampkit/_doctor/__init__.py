@@ -34,8 +34,8 @@ replayed), ``_step_watch`` (every step's check and the frozen bad step), ``_op_w
 ('addmm', '1', 'forward', 'float16', 0)
 """
 
-from ampkit.doctor._doctor import doctor
-from ampkit.doctor._finding import Finding
-from ampkit.doctor._replaying import replaying
+from ampkit._doctor._doctor import doctor
+from ampkit._doctor._finding import Finding
+from ampkit._doctor._replaying import replaying
 
 __all__ = ["doctor", "Finding", "replaying"]

@@ -21,12 +21,12 @@ from torch.utils._pytree import tree_leaves
 from ampkit import _ops
 from ampkit._listeners import about_to_capture, gradients_checked
 from ampkit._policy import load_policy
-from ampkit.doctor._finding import OUTSIDE, Finding
-from ampkit.doctor._op_watch import OpWatch
-from ampkit.doctor._plot import heatmap
-from ampkit.doctor._replay import Replay, cuda_generator, region_config
-from ampkit.doctor._replaying import replaying
-from ampkit.doctor._step_watch import StepWatch, capturing, state_of
+from ampkit._doctor._finding import OUTSIDE, Finding
+from ampkit._doctor._op_watch import OpWatch
+from ampkit._doctor._plot import heatmap
+from ampkit._doctor._replay import Replay, cuda_generator, region_config
+from ampkit._doctor._replaying import replaying
+from ampkit._doctor._step_watch import StepWatch, capturing, state_of
 
 # The armed doctors (at most one a model), held weakly: a doctor collected with its model,
 # never closed, leaves by itself.
