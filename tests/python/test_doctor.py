@@ -1,5 +1,6 @@
 """The numerics doctor: checked against hand-derived values and an independent fault injector."""
 
+import doctest
 import functools
 import warnings
 
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 import ampkit
-from ampkit import faults
+import faults
 from conftest import bits_equal
 
 pytestmark = [pytest.mark.usefixtures("ampkit_quiet"), pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -21,6 +22,12 @@ def _mlp(seed=0):
 
 
 # -- fault injection over the four benchmark cases ------------------------------------------
+def test_fault_injector_docstring_example():
+    # faults.py lives with the tests, outside the package test_doctests.py walks
+    result = doctest.testmod(faults, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
+
+
 @functools.lru_cache(maxsize=1)
 def _plan():
     return faults.plan()

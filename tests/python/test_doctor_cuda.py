@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ampkit
-from ampkit import faults
+import faults
 from ampkit.bench import build_case
 from conftest import SyncError
 

@@ -44,6 +44,9 @@ ALLOWED = {
         "before_capture(), which make_train_step calls before a CUDA graph capture, run on the CPU",
     ("tests/python/test_doctor.py", "ampkit._doctor_step"):
         "the host's batch and queue sizes, set small to run the send and wait paths on a short run",
+    ("tests/python/faults.py", "ampkit._doctor"):
+        "the fault injector fires again in the doctor's replay of its step (replaying()): "
+        "a test oracle's view of the doctor's internals, kept out of the package",
     ("tests/python/test_doctor_cuda.py", "ampkit._doctor_step"):
         "the host's batch size, set small so that a send runs inside the no-sync check",
     ("benchmarks/probes/doctor_host_cost.py", "ampkit._doctor"):
