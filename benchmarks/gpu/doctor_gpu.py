@@ -27,12 +27,13 @@ import torch
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE.parent))  # benchmarks/: doctor_overhead, doctor_repair
+sys.path.insert(0, str(REPO / "tests" / "python"))  # faults: the tests' fault injector
 
 import ampkit  # noqa: E402
-from ampkit import faults  # noqa: E402
 from ampkit.bench import build_case  # noqa: E402
 
 import doctor_overhead  # noqa: E402
+import faults  # noqa: E402
 import doctor_repair  # noqa: E402
 
 RESULTS: list = []

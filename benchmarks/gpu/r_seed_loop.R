@@ -36,9 +36,9 @@ say("device: %s; torch %s; mode %s", card, torch$`__version__`, mode)
 py <- reticulate::import_main()
 
 if (mode == "seed") {
-  # The seed's run() as written (r/ampkit/bench/seed_loop.R: the fixture's code with
+  # The seed's run() as written (benchmarks/r/seed_loop.R: the fixture's code with
   # its sizes and device strings set) and its Python twin on the same data.
-  source(file.path(Sys.getenv("AMPKIT_REPO", "."), "r", "ampkit", "bench", "seed_loop.R"))
+  source(file.path(Sys.getenv("AMPKIT_REPO", "."), "benchmarks", "r", "seed_loop.R"))
   seed <- seed_loop(device, c(batch_size = sizes[[1]], in_size = sizes[[2]], out_size = sizes[[3]],
                               num_layers = sizes[[4]], num_batches = sizes[[5]], epochs = sizes[[6]]))
   run <- seed$run

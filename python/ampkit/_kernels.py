@@ -21,7 +21,7 @@ gives the idle ones back to torch.
 ``torch.compile``: dynamo guards compiled code on torch's autocast state and the
 torch-function mode stack, not on dispatcher registrations; a graph compiled while such a
 kernel is registered keeps its casts after the kernel is gone
-(``benchmarks/probes/autocast_kernel_override.py``). Hence:
+(``benchmarks/probes/autocast_kernel_override.py`` (deleted since; at d0f6c33)). Hence:
 
 - while torch.compile holds code it compiled in this process (until ``torch._dynamo.reset()``),
   regions push the handler mode for their whole delta (dynamo guards on it), as they did

@@ -304,3 +304,30 @@ def test_a_ratio_within_an_interleaved_group_says_so_in_the_records_and_the_repo
            "0.952 [0.952, 0.952] | interleaved, 3 rounds |" in table
     assert "| transformer | ddp (static_graph) | ampkit_step | 2 | 8.00 [8.00, 8.00] | 8000.0 | 1.31x [1.31, 1.31] " \
            "faster | - | alone |" in table
+
+
+def test_a_captured_train_step_on_cuda_warms_up_for_its_own_warmup_then_the_capture_and_a_replay():
+    import warnings
+
+    import torch
+
+    import ampkit
+
+    variants = bench.load_variants()
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ac = dict(device_type="cpu", dtype=torch.bfloat16)
+    on_cuda = bench.Placement(bench.Engine("ddp"), "cuda", world_size=2)
+    on_cpu = bench.Placement(bench.Engine("ddp"), "cpu", world_size=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # capture on a cpu region: it runs eagerly, said once
+        for step in (ampkit.make_train_step(model, torch.nn.functional.mse_loss, opt, autocast=ac),
+                     ampkit.make_train_step(model, torch.nn.functional.mse_loss, opt, autocast=ac, warmup=7)):
+            # the step's own warm-up (make_train_step's choice), its capture, one replay
+            assert on_cuda.warmup_steps(variants["ampkit_step"], 1, step) == step.warmup + 2
+            assert on_cuda.warmup_steps(variants["ampkit_step"], 50, step) == 50  # the profile's, when more
+            # no capture to wait for: the profile's (the variant's) warm-up alone
+            for placement, name in ((on_cpu, "ampkit_step"), (on_cuda, "torch_amp"), (on_cuda, "ampkit_step_eager")):
+                assert placement.warmup_steps(variants[name], 1, step) == variants[name].warmup_steps(1)
+    # not built yet (the record of a run that never started): the variant's warm-up
+    assert on_cuda.warmup_steps(variants["ampkit_step"], 1) == variants["ampkit_step"].warmup_steps(1)

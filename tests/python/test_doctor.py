@@ -1,5 +1,6 @@
 """The numerics doctor: checked against hand-derived values and an independent fault injector."""
 
+import doctest
 import functools
 import warnings
 
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 import ampkit
-from ampkit import faults
+import faults
 from conftest import bits_equal
 
 pytestmark = [pytest.mark.usefixtures("ampkit_quiet"), pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -21,6 +22,12 @@ def _mlp(seed=0):
 
 
 # -- fault injection over the four benchmark cases ------------------------------------------
+def test_fault_injector_docstring_example():
+    # faults.py lives with the tests, outside the package test_doctests.py walks
+    result = doctest.testmod(faults, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
+
+
 @functools.lru_cache(maxsize=1)
 def _plan():
     return faults.plan()
@@ -443,7 +450,7 @@ def test_the_bad_batch_is_replayed_whether_steps_get_new_tensors_or_refill_one(d
 def test_the_verdicts_sent_in_batches_or_waited_for_name_the_same_step(monkeypatch, batch, pending):
     # the host sends the held flags every `batch` steps and waits once `pending` steps
     # hold their tensors: however they are set, the first bad step is the one replayed
-    from ampkit._doctor import _step_watch
+    import ampkit._doctor._step_watch as _step_watch
 
     monkeypatch.setattr(_step_watch, "_BATCH", batch)
     monkeypatch.setattr(_step_watch, "_PENDING", pending)
@@ -485,7 +492,7 @@ def test_the_flag_ring_wraps_and_folds_many_checks_of_a_step(monkeypatch, optimi
     # with a check of its own, which reports an inf at the third check of step 33 only (the
     # replay then finds no op: the step is what counts; without the fold the flag is lost).
     # Either way step 33 is named: its flags are among those sent across the ring's end.
-    from ampkit._doctor import _step_watch
+    import ampkit._doctor._step_watch as _step_watch
 
     monkeypatch.setattr(_step_watch, "_RING", 32)
     monkeypatch.setattr(_step_watch, "_BATCH", 3)
@@ -515,7 +522,7 @@ def test_an_armed_run_trains_as_the_unarmed_one_and_names_its_first_skip(monkeyp
     # (32 slots, passed twice): the training must not change (the oracle: the same run
     # unarmed, every parameter bitwise, the scale, the skipped steps), and the step the
     # doctor names is the scaler's first skipped one
-    from ampkit._doctor import _step_watch
+    import ampkit._doctor._step_watch as _step_watch
 
     monkeypatch.setattr(_step_watch, "_RING", 32)
     monkeypatch.setattr(_step_watch, "_BATCH", 3)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ampkit
-from ampkit import faults
+import faults
 from ampkit.bench import build_case
 from conftest import SyncError
 
@@ -67,7 +67,7 @@ def test_eager_step_armed_adds_no_sync():
 def test_host_verdicts_add_no_sync(monkeypatch):
     # new batches each step: the host reads the verdicts; with sends every 2 steps, the
     # flags' stack and its copy to pinned memory run inside the checked steps too
-    from ampkit._doctor import _step_watch
+    import ampkit._doctor._step_watch as _step_watch
 
     monkeypatch.setattr(_step_watch, "_BATCH", 2)
     built = build_case("seed_mlp", "tiny", device="cuda")

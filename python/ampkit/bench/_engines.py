@@ -56,9 +56,6 @@ ENGINES = ("ddp", "fsdp2")
 # when absent): each is a choice that trades memory or generality for speed, the same
 # for every variant of a run.
 DDP_OPTIONS = {"gradient_as_bucket_view": bool, "static_graph": bool, "bucket_cap_mb": float}
-# make_train_step's default warm-up (warmup=None): 11 eager steps for a DDP model, else 3.
-DDP_CAPTURE_WARMUP = 11
-TRAIN_STEP_WARMUP = 3
 CHECK_STEPS = 12
 MIN_ROUNDS = 3  # the least rounds an interleaved group runs unless --repeats says otherwise
 START_S = 120  # the least the watchdog gives the rendezvous and the teardown
@@ -231,17 +228,15 @@ class Placement:
         self.world_size = dist.get_world_size() if world_size is None else int(world_size)
         self.rank = dist.get_rank() if world_size is None else None
 
-    def train_step_warmup(self) -> int:
-        """make_train_step's eager steps before the capture by default (11 for DDP)."""
-        return DDP_CAPTURE_WARMUP if (self.engine.name, self.device) == ("ddp", "cuda") else TRAIN_STEP_WARMUP
-
-    def warmup_steps(self, variant, profile_warmup: int) -> int:
-        """Untimed steps: the profile's, and on CUDA for a train step enough for its capture
-        to have happened (its warm-up, the capture, one replay) before the clock starts
-        (one that never captures, ``capture: false``, needs none of that)."""
+    def warmup_steps(self, variant, profile_warmup: int, step=None) -> int:
+        """Untimed steps: the profile's, and on CUDA for a built train step ``step`` enough
+        for its capture to have happened (its own warm-up, ``step.warmup``, which
+        make_train_step chooses; the capture; one replay) before the clock starts (one that
+        never captures, ``capture: false``, needs none of that)."""
         warm = variant.warmup_steps(profile_warmup)
-        if variant.runner == "train_step" and variant.capture is not False and self.device == "cuda":
-            warm = max(warm, self.train_step_warmup() + 2)
+        if step is not None and variant.runner == "train_step" and variant.capture is not False \
+                and self.device == "cuda":
+            warm = max(warm, step.warmup + 2)
         return warm
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:

@@ -43,7 +43,8 @@ def resolve_run(case, variant: Variant, language: str, profile: str | None = Non
     """Resolve a run of ``case`` (a BuiltCase, whose profile, device, sizes and repeats it
     takes, or a Case with ``profile`` and ``device``) under ``variant`` from ``language``;
     ``placement`` (a run across processes, ``ampkit.bench.Placement``) adds its world
-    size, engine and options, and the warm-up a train step needs there."""
+    size, engine and options (the warm-up a train step needs there is known once it is
+    built: ``Placement.warmup_steps``)."""
     if isinstance(case, Case):
         if profile is None or device is None:
             raise ValueError("resolve_run: a Case needs profile= and device= (a BuiltCase carries them)")
@@ -58,5 +59,4 @@ def resolve_run(case, variant: Variant, language: str, profile: str | None = Non
     return ResolvedRun(case=name, variant=variant, language=language, profile=profile, device=device,
                        dtype=variant.resolved_dtype(device), sizes=dict(sizes), num_batches=int(n),
                        repeats=int(repeats if repeats is not None else reps),
-                       warmup_steps=variant.warmup_steps(warm) if placement is None else
-                       placement.warmup_steps(variant, warm), **spread)
+                       warmup_steps=variant.warmup_steps(warm), **spread)

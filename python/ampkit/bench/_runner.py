@@ -24,6 +24,7 @@ state, so a run trains the same, step for step, alone or interleaved.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import math
 import sys
@@ -307,6 +308,9 @@ class VariantRun:
             self.opt = built.new_optimizer(model, fused=variant.fused_optimizer)
             self.scaler = make_scaler(variant, self.device)
             self.step = make_step(variant, built, model, self.opt, self.scaler)
+            if placement is not None:  # a train step's own warm-up, as make_train_step chose it
+                self.run = dataclasses.replace(self.run, warmup_steps=placement.warmup_steps(
+                    variant, built.warmup_steps, self.step))
 
     def warm_up(self) -> None:
         with self._turn():

@@ -65,8 +65,9 @@ test_that("$stats() is a data.frame per module and sampled step, and $suggest() 
 
 test_that("the doctor names the injected op, module and phase of the fault suite from R", {
   skip_if_no_ampkit()
+  skip_if_no_repo()
   local_quiet_python_warnings()
-  faults <- reticulate::import("ampkit.faults")
+  faults <- reticulate::import_from_path("faults", file.path(repo_dir(), "tests", "python"))
   bench <- reticulate::import("ampkit.bench")
   plan <- faults$plan()
   hits <- 0

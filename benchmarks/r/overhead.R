@@ -3,7 +3,7 @@
 # process, on the same data and model sizes, interleaved repeats.
 #
 #   RETICULATE_PYTHON=<repo>/.venv/bin/python R_LIBS=<repo>/.rlib OMP_NUM_THREADS=1 \
-#     Rscript r/ampkit/bench/overhead.R [steps=200] [repeats=7]
+#     Rscript benchmarks/r/overhead.R [steps=200] [repeats=7]
 #
 # Prints, per size and variant, the median ms/step of each driver and the
 # difference in microseconds per step. Times are the process's CPU time

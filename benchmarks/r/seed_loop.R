@@ -1,8 +1,8 @@
 # The seed's AMP benchmark as written (r/ampkit/tests/testthat/fixtures/seed-walkthrough.R,
 # the R seed verbatim with library(ampkit)), and its Python twin: shared by
-# bench/profile_seed.R (CPU profile) and benchmarks/gpu/r_seed_loop.R (GPU).
+# profile_seed.R (CPU profile, since deleted) and benchmarks/gpu/r_seed_loop.R (GPU).
 #
-#   source("r/ampkit/bench/seed_loop.R")
+#   source("benchmarks/r/seed_loop.R")
 #   seed <- seed_loop(device = "cpu", sizes = c(batch_size = 8, in_size = 16, ...))
 #   seed$run(autocast = TRUE, scale = TRUE)      # the seed's run(), in a fresh environment
 #   seed$py_run(autocast = TRUE, scale = TRUE)   # the same loop in Python, same data

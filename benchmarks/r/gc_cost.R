@@ -1,7 +1,7 @@
 # The garbage watch on a GPU (R/memory.R): what an R user's loop holds with it
 # on and off, and what it costs.
 #
-#   Rscript r/ampkit/bench/gc_cost.R [steps]
+#   Rscript benchmarks/r/gc_cost.R [steps]
 #
 # The loop is the seed's hand-written one (`output <- net(x)` each step) with a
 # 1 GiB float32 output a step (8192 x 32768, the transformer case's logits).

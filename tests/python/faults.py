@@ -6,8 +6,13 @@ module's own forward hooks for the forward, and its ``register_full_backward_pre
 for the backward (the first matching op after the gradient of the module's output is
 ready). ``ops_of(...)`` lists what can be targeted, from one recording step.
 
->>> import torch, ampkit
->>> from ampkit import faults
+A test helper, not part of the package: it builds its models with ``ampkit.bench`` and
+follows the doctor's replays through ``ampkit._doctor.replaying()``. The Python tests
+import it as ``faults`` (tests/python is on their path); the R tests load it from
+``$AMPKIT_REPO/tests/python``.
+
+>>> import torch
+>>> import faults
 >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
 >>> with faults.inject(model, "1", "addmm", "forward", "nan") as f:
 ...     out = model(torch.randn(2, 4))

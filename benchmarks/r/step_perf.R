@@ -2,8 +2,8 @@
 # process, for a sampling profiler that splits the process's time by library:
 #
 #   RETICULATE_PYTHON=<repo>/.venv/bin/python R_LIBS=<repo>/.rlib OMP_NUM_THREADS=1 \
-#     perf record -o perf-r.data Rscript r/ampkit/bench/step_perf.R r
-#   ... perf record -o perf-py.data Rscript r/ampkit/bench/step_perf.R py
+#     perf record -o perf-r.data Rscript benchmarks/r/step_perf.R r
+#   ... perf record -o perf-py.data Rscript benchmarks/r/step_perf.R py
 #   perf report -i perf-r.data -n --no-children --sort dso --stdio -g none
 #
 # The two runs share R's start-up (loading R, reticulate, torch); the difference of the

@@ -6,7 +6,7 @@
 # dropped outputs is off (a canned output is never dropped).
 #
 #   RETICULATE_PYTHON=<repo>/.venv/bin/python R_LIBS=<lib> OMP_NUM_THREADS=1 \
-#     Rscript r/ampkit/bench/step_rside.R [steps=20000]
+#     Rscript benchmarks/r/step_rside.R [steps=20000]
 library(ampkit)
 stopifnot(ampkit_available())
 steps <- as.integer(commandArgs(trailingOnly = TRUE)[1])

@@ -4,7 +4,7 @@
 # the calls each line makes into reticulate's C++ layer (Python calls, conversions).
 #
 #   RETICULATE_PYTHON=<repo>/.venv/bin/python R_LIBS=<repo>/.rlib OMP_NUM_THREADS=1 \
-#     Rscript r/ampkit/bench/step_lines.R <out-dir> [steps=2000] [label]
+#     Rscript benchmarks/r/step_lines.R <out-dir> [steps=2000] [label]
 #
 # Writes <out-dir>/step_lines.txt: one row per line of the step (R us, Python us, the
 # difference, reticulate calls per step), for the AMP step (autocast + scaler) and the
@@ -23,7 +23,7 @@ dir.create(out_dir, showWarnings = FALSE, recursive = TRUE)
 # wrappers before the package binds any of them.
 count_mode <- length(args) >= 4 && args[[4]] == "count"
 if (count_mode) {
-  source(file.path(Sys.getenv("AMPKIT_REPO", "."), "r", "ampkit", "bench", "trace_calls.R"))
+  source(file.path(Sys.getenv("AMPKIT_REPO", "."), "benchmarks", "r", "trace_calls.R"))
   .cnt <- trace_reticulate()
 }
 
@@ -226,7 +226,7 @@ sink(file.path(out_dir, "step_lines.txt"))
 cat(sprintf("Per-line host cost of the seed's step from R and from Python, one process, %s (commit %s)\n", label, commit))
 cat(sprintf("CPU, torch threads 1, batch %d, width %d, 3 linear layers; first quartiles over %d x %d steps after %d warm-up; clock cost subtracted (R %.2f us, Python %.2f us)\n",
             batch_size, in_size, rounds, steps, warm, clock_r * 1e6, clock_py * 1e6))
-cat(sprintf("Command: Rscript r/ampkit/bench/step_lines.R %s %d %s\n\n", out_dir, steps, label))
+cat(sprintf("Command: Rscript benchmarks/r/step_lines.R %s %d %s\n\n", out_dir, steps, label))
 cat(sprintf("AMP step (autocast + scaler): R %.3f ms/step, Python %.3f ms/step (first quartiles of the whole step)\n",
             step_ms(acc$r_amp), step_ms(acc$py_amp)))
 print(amp, row.names = FALSE)
