@@ -9,7 +9,7 @@ _REPLAYING = [None]  # the step a doctor is replaying now
 def replaying():
     """The index of the step a doctor is replaying right now, else None. A replay runs a
     recorded step's forward and backward again under the op-level watch; a fault injector
-    (``ampkit.faults.inject``) that models a fault of that step fires in the replay too."""
+    (``faults.inject`` in tests/python/faults.py) that models a fault of that step fires in the replay too."""
     return _REPLAYING[0]
 
 
