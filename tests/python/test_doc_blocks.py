@@ -35,6 +35,7 @@ REPO = Path(__file__).resolve().parents[2]
 DOCS = ["README.md", *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md")), "r/ampkit/README.md"]
 LANGUAGES = ("python", "r")
 MARKS = ("cuda", "torchrun")
+BLOCK_SECONDS = 300  # a block that runs longer is killed and fails (exit 124)
 FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([^`]*)$")
 
 
@@ -92,7 +93,9 @@ def test_every_block_is_found_and_its_marks_are_known():
 
 def serve() -> None:
     """Read one JSON request a line ({code, id, env, cwd}); answer {rc, output} for each."""
+    import signal
     import tempfile
+    import time
 
     import torch  # noqa: F401  (imported once, before the forks)
 
@@ -120,10 +123,22 @@ def serve() -> None:
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(rc)
-            _, status = os.waitpid(pid, 0)
+            deadline, rc = time.monotonic() + BLOCK_SECONDS, None
+            while rc is None:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    rc = os.waitstatus_to_exitcode(status)
+                elif time.monotonic() > deadline:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                    rc = 124
+                else:
+                    time.sleep(0.01)
             out.seek(0)
             text = out.read().decode(errors="replace")
-        print(json.dumps({"rc": os.waitstatus_to_exitcode(status), "output": text}), flush=True)
+        if rc == 124:
+            text += f"\n(killed after {BLOCK_SECONDS} s)"
+        print(json.dumps({"rc": rc, "output": text}), flush=True)
 
 
 def child_env() -> dict[str, str]:
@@ -189,7 +204,7 @@ def r_server(tmp_path_factory):
 def run_r(server, block: Block, tmp_path: Path) -> tuple[int, str]:
     script, output = tmp_path / "block.R", tmp_path / "output.txt"
     script.write_text(block.code)
-    server.stdin.write(f"{script}\t{output}\t{tmp_path}\n")
+    server.stdin.write(f"{script}\t{output}\t{tmp_path}\t{BLOCK_SECONDS}\n")
     server.stdin.flush()
     answer = server.stdout.readline()
     if not answer:
