@@ -76,24 +76,30 @@ find_python_headers <- function() {
   invisible(TRUE)
 }
 
-# What is missing, and how to get it: named in every "no Python" error.
+# What is missing, and how to get it: named in every "no Python" error and in
+# ampkit_available()'s message. It names the Python reticulate found, since the usual
+# cause is reticulate finding another Python than the one with torch and ampkit.
 missing_python_message <- function(detail = NULL) {
   what <- tryCatch({
     if (!reticulate::py_available(initialize = TRUE)) {
       "no Python was found"
     } else if (!reticulate::py_module_available("torch")) {
-      sprintf("the Python at %s has no `torch`", reticulate::py_exe())
+      sprintf("reticulate found the Python at %s, which has no `torch`", reticulate::py_exe())
     } else if (!reticulate::py_module_available("ampkit")) {
-      sprintf("the Python at %s has no `ampkit` package", reticulate::py_exe())
+      sprintf("reticulate found the Python at %s, which has no `ampkit` Python package", reticulate::py_exe())
     } else {
-      "importing the Python packages failed"
+      sprintf("importing torch and ampkit in the Python at %s failed", reticulate::py_exe())
     }
   }, error = function(e) paste("Python could not be started:", conditionMessage(e)))
+  started <- tryCatch(reticulate::py_available(initialize = FALSE), error = function(e) FALSE)
   paste0(
     "ampkit needs Python with `torch` and the `ampkit` Python package, but ", what, ".\n",
     "Run ampkit::install_ampkit(\"<path of the ampkit repository or wheel>\") and restart R ",
     "(or, in the repository, `make setup` and Sys.setenv(RETICULATE_PYTHON = \"<repo>/.venv/bin/python\") ",
-    "before the first use of ampkit).",
+    "before the first use of ampkit).\n",
+    "To point reticulate at a Python that has both, set Sys.setenv(RETICULATE_PYTHON = \"/path/to/bin/python\") ",
+    "or call reticulate::use_python(\"/path/to/bin/python\") before the first use of ampkit",
+    if (started) " (Python has started in this R session: restart R first)." else ".",
     if (!is.null(detail) && nzchar(detail)) paste0("\nCause: ", detail)
   )
 }
@@ -102,7 +108,12 @@ missing_python_message <- function(detail = NULL) {
 #'
 #' `ampkit_available()` tells whether Python, torch and the ampkit Python
 #' package can be loaded, without raising an error. Use it to guard examples
-#' and scripts that need Python. `ampkit_config()` describes the Python in use.
+#' and scripts that need Python. When it returns `FALSE` it says why in a
+#' message: the Python reticulate found, what it lacks (`torch` or `ampkit`),
+#' and how to point reticulate at the right one (`RETICULATE_PYTHON` or
+#' [reticulate::use_python()] before the first use, or [install_ampkit()]).
+#' `suppressMessages(ampkit_available())` asks quietly.
+#' `ampkit_config()` describes the Python in use.
 #'
 #' @return `ampkit_available()`: `TRUE` or `FALSE`. `ampkit_config()`: a list
 #'   with the Python executable and the versions of torch and ampkit.
@@ -115,7 +126,10 @@ ampkit_available <- function() {
   isTRUE(tryCatch({
     py_ready()
     TRUE
-  }, error = function(e) FALSE))
+  }, error = function(e) {
+    message(conditionMessage(e))
+    FALSE
+  }))
 }
 
 #' @rdname ampkit_available
