@@ -649,7 +649,7 @@ def region_config(types):
     torch's own for the device types ``types`` (the model's: another type's region casts
     none of its ops) where no ampkit region is."""
     if not _ENGINE:
-        from ampkit._autocast import thread_engine
+        from ampkit._engine import thread_engine
 
         _ENGINE.append(thread_engine)
     devs = _ENGINE[0]().devs()  # {device_type: (enabled, dtype, policy, cache)}: one object per region, never changed

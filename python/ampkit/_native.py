@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import torch
 
+from ampkit._bounded import BoundedCache
+from ampkit._policy import CATEGORIES, load_policy
+
 NATIVE_POLICY = "torch_default"
 
 
@@ -37,7 +40,7 @@ NATIVE_DIFFERS = (
     ("cpu", (2, 5), {"_addmm_activation": ("f32", "mixed")}),
 )
 
-_CACHE: dict = {}
+_CACHE = BoundedCache(256)  # (policy, device_type) -> its delta
 
 
 def differs(device_type: str) -> dict:
@@ -70,8 +73,6 @@ def delta(policy, device_type: str) -> frozenset:
     hit = _CACHE.get(key)
     if hit is not None:
         return hit
-    from ampkit._policy import CATEGORIES, load_policy
-
     native = load_policy(NATIVE_POLICY)
     ours = policy.rules(device_type)
     try:
@@ -87,10 +88,7 @@ def delta(policy, device_type: str) -> frozenset:
         n for n in names
         if theirs is None or _handling(ours, n) != _handling(theirs, n)
     ) | (set(differs(device_type)) & listed(ours))
-    if len(_CACHE) > 256:
-        _CACHE.clear()
-    _CACHE[key] = out
-    return out
+    return _CACHE.put(key, out)
 
 
 def forget() -> None:

@@ -35,13 +35,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import weakref
 from pathlib import Path
 
 import torch
 import yaml
 
 from ampkit import _decompositions, _module_policy, _ops
+from ampkit._bounded import BoundedCache
 from ampkit._errors import PolicyError
 from ampkit._specs import SpecsNotFoundError, policy_dir
 
@@ -54,16 +54,6 @@ _TOP_KEYS = ("schema_version", "name", "description", "devices", "modules")  # m
 _DEVICE_KEYS = ("lower_precision_dtype",) + CATEGORIES  # required
 _OPTIONAL_DEVICE_KEYS = ("decompose",)  # optional, [] when absent
 DEFAULT_BAN_MESSAGE = "{op} is banned in ampkit autocast regions by the active policy."
-
-
-# Every live policy by id(): code that torch.compile traces names a policy by its id, a
-# number dynamo can pass to a function it runs at trace time (it cannot rebuild the object).
-_LIVE: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
-
-
-def live_policy(policy_id: int) -> "Policy":
-    """The live Policy whose id() is ``policy_id``."""
-    return _LIVE[policy_id]
 
 
 def _dtype_of(value, where: str) -> torch.dtype:
@@ -138,6 +128,9 @@ class Policy:
     description: str = ""
     source: str = dataclasses.field(default="", compare=False)
     modules: tuple = ()  # (ModuleScope, ...) sorted by pattern: rules per module (_module_policy)
+    # the with_* changes made since the policy got its name, as calls ("with_ops(fp32=['mm'])"):
+    # printed after the name so that a changed policy does not pass for the one it came from
+    derived: tuple = dataclasses.field(default=(), compare=False)
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -155,7 +148,9 @@ class Policy:
                 isinstance(m, _module_policy.ModuleScope) for m in self.modules):
             raise PolicyError(f"Policy: modules must be a tuple of ModuleScope, got {self.modules!r:.80}; "
                               "add scopes with policy.with_module()")
-        _LIVE[id(self)] = self
+        if not isinstance(self.derived, tuple) or not all(isinstance(d, str) for d in self.derived):
+            raise PolicyError(f"Policy: derived must be a tuple of strings, got {self.derived!r:.80}; "
+                              "the with_* methods record it")
 
     def __hash__(self):  # cached: regions key their compiled tables by policy
         h = self.__dict__.get("_hash")
@@ -170,7 +165,6 @@ class Policy:
     def __setstate__(self, state):
         for k, v in state.items():
             object.__setattr__(self, k, v)
-        _LIVE[id(self)] = self
 
     # -- reading --------------------------------------------------------------
     def device_types(self) -> tuple:
@@ -217,8 +211,22 @@ class Policy:
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None, width=100)
 
+    def _derive(self, step: str, **changes) -> "Policy":
+        """A copy with ``changes``, remembering the call that made it (``str()`` shows it)."""
+        return dataclasses.replace(self, source="", derived=self.derived + (step,), **changes)
+
     def __str__(self) -> str:
-        lines = [f"Policy {self.name!r}" + (f" ({self.source})" if self.source else "")]
+        """The rules as a table, headed by the name and the changes made since it was given.
+
+        >>> import ampkit
+        >>> p = ampkit.load_policy("torch_default")
+        >>> str(p.with_ops("cpu", fp32=["linear"])).splitlines()[0]
+        "Policy 'torch_default' + with_ops('cpu', fp32=['linear'])"
+        >>> str(p.with_ops("cpu", fp32=["linear"]).with_name("fp32_linear")).splitlines()[0]
+        "Policy 'fp32_linear'"
+        """
+        lines = [f"Policy {self.name!r}" + "".join(f" + {step}" for step in self.derived)
+                 + (f" ({self.source})" if self.source else "")]
         for d, r in self.devices:
             lines.append(f"  {d}: lower_precision_dtype={_DTYPE_NAMES[r.lower_precision_dtype]}")
             for cat in CATEGORIES:
@@ -279,7 +287,7 @@ class Policy:
                 if msg is not None and not isinstance(msg, str):
                     raise PolicyError(f"with_ops: banned message for {n!r} must be a string, got {msg!r}")
                 moves[n] = (cat, msg)
-        return self._edit(device, moves)
+        return self._edit(device, moves, _call("with_ops", device, categories))
 
     def without_ops(self, *names, device=None) -> "Policy":
         """A copy in which ``names`` are in no category (run untouched).
@@ -297,9 +305,10 @@ class Policy:
                 raise PolicyError(
                     f"without_ops: op {n!r} is in no category on {', '.join(targets)}, so there is "
                     "nothing to remove; `str(policy)` lists each device's ops")
-        return self._edit(device, {n: (None, None) for n in names})
+        shown = ", ".join(repr(n) for n in names) + ("" if device is None else f", device={device!r}")
+        return self._edit(device, {n: (None, None) for n in names}, f"without_ops({shown})")
 
-    def _edit(self, device, moves) -> "Policy":
+    def _edit(self, device, moves, step) -> "Policy":
         targets = self._targets(device)
         out = []
         for d, r in self.devices:
@@ -314,14 +323,14 @@ class Policy:
                         tables[cat][n] = (msg or DEFAULT_BAN_MESSAGE.format(op=n)) if cat == "banned" else None
                 r = _make_rules(r.lower_precision_dtype, tables, d, "with_ops")
             out.append((d, r))
-        return dataclasses.replace(self, devices=tuple(out), source="")
+        return self._derive(step, devices=tuple(out))
 
     def with_dtype(self, device: str, dtype) -> "Policy":
         """A copy whose ``device`` regions default to ``dtype``."""
         dt = _dtype_of(dtype, f"with_dtype({device!r})")
         out = tuple((d, dataclasses.replace(r, lower_precision_dtype=dt) if d == device else r) for d, r in self.devices)
         self.rules(device)
-        return dataclasses.replace(self, devices=out, source="")
+        return self._derive(f"with_dtype({device!r}, {_DTYPE_NAMES[dt]!r})", devices=out)
 
     # -- module scopes (ampkit._module_policy) -----------------------------------
     def with_module(self, pattern: str, *, pin: str | None = None, **categories) -> "Policy":
@@ -346,18 +355,19 @@ class Policy:
                     f"({m.to_dict()}, now {scope.to_dict()}); two scopes on one glob conflict: "
                     f"call without_module({pattern!r}) first to replace it")
         mods = tuple(sorted(self.modules + (scope,), key=lambda m: m.pattern))
-        return dataclasses.replace(self, modules=mods, source="")
+        rules = ({"pin": pin} if pin is not None else {}) | categories
+        return self._derive(_call("with_module", pattern, rules), modules=mods)
 
     def without_module(self, pattern: str) -> "Policy":
         """A copy without the scope ``pattern`` (PolicyError listing the scopes if absent)."""
         if not any(m.pattern == pattern for m in self.modules):
             raise PolicyError(f"without_module: no scope {pattern!r} in policy {self.name!r}; its "
                               f"scopes: {', '.join(m.pattern for m in self.modules) or 'none'}")
-        return dataclasses.replace(self, modules=tuple(m for m in self.modules if m.pattern != pattern), source="")
+        return self._derive(f"without_module({pattern!r})", modules=tuple(m for m in self.modules if m.pattern != pattern))
 
     def without_modules(self) -> "Policy":
         """A copy with no module scopes (the tables every scope starts from)."""
-        return self if not self.modules else dataclasses.replace(self, modules=(), source="")
+        return self if not self.modules else self._derive("without_modules()", modules=())
 
     def apply(self, model):
         """Install the module scopes on ``model``: returns a handle (a context manager;
@@ -372,12 +382,24 @@ class Policy:
         ...
         ampkit._errors.PolicyError: module scope '1' matches no module of the Sequential; the model's modules include: 0
         """
-        return _module_policy.ModuleScopes(self, model)
+        # The hooks enter ampkit.autocast regions, which stand on this module: the one import
+        # that runs up the casting tower, made when a policy is applied (a value below the
+        # engine cannot hold its runtime otherwise without a holder filled in from above).
+        from ampkit._module_scopes import ModuleScopes
+
+        return ModuleScopes(self, model)
 
     def with_name(self, name: str, description: str | None = None) -> "Policy":
         if not isinstance(name, str) or not name:
             raise PolicyError(f"with_name: name must be a non-empty string, got {name!r}")
-        return dataclasses.replace(self, name=name, description=self.description if description is None else description)
+        return dataclasses.replace(self, name=name, description=self.description if description is None else description,
+                                   derived=())
+
+
+def _call(method, first, keywords) -> str:
+    """``method(first, k=v, ...)`` as written (``first`` left out when None)."""
+    args = ([] if first is None else [repr(first)]) + [f"{k}={v!r}" for k, v in keywords.items()]
+    return f"{method}({', '.join(args)})"
 
 
 def _make_rules(dtype, tables, device, where) -> DeviceRules:
@@ -473,13 +495,11 @@ def load_policy(path_or_name) -> Policy:
             f"{path}:{line}: the policy file is not UTF-8 text (byte {e.object[e.start:e.start + 1]!r} "
             f"at offset {e.start}); save it as UTF-8") from e
     policy = parse_policy(text, str(path))
-    if len(_LOADED) > 32:
-        _LOADED.clear()
-    _LOADED[key] = policy  # policies are immutable: share one per unchanged file
+    _LOADED.put(key, policy)  # policies are immutable: share one per unchanged file
     return policy
 
 
-_LOADED: dict = {}
+_LOADED = BoundedCache(32)
 
 
 def parse_policy(text: str, source: str = "<string>") -> Policy:
