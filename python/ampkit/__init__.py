@@ -9,8 +9,8 @@ The whole public API is listed here, one name per line.
 torch.bfloat16
 """
 
-from ampkit._policy import CATEGORIES
-from ampkit._policy import DeviceRules
+from ampkit._rules import CATEGORIES
+from ampkit._rules import DeviceRules
 from ampkit._policy import Policy
 from ampkit._policy import PolicyError
 from ampkit._policy import load_policy

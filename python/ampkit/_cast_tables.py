@@ -22,7 +22,7 @@ from ampkit import _decompositions, _kernel_bridge, _narrow_casts, _native, _ops
 from ampkit._cast_rules import first_tensor, is_inplace, on_device, rule
 from ampkit._checkpoint_guard import refuse_plain_checkpoint
 from ampkit._composites import guardfree, reaches, run_inside
-from ampkit._policy import CATEGORIES
+from ampkit._rules import CATEGORIES
 
 DELTA, TRACE, REFERENCE = "delta", "trace", "reference"
 KERNELS = "delta+kernels"

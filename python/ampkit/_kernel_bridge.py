@@ -13,13 +13,9 @@ import threading
 import torch
 
 from ampkit import _cast_rules, _kernels, _narrow_casts, _native
-from ampkit._policy import load_policy
 
 Tensor = torch.Tensor
 NO_KERNELS: dict = {}  # the acts of a region that runs no kernel
-# The shipped table, loaded at import (code that torch.compile traces cannot read files):
-# what a kernel does outside every region that changes its op.
-_NATIVE_TABLE = load_policy(_native.NATIVE_POLICY)
 
 
 class InnermostKernels:
@@ -83,7 +79,7 @@ def _native_handling(op, device_type, name):
     """(args, kwargs) -> result: what torch's own autocast does for ``op``: the shipped
     torch_default's rule for ``name`` where torch registers a kernel for the op (the drift
     check proves the two equal), else a fall-through to the kernels below autocast."""
-    rules = _NATIVE_TABLE.rules(device_type)
+    rules = _native.NATIVE_RULES[device_type]  # the shipped table: what native autocast does
     cat = rules.category(name)
     if cat is not None and _kernels.native_has_kernel(op, device_type):
         msg = rules.ban_message(name) if cat == "banned" else None

@@ -1,8 +1,9 @@
 """Module scopes at run time: the hooks of ``policy.apply(model)`` enter nested regions.
 
 The scopes themselves (``ModuleScope``, parsing, matching a model) are values of
-ampkit._module_policy, below the policy; entering a scope means entering an
-``ampkit.autocast`` region, so the hooks live here, above the region.
+ampkit._module_policy; entering a scope means entering a region (ampkit._region, what
+``ampkit.autocast`` enters once it has checked its arguments), so the hooks live here,
+above the engine and below the Policy type, whose ``apply`` builds them.
 
 >>> import torch, ampkit
 >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
@@ -19,8 +20,8 @@ import threading
 
 import torch
 
-from ampkit._autocast import autocast
 from ampkit._module_policy import resolve
+from ampkit._region import Region, check_policy_args
 
 
 _tls = threading.local()
@@ -120,8 +121,9 @@ class ModuleScopes:
             try:
                 if devs:
                     pol = self._policy_for(chain)
+                    enabled = scope.pin is None
                     for d, dt in devs.items():
-                        r = autocast(d, dtype=dt, enabled=scope.pin is None, policy=pol)
+                        r = Region(d, check_policy_args(d, dt, enabled, None, pol)[0], enabled, None, pol)
                         r.__enter__()
                         regions.append(r)
             except BaseException:

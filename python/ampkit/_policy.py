@@ -37,82 +37,23 @@ import dataclasses
 import os
 from pathlib import Path
 
-import torch
 import yaml
 
-from ampkit import _decompositions, _module_policy, _ops
+from ampkit import _module_policy, _ops
+from ampkit._module_scopes import ModuleScopes
 from ampkit._bounded import BoundedCache
 from ampkit._errors import PolicyError
+from ampkit._rules import (CATEGORIES, DEFAULT_BAN_MESSAGE, DEVICES, DTYPE_NAMES, DeviceRules, check_category,
+                           dtype_of, make_rules, parse_device)
 from ampkit._specs import SpecsNotFoundError, policy_dir
 
-CATEGORIES = ("lower_precision_fp", "fp32", "fp32_output", "promote", "banned")
-DEVICES = ("cpu", "cuda")
 SCHEMA_VERSION = 1
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 _TOP_KEYS = ("schema_version", "name", "description", "devices", "modules")  # modules: optional
-_DEVICE_KEYS = ("lower_precision_dtype",) + CATEGORIES  # required
-_OPTIONAL_DEVICE_KEYS = ("decompose",)  # optional, [] when absent
-DEFAULT_BAN_MESSAGE = "{op} is banned in ampkit autocast regions by the active policy."
-
-
-def _dtype_of(value, where: str) -> torch.dtype:
-    if isinstance(value, torch.dtype) and value in _DTYPE_NAMES:
-        return value
-    if isinstance(value, str) and value in _DTYPES:
-        return _DTYPES[value]
-    raise PolicyError(f"{where}: unknown lower-precision dtype {value!r}; valid: {', '.join(_DTYPES)}")
-
-
-@dataclasses.dataclass(frozen=True)
-class DeviceRules:
-    """The rules of one device type: default dtype and the five op tables."""
-
-    lower_precision_dtype: torch.dtype
-    lower_precision_fp: tuple = ()
-    fp32: tuple = ()
-    fp32_output: tuple = ()
-    promote: tuple = ()
-    banned: tuple = ()  # ((op, message), ...)
-    decompose: tuple = ()  # ops run through their ATen decomposition (not a category)
-
-    def ops(self, category: str) -> tuple:
-        """Op names of ``category`` (sorted)."""
-        _check_category(category, "ops()")
-        got = getattr(self, category)
-        return tuple(n for n, _ in got) if category == "banned" else got
-
-    def category(self, op: str):
-        """The category of ``op`` or None when it is in no table."""
-        for cat in CATEGORIES:
-            if op in self.ops(cat):
-                return cat
-        return None
-
-    def decomposes(self, op: str) -> bool:
-        """Whether ``op`` is run through its decomposition (its parts cast by their own rules)."""
-        return op in self.decompose
-
-    def ban_message(self, op: str) -> str:
-        return dict(self.banned)[op]
-
-    def to_dict(self) -> dict:
-        d = {"lower_precision_dtype": _DTYPE_NAMES[self.lower_precision_dtype]}
-        for cat in CATEGORIES[:-1]:
-            d[cat] = list(getattr(self, cat))
-        d["banned"] = dict(self.banned)
-        d["decompose"] = list(self.decompose)
-        return d
 
 
 def _check_op_name(op, where):
     if not isinstance(op, str):
         raise PolicyError(f"{where}: op must be an op name (a string), got {op!r}")
-
-
-def _check_category(cat, where):
-    if cat not in CATEGORIES:
-        raise PolicyError(f"{where}: unknown category {cat!r}; valid: {', '.join(CATEGORIES)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,7 +169,7 @@ class Policy:
         lines = [f"Policy {self.name!r}" + "".join(f" + {step}" for step in self.derived)
                  + (f" ({self.source})" if self.source else "")]
         for d, r in self.devices:
-            lines.append(f"  {d}: lower_precision_dtype={_DTYPE_NAMES[r.lower_precision_dtype]}")
+            lines.append(f"  {d}: lower_precision_dtype={DTYPE_NAMES[r.lower_precision_dtype]}")
             for cat in CATEGORIES:
                 names = r.ops(cat)
                 shown = ", ".join(names[:8]) + (f", ... ({len(names)} ops)" if len(names) > 8 else "")
@@ -269,7 +210,7 @@ class Policy:
         moves = {}
         for cat, names in categories.items():
             if cat != "decompose":
-                _check_category(cat, "with_ops")
+                check_category(cat, "with_ops")
             if isinstance(names, str):
                 raise PolicyError(f"with_ops: {cat}= must be a list of op names, got the string {names!r}")
             if not isinstance(names, (list, tuple, set, frozenset, dict)):
@@ -321,16 +262,16 @@ class Policy:
                         t.pop(n, None)
                     if cat is not None:
                         tables[cat][n] = (msg or DEFAULT_BAN_MESSAGE.format(op=n)) if cat == "banned" else None
-                r = _make_rules(r.lower_precision_dtype, tables, d, "with_ops")
+                r = make_rules(r.lower_precision_dtype, tables, d, "with_ops")
             out.append((d, r))
         return self._derive(step, devices=tuple(out))
 
     def with_dtype(self, device: str, dtype) -> "Policy":
         """A copy whose ``device`` regions default to ``dtype``."""
-        dt = _dtype_of(dtype, f"with_dtype({device!r})")
+        dt = dtype_of(dtype, f"with_dtype({device!r})")
         out = tuple((d, dataclasses.replace(r, lower_precision_dtype=dt) if d == device else r) for d, r in self.devices)
         self.rules(device)
-        return self._derive(f"with_dtype({device!r}, {_DTYPE_NAMES[dt]!r})", devices=out)
+        return self._derive(f"with_dtype({device!r}, {DTYPE_NAMES[dt]!r})", devices=out)
 
     # -- module scopes (ampkit._module_policy) -----------------------------------
     def with_module(self, pattern: str, *, pin: str | None = None, **categories) -> "Policy":
@@ -382,11 +323,6 @@ class Policy:
         ...
         ampkit._errors.PolicyError: module scope '1' matches no module of the Sequential; the model's modules include: 0
         """
-        # The hooks enter ampkit.autocast regions, which stand on this module: the one import
-        # that runs up the casting tower, made when a policy is applied (a value below the
-        # engine cannot hold its runtime otherwise without a holder filled in from above).
-        from ampkit._module_scopes import ModuleScopes
-
         return ModuleScopes(self, model)
 
     def with_name(self, name: str, description: str | None = None) -> "Policy":
@@ -400,26 +336,6 @@ def _call(method, first, keywords) -> str:
     """``method(first, k=v, ...)`` as written (``first`` left out when None)."""
     args = ([] if first is None else [repr(first)]) + [f"{k}={v!r}" for k, v in keywords.items()]
     return f"{method}({', '.join(args)})"
-
-
-def _make_rules(dtype, tables, device, where) -> DeviceRules:
-    kw = {c: tuple(sorted(tables[c])) for c in CATEGORIES[:-1]}
-    kw["banned"] = tuple(sorted(tables["banned"].items()))
-    kw["decompose"] = tuple(sorted(tables.get("decompose", ())))
-    for n in kw["decompose"]:
-        _check_decomposable(n, device, where)
-    return DeviceRules(lower_precision_dtype=dtype, **kw)
-
-
-def _check_decomposable(op, device, where):
-    known = _decompositions.known(device)
-    if op not in known:
-        d = _decompositions.DECOMPOSITIONS.get(op)
-        why = f"its decomposition is ATen's only on {', '.join(d.devices)}" if d else "ampkit has no decomposition of it"
-        raise PolicyError(
-            f"{where}: op {op!r} cannot be decomposed on {device} ({why}); "
-            f"decomposable on {device}: {', '.join(known) or 'none'}"
-        )
 
 
 # -- loading -----------------------------------------------------------------
@@ -544,63 +460,7 @@ def parse_policy(text: str, source: str = "<string>") -> Policy:
     for dev, body in devs.items():
         if dev not in DEVICES:
             raise PolicyError(f"{where('devices', dev)}: unknown device type {dev!r}; valid: {', '.join(DEVICES)}")
-        out.append((dev, _parse_device(dev, body, where)))
+        out.append((dev, parse_device(dev, body, where)))
     modules = _module_policy.parse_scopes(data.get("modules"), where)
     return Policy(name=name, devices=tuple(sorted(out, key=lambda x: x[0])), description=desc.strip(),
                   source=source, modules=modules)
-
-
-def _parse_device(dev, body, where) -> DeviceRules:
-    if not isinstance(body, dict):
-        raise PolicyError(f"{where('devices', dev)}: rules must be a mapping with keys {', '.join(_DEVICE_KEYS)}, got {body!r}")
-    for k in body:
-        if k not in _DEVICE_KEYS + _OPTIONAL_DEVICE_KEYS:
-            kind = "category" if k not in ("dtype",) else "key"
-            raise PolicyError(
-                f"{where('devices', dev, k)}: unknown {kind} {k!r}; valid: {', '.join(_DEVICE_KEYS + _OPTIONAL_DEVICE_KEYS)}"
-            )
-    for k in _DEVICE_KEYS:
-        if k not in body:
-            raise PolicyError(f"{where('devices', dev)}: missing key {k!r} (write every category out, [] or {{}} when empty)")
-    dtype = _dtype_of(body["lower_precision_dtype"], where("devices", dev, "lower_precision_dtype"))
-    tables, seen = {}, {}
-    for cat in CATEGORIES:
-        val = body[cat]
-        if cat == "banned":
-            if val is None:
-                val = {}
-            if not isinstance(val, dict):
-                raise PolicyError(f"{where('devices', dev, cat)}: banned must be a mapping op: message, got {val!r}")
-            items = list(val.items())
-        else:
-            if val is None:
-                val = []
-            if not isinstance(val, list):
-                raise PolicyError(f"{where('devices', dev, cat)}: {cat} must be a list of op names, got {val!r}")
-            items = [(n, None) for n in val]
-        table = {}
-        for n, msg in items:
-            w = where("devices", dev, cat, n) if isinstance(n, str) else where("devices", dev, cat)
-            _ops.check_name(n, w)
-            if n in seen:
-                raise PolicyError(f"{w}: op {n!r} is listed in both {seen[n]!r} and {cat!r}; an op belongs to one category")
-            if cat == "banned" and not isinstance(msg, str):
-                raise PolicyError(f"{w}: the message of banned op {n!r} must be a string, got {msg!r}")
-            seen[n] = cat
-            table[n] = msg
-        tables[cat] = table
-    dec = body.get("decompose")
-    dec = [] if dec is None else dec
-    if not isinstance(dec, list):
-        raise PolicyError(f"{where('devices', dev, 'decompose')}: decompose must be a list of op names, got {dec!r}")
-    tables["decompose"] = {}
-    for n in dec:
-        w = where("devices", dev, "decompose", n) if isinstance(n, str) else where("devices", dev, "decompose")
-        _ops.check_name(n, w)
-        if n in seen:
-            twice = "twice under decompose" if seen[n] == "decompose" else f"in {seen[n]!r} and under decompose"
-            raise PolicyError(f"{w}: op {n!r} is listed {twice}; an op is either in one category or decomposed")
-        seen[n] = "decompose"
-        _check_decomposable(n, dev, w)
-        tables["decompose"][n] = None
-    return _make_rules(dtype, tables, dev, where("devices", dev))
