@@ -14,7 +14,7 @@ How a region runs (this is the whole algorithm)::
                       the op while a region needs them: no other call pays anything
                       (not while torch.compile is in use in the process: see there)
     the rest of the delta (user ops, decompose, narrowed casts, fp32_output, Python
-                      composites) -> push this thread's _Mode (a TorchFunctionMode)
+                      composites) -> push this thread's Mode (a TorchFunctionMode)
                       whose table holds only those ops; every other call passes
                       through it to native autocast
     a delta op     -> if native autocast is off for the device (a nested
@@ -37,6 +37,16 @@ How a region runs (this is the whole algorithm)::
         torch.functional.einsum ...): run a clone of it whose has_torch_function guards
         return False, with the mode re-pushed, so the calls in its body are seen.
     region exits   -> pop the mode if this region pushed it, restore torch's state
+
+Where each step lives, from the region down: torch's state and the engine's level
+(ampkit._region, what this module's ``autocast`` enters once it has checked its
+arguments); a thread's stack of regions and the mode (ampkit._engine); compiled tables
+(ampkit._cast_tables); one category's cast (ampkit._cast_rules); the kernels
+(ampkit._kernel_bridge over ampkit._kernels); composites seen through
+(ampkit._composites); the plain-checkpoint guard (ampkit._checkpoint_guard); the
+delta (ampkit._native). Beside them: regions inside compiled code
+(ampkit._compiled_regions), ``checkpoint`` and ``custom_fwd``/``custom_bwd``
+(ampkit._replayed_regions), ``ampkit.op`` (ampkit._user_ops).
 
 Two other table kinds run the same actions over the *whole* policy instead of the
 delta: the trace (``ampkit.trace()``: every listed op is cast by ampkit's Python code

@@ -4,8 +4,8 @@ A region entered with (device_type, enabled, dtype, policy, cache_enabled) becom
 :class:`Level` on this thread's :class:`Engine`: the frame of the per-device state it
 builds (shared between regions entered with the same arguments from the same parent), the
 kind of table it uses, its checkpoint tokens, the kernels it holds and whether it pushed
-the handler mode. ``ampkit.autocast`` (ampkit._autocast) drives it; torch's own autocast
-state is set there, not here.
+the handler mode. A Region (ampkit._region) drives it; torch's own autocast state is
+set there, not here.
 """
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ import threading
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ampkit import _kernel_bridge, _ops
+from ampkit import _kernel_bridge, _kernels, _ops
 from ampkit._bounded import BoundedCache
 from ampkit._cast_tables import DELTA, KERNELS, REFERENCE, TRACE, Table, compile_table
 from ampkit._checkpoint_guard import checkpoint_token
-from ampkit import _kernels
 
 _is_compiling = torch.compiler.is_compiling
 # The frozen table of the region last entered or left eagerly in any thread: what traced
