@@ -138,7 +138,7 @@ class Engine:
             # parent: what the slow path below would do, without its lookups (no kernels, no
             # checkpoint token, the mode stays off; the tokens stay the parent's).
             levels.append(Level(plain.frame, plain.kind, top.tokens, (), False))
-            self._use(plain.frame, plain.kind)
+            self._show(plain.table)
             return
         caller_policy = policy
         hit = _CANONICAL_BY_ID.get(id(policy))  # canonical(policy), its common case inline
@@ -185,7 +185,11 @@ class Engine:
         outermost = len(levels) == 1
         if outermost:
             self.cache.clear()
-        self._use(top.frame, top.kind)
+        table = top.frame.tables.get(top.kind) if self.trace is None else None
+        if table is not None:  # compiled already, no trace: _use without its lookups
+            self._show(table)
+        else:
+            self._use(top.frame, top.kind)
         if left.held:
             _kernels.release(left.held)
         if outermost:
@@ -199,19 +203,29 @@ class Engine:
         if table is None:
             table = tables[kind] = compile_table(self, frame.devs, DELTA if kind == KERNELS else kind,
                                                  kernels=kind == KERNELS)
+        if self.trace is None or kind == REFERENCE:
+            self._show(table)
+            return table
         self.kernels.acts = table.kernel_acts  # (NO_KERNELS but for a KERNELS table)
+        table = tables.get(TRACE)  # every listed op goes to the recorder
+        if table is None:
+            table = tables[TRACE] = compile_table(self, frame.devs, TRACE)
         mode = self.mode
-        if self.trace is not None and kind != REFERENCE:  # every listed op goes to the recorder
-            table = tables.get(TRACE)
-            if table is None:
-                table = tables[TRACE] = compile_table(self, frame.devs, TRACE)
-            mode.table = mode.recording
-        else:
-            mode.table = table
+        mode.table = mode.recording
         mode.real = table
         mode.real_size = table.changes
         _COMPILE_TABLE[0] = table.frozen
         return table
+
+    def _show(self, table):
+        """Make a compiled ``table`` the one calls and kernels see (no trace recording).
+        Region entry and exit call it directly where they hold the table already (the plain
+        fast path, a parent's compiled table): _use's lookups are measurable there."""
+        self.kernels.acts = table.kernel_acts  # (NO_KERNELS but for a KERNELS table)
+        mode = self.mode
+        mode.real = mode.table = table
+        mode.real_size = table.changes
+        _COMPILE_TABLE[0] = table.frozen
 
     def set_trace(self, tr):
         """Start or stop recording; returns whether the mode was pushed for it."""

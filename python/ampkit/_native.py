@@ -23,8 +23,9 @@ import torch
 import yaml
 
 from ampkit._bounded import BoundedCache
+from ampkit._errors import PolicyError
 from ampkit._rules import CATEGORIES, parse_device
-from ampkit._specs import policy_dir
+from ampkit._specs import SpecsNotFoundError, policy_dir
 
 NATIVE_POLICY = "torch_default"
 
@@ -34,7 +35,10 @@ def _read_native_rules() -> dict:
     data. Read once, at import: code that torch.compile traces cannot read files. (The file
     is the one ``load_policy("torch_default")`` reads; this module stands below the Policy
     type, whose ``apply`` drives the engine that reads these rules.)"""
-    path = policy_dir() / f"{NATIVE_POLICY}.yaml"
+    try:
+        path = policy_dir() / f"{NATIVE_POLICY}.yaml"
+    except SpecsNotFoundError as e:  # as load_policy says it
+        raise PolicyError(f"load_policy: cannot look up the shipped policy {NATIVE_POLICY!r}: {e}") from e
     devices = yaml.safe_load(path.read_text(encoding="utf-8"))["devices"]
 
     def where(*keys):
