@@ -155,7 +155,7 @@ class Engine:
                 kind = KERNELS if _kernels.ENABLED[0] and not _kernels.dynamo_used() else DELTA
         table = self._use(frame, kind)  # (compiling a table may raise: nothing is changed then)
         try:
-            held = _kernel_bridge.acquire(table.kernels) if table.kernels else ()
+            held = _kernels.acquire(table.kernels, _kernel_bridge.kernel_for) if table.kernels else ()
         except BaseException:
             self._use(parent, top.kind)
             raise

@@ -49,11 +49,6 @@ def kernel_ops(name, category, device_type) -> tuple:
     return _kernels.overloads(name)
 
 
-def acquire(acts) -> tuple:
-    """Register (or hold once more) the kernels of a table's ``acts``; see ``_kernels.acquire``."""
-    return _kernels.acquire(acts, kernel_for)
-
-
 def kernel_for(op, device_type, name):
     """The kernel at torch's Autocast key of ``device_type`` for ``op`` (policy op ``name``):
     the innermost ampkit region's action for it, else native autocast's handling of it."""
