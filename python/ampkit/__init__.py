@@ -9,20 +9,20 @@ The whole public API is listed here, one name per line.
 torch.bfloat16
 """
 
-from ampkit._policy import CATEGORIES
-from ampkit._policy import DeviceRules
+from ampkit._rules import CATEGORIES
+from ampkit._rules import DeviceRules
 from ampkit._policy import Policy
 from ampkit._policy import PolicyError
 from ampkit._policy import load_policy
 from ampkit._autocast import autocast
-from ampkit._autocast import checkpoint
-from ampkit._autocast import custom_bwd
-from ampkit._autocast import custom_fwd
+from ampkit._replayed_regions import checkpoint
+from ampkit._replayed_regions import custom_bwd
+from ampkit._replayed_regions import custom_fwd
 from ampkit._autocast import get_autocast_dtype
 from ampkit._autocast import is_autocast_available
 from ampkit._autocast import is_autocast_cache_enabled
 from ampkit._autocast import is_autocast_enabled
-from ampkit._autocast import op
+from ampkit._user_ops import op
 from ampkit._trace import CastRecord
 from ampkit._trace import CastTrace
 from ampkit._trace import trace
@@ -35,7 +35,7 @@ from ampkit._train_step import make_train_step
 from ampkit._doctor import Finding
 from ampkit._doctor import doctor
 from ampkit._module_policy import ModuleScope
-from ampkit._module_policy import ModuleScopes
+from ampkit._module_scopes import ModuleScopes
 
 __version__ = "0.1.0"
 

@@ -45,6 +45,7 @@ import warnings
 import torch
 
 from ampkit import _ops
+from ampkit._bounded import BoundedCache
 
 ENABLED = [os.environ.get("AMPKIT_AUTOCAST_KERNELS", "1") != "0"]
 KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
@@ -75,7 +76,7 @@ _kernels: dict = {}  # (overload, device_type) -> its kernel (built once: it hol
 _overloads: dict = {}  # op name -> tuple of OpOverloads ((): not a kernel op)
 # id(acts) -> (acts, the records acquire returned for it): a region entered again with the
 # same table finds its kernels' records without a lookup per op (drop_idle clears it)
-_kept: dict = {}
+_kept = BoundedCache(256)
 _traced = [False]  # a kernel ran on fake tensors (a compile) since the last reset
 
 
@@ -155,9 +156,7 @@ def acquire(acts, make_kernel) -> tuple:
         except BaseException:
             release(done)
             raise
-        if len(_kept) > 256:  # e.g. a fresh policy built every step
-            _kept.clear()
-        records = _kept[id(acts)] = (acts, tuple(done))
+        records = _kept.put(id(acts), (acts, tuple(done)))  # (a fresh policy every step: bounded)
     return records[1]
 
 

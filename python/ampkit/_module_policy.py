@@ -1,4 +1,4 @@
-"""Policies per module: rules scoped to a model's qualified module names.
+"""Policies per module: rules scoped to a model's qualified module names (the data).
 
 A policy may carry module scopes, globs on the names of ``model.named_modules()``
 (``head``, ``blocks.*.attn``; ``*`` matches within one dotted part, ``**`` any number
@@ -25,6 +25,8 @@ How it runs (``policy.apply(model)``, a handle that is also a context manager):
 
 So the innermost scope wins: its moves are applied last, and its pin (or lack of one)
 decides whether autocast is on. Outside every autocast region the hooks do nothing.
+This module holds the scopes as values and matches them to a model; the hooks that
+enter the regions are ampkit._module_scopes, above the autocast engine.
 ``ampkit.trace()`` records, per cast, the scope that decided it (``CastRecord.scope``).
 
 >>> import torch, ampkit
@@ -41,17 +43,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import fnmatch
-import threading
 
 import torch
 
 from ampkit import _ops
 from ampkit._errors import PolicyError
-
-# ampkit.autocast, set by ampkit._autocast when it is imported (the package imports it
-# first): the scopes' hooks enter regions, and an import of _autocast from here would run
-# back up the house (_autocast -> _policy -> this module)
-REGION = [None]
 
 PINS = ("float32",)
 SCOPE_CATEGORIES = ("lower_precision_fp", "fp32", "fp32_output", "promote")
@@ -195,142 +191,3 @@ def resolve(scopes, model) -> list:
         if hit:
             out.append((n, m, hit[0]))
     return out
-
-
-# -- running --------------------------------------------------------------------
-_tls = threading.local()
-
-
-def _chain() -> list:
-    try:
-        return _tls.chain
-    except AttributeError:
-        _tls.chain = []
-        return _tls.chain
-
-
-def deciding_scope(op) -> str:
-    """The pattern of the scope that decides ``op`` at this point of this thread's forward,
-    "" when none does (the policy's own tables decide)."""
-    chain = getattr(_tls, "chain", None)
-    if not chain:
-        return ""
-    for s in reversed(chain):
-        if s.pin or (op is not None and s.category(op) is not None):
-            return s.pattern
-    return ""
-
-
-def _to_fp32(x, devs):
-    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype in (torch.float16, torch.bfloat16) \
-            and x.device.type in devs:
-        return x.float()
-    if isinstance(x, (list, tuple)) and type(x) in (list, tuple):
-        return type(x)(_to_fp32(v, devs) for v in x)
-    return x
-
-
-class ModuleScopes:
-    """The hooks of ``policy.apply(model)``; ``remove()`` (or leaving its ``with``) removes
-    them. Entering it again after removal installs them again."""
-
-    def __init__(self, policy, model):
-        self.policy = policy
-        self.model = model
-        self.base = policy.without_modules()
-        self.targets = resolve(policy.modules, model)  # raises before anything is installed
-        self._handles = []
-        self._cache = {}
-        self.install()
-
-    @property
-    def installed(self) -> bool:
-        return bool(self._handles)
-
-    def install(self):
-        if self._handles:
-            return self
-        for name, mod, scope in self.targets:
-            stack = []
-            self._handles.append(mod.register_forward_pre_hook(self._pre(scope, stack), with_kwargs=True))
-            self._handles.append(mod.register_forward_hook(self._post(stack), always_call=True))
-        return self
-
-    def remove(self):
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-
-    def __enter__(self):
-        return self.install()
-
-    def __exit__(self, *exc):
-        self.remove()
-        return False
-
-    def _policy_for(self, chain):
-        key = tuple(s.pattern for s in chain)
-        pol = self._cache.get(key)
-        if pol is None:
-            pol = self.base
-            for s in chain:
-                if s.ops:
-                    pol = pol.with_ops(**s.moves())
-            if pol is not self.base:
-                pol = pol.with_name(f"{self.base.name}[{chain[-1].pattern}]")
-            self._cache[key] = pol
-        return pol
-
-    def _pre(self, scope, stack):
-        autocast = REGION[0]
-
-        def pre(module, args, kwargs):
-            # the devices autocast is on for, with their dtype; inside a pinned scope the
-            # enclosing scope's devices (autocast is off there, but an inner scope may turn it on)
-            devs = {d: torch.get_autocast_dtype(d) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)}
-            outer = getattr(_tls, "devs", None)
-            if outer:
-                devs = {**outer[-1], **devs}
-            chain = _chain()
-            chain.append(scope)
-            regions = []
-            try:
-                if devs:
-                    pol = self._policy_for(chain)
-                    for d, dt in devs.items():
-                        r = autocast(d, dtype=dt, enabled=scope.pin is None, policy=pol)
-                        r.__enter__()
-                        regions.append(r)
-            except BaseException:
-                for r in reversed(regions):
-                    r.__exit__(None, None, None)
-                chain.pop()
-                raise
-            if not hasattr(_tls, "devs"):
-                _tls.devs = []
-            _tls.devs.append(devs)
-            stack.append(regions)
-            if scope.pin and devs:
-                return _to_fp32(tuple(args), devs), {k: _to_fp32(v, devs) for k, v in kwargs.items()}
-            return None
-
-        return pre
-
-    def _post(self, stack):
-        def post(module, args, output):
-            if not stack:  # the pre-hook raised before it pushed
-                return None
-            for r in reversed(stack.pop()):
-                r.__exit__(None, None, None)
-            chain = _chain()
-            chain.pop()
-            devs = _tls.devs.pop()
-            if chain and chain[-1].pin and devs:  # back into a pinned module: float32 again
-                return _to_fp32(output, devs)
-            return None
-
-        return post
-
-    def __repr__(self):
-        state = "installed" if self._handles else "removed"
-        return f"<ampkit module scopes of {self.policy.name!r} on {len(self.targets)} modules, {state}>"

@@ -20,8 +20,34 @@ ampkit, so the YAML stays the only source of truth for what is cast.
 from __future__ import annotations
 
 import torch
+import yaml
+
+from ampkit._bounded import BoundedCache
+from ampkit._errors import PolicyError
+from ampkit._rules import CATEGORIES, parse_device
+from ampkit._specs import SpecsNotFoundError, policy_dir
 
 NATIVE_POLICY = "torch_default"
+
+
+def _read_native_rules() -> dict:
+    """{device_type: DeviceRules} of the shipped ``torch_default`` file: torch's own table as
+    data. Read once, at import: code that torch.compile traces cannot read files. (The file
+    is the one ``load_policy("torch_default")`` reads; this module stands below the Policy
+    type, whose ``apply`` drives the engine that reads these rules.)"""
+    try:
+        path = policy_dir() / f"{NATIVE_POLICY}.yaml"
+    except SpecsNotFoundError as e:  # as load_policy says it
+        raise PolicyError(f"load_policy: cannot look up the shipped policy {NATIVE_POLICY!r}: {e}") from e
+    devices = yaml.safe_load(path.read_text(encoding="utf-8"))["devices"]
+
+    def where(*keys):
+        return f"{path}, key {'.'.join(str(k) for k in keys)!r}"
+
+    return {dev: parse_device(dev, body, where) for dev, body in devices.items()}
+
+
+NATIVE_RULES = _read_native_rules()
 
 
 def torch_version() -> tuple:
@@ -37,7 +63,7 @@ NATIVE_DIFFERS = (
     ("cpu", (2, 5), {"_addmm_activation": ("f32", "mixed")}),
 )
 
-_CACHE: dict = {}
+_CACHE = BoundedCache(256)  # (policy, device_type) -> its delta
 
 
 def differs(device_type: str) -> dict:
@@ -70,14 +96,8 @@ def delta(policy, device_type: str) -> frozenset:
     hit = _CACHE.get(key)
     if hit is not None:
         return hit
-    from ampkit._policy import CATEGORIES, load_policy
-
-    native = load_policy(NATIVE_POLICY)
     ours = policy.rules(device_type)
-    try:
-        theirs = native.rules(device_type)
-    except ValueError:  # a device torch's table does not cover here: everything is ampkit's
-        theirs = None
+    theirs = NATIVE_RULES.get(device_type)  # None: a device torch's table does not cover, all ampkit's
 
     def listed(rules):
         return set(n for c in CATEGORIES for n in rules.ops(c)) | set(rules.decompose)
@@ -87,10 +107,7 @@ def delta(policy, device_type: str) -> frozenset:
         n for n in names
         if theirs is None or _handling(ours, n) != _handling(theirs, n)
     ) | (set(differs(device_type)) & listed(ours))
-    if len(_CACHE) > 256:
-        _CACHE.clear()
-    _CACHE[key] = out
-    return out
+    return _CACHE.put(key, out)
 
 
 def forget() -> None:

@@ -42,7 +42,7 @@ _ALIASES = {
 }
 _NAMESPACES = {"linalg": "_linalg", "fft": "_fft", "special": "_special"}
 
-# name -> callable registered by ampkit.op (filled by _autocast.op)
+# name -> callable registered by ampkit.op (filled by ampkit._user_ops.op)
 USER_OPS: dict = {}
 VERSION = [0]  # bumped on each registration
 

@@ -35,94 +35,25 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import weakref
 from pathlib import Path
 
-import torch
 import yaml
 
-from ampkit import _decompositions, _module_policy, _ops
+from ampkit import _module_policy, _ops
+from ampkit._module_scopes import ModuleScopes
+from ampkit._bounded import BoundedCache
 from ampkit._errors import PolicyError
+from ampkit._rules import (CATEGORIES, DEFAULT_BAN_MESSAGE, DEVICES, DTYPE_NAMES, DeviceRules, check_category,
+                           dtype_of, make_rules, parse_device)
 from ampkit._specs import SpecsNotFoundError, policy_dir
 
-CATEGORIES = ("lower_precision_fp", "fp32", "fp32_output", "promote", "banned")
-DEVICES = ("cpu", "cuda")
 SCHEMA_VERSION = 1
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 _TOP_KEYS = ("schema_version", "name", "description", "devices", "modules")  # modules: optional
-_DEVICE_KEYS = ("lower_precision_dtype",) + CATEGORIES  # required
-_OPTIONAL_DEVICE_KEYS = ("decompose",)  # optional, [] when absent
-DEFAULT_BAN_MESSAGE = "{op} is banned in ampkit autocast regions by the active policy."
-
-
-# Every live policy by id(): code that torch.compile traces names a policy by its id, a
-# number dynamo can pass to a function it runs at trace time (it cannot rebuild the object).
-_LIVE: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
-
-
-def live_policy(policy_id: int) -> "Policy":
-    """The live Policy whose id() is ``policy_id``."""
-    return _LIVE[policy_id]
-
-
-def _dtype_of(value, where: str) -> torch.dtype:
-    if isinstance(value, torch.dtype) and value in _DTYPE_NAMES:
-        return value
-    if isinstance(value, str) and value in _DTYPES:
-        return _DTYPES[value]
-    raise PolicyError(f"{where}: unknown lower-precision dtype {value!r}; valid: {', '.join(_DTYPES)}")
-
-
-@dataclasses.dataclass(frozen=True)
-class DeviceRules:
-    """The rules of one device type: default dtype and the five op tables."""
-
-    lower_precision_dtype: torch.dtype
-    lower_precision_fp: tuple = ()
-    fp32: tuple = ()
-    fp32_output: tuple = ()
-    promote: tuple = ()
-    banned: tuple = ()  # ((op, message), ...)
-    decompose: tuple = ()  # ops run through their ATen decomposition (not a category)
-
-    def ops(self, category: str) -> tuple:
-        """Op names of ``category`` (sorted)."""
-        _check_category(category, "ops()")
-        got = getattr(self, category)
-        return tuple(n for n, _ in got) if category == "banned" else got
-
-    def category(self, op: str):
-        """The category of ``op`` or None when it is in no table."""
-        for cat in CATEGORIES:
-            if op in self.ops(cat):
-                return cat
-        return None
-
-    def decomposes(self, op: str) -> bool:
-        """Whether ``op`` is run through its decomposition (its parts cast by their own rules)."""
-        return op in self.decompose
-
-    def ban_message(self, op: str) -> str:
-        return dict(self.banned)[op]
-
-    def to_dict(self) -> dict:
-        d = {"lower_precision_dtype": _DTYPE_NAMES[self.lower_precision_dtype]}
-        for cat in CATEGORIES[:-1]:
-            d[cat] = list(getattr(self, cat))
-        d["banned"] = dict(self.banned)
-        d["decompose"] = list(self.decompose)
-        return d
 
 
 def _check_op_name(op, where):
     if not isinstance(op, str):
         raise PolicyError(f"{where}: op must be an op name (a string), got {op!r}")
-
-
-def _check_category(cat, where):
-    if cat not in CATEGORIES:
-        raise PolicyError(f"{where}: unknown category {cat!r}; valid: {', '.join(CATEGORIES)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +69,9 @@ class Policy:
     description: str = ""
     source: str = dataclasses.field(default="", compare=False)
     modules: tuple = ()  # (ModuleScope, ...) sorted by pattern: rules per module (_module_policy)
+    # the with_* changes made since the policy got its name, as calls ("with_ops(fp32=['mm'])"):
+    # printed after the name so that a changed policy does not pass for the one it came from
+    derived: tuple = dataclasses.field(default=(), compare=False)
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -155,7 +89,9 @@ class Policy:
                 isinstance(m, _module_policy.ModuleScope) for m in self.modules):
             raise PolicyError(f"Policy: modules must be a tuple of ModuleScope, got {self.modules!r:.80}; "
                               "add scopes with policy.with_module()")
-        _LIVE[id(self)] = self
+        if not isinstance(self.derived, tuple) or not all(isinstance(d, str) for d in self.derived):
+            raise PolicyError(f"Policy: derived must be a tuple of strings, got {self.derived!r:.80}; "
+                              "the with_* methods record it")
 
     def __hash__(self):  # cached: regions key their compiled tables by policy
         h = self.__dict__.get("_hash")
@@ -170,7 +106,6 @@ class Policy:
     def __setstate__(self, state):
         for k, v in state.items():
             object.__setattr__(self, k, v)
-        _LIVE[id(self)] = self
 
     # -- reading --------------------------------------------------------------
     def device_types(self) -> tuple:
@@ -217,10 +152,24 @@ class Policy:
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None, width=100)
 
+    def _derive(self, step: str, **changes) -> "Policy":
+        """A copy with ``changes``, remembering the call that made it (``str()`` shows it)."""
+        return dataclasses.replace(self, source="", derived=self.derived + (step,), **changes)
+
     def __str__(self) -> str:
-        lines = [f"Policy {self.name!r}" + (f" ({self.source})" if self.source else "")]
+        """The rules as a table, headed by the name and the changes made since it was given.
+
+        >>> import ampkit
+        >>> p = ampkit.load_policy("torch_default")
+        >>> str(p.with_ops("cpu", fp32=["linear"])).splitlines()[0]
+        "Policy 'torch_default' + with_ops('cpu', fp32=['linear'])"
+        >>> str(p.with_ops("cpu", fp32=["linear"]).with_name("fp32_linear")).splitlines()[0]
+        "Policy 'fp32_linear'"
+        """
+        lines = [f"Policy {self.name!r}" + "".join(f" + {step}" for step in self.derived)
+                 + (f" ({self.source})" if self.source else "")]
         for d, r in self.devices:
-            lines.append(f"  {d}: lower_precision_dtype={_DTYPE_NAMES[r.lower_precision_dtype]}")
+            lines.append(f"  {d}: lower_precision_dtype={DTYPE_NAMES[r.lower_precision_dtype]}")
             for cat in CATEGORIES:
                 names = r.ops(cat)
                 shown = ", ".join(names[:8]) + (f", ... ({len(names)} ops)" if len(names) > 8 else "")
@@ -261,7 +210,7 @@ class Policy:
         moves = {}
         for cat, names in categories.items():
             if cat != "decompose":
-                _check_category(cat, "with_ops")
+                check_category(cat, "with_ops")
             if isinstance(names, str):
                 raise PolicyError(f"with_ops: {cat}= must be a list of op names, got the string {names!r}")
             if not isinstance(names, (list, tuple, set, frozenset, dict)):
@@ -279,7 +228,7 @@ class Policy:
                 if msg is not None and not isinstance(msg, str):
                     raise PolicyError(f"with_ops: banned message for {n!r} must be a string, got {msg!r}")
                 moves[n] = (cat, msg)
-        return self._edit(device, moves)
+        return self._edit(device, moves, _call("with_ops", device, categories))
 
     def without_ops(self, *names, device=None) -> "Policy":
         """A copy in which ``names`` are in no category (run untouched).
@@ -297,9 +246,10 @@ class Policy:
                 raise PolicyError(
                     f"without_ops: op {n!r} is in no category on {', '.join(targets)}, so there is "
                     "nothing to remove; `str(policy)` lists each device's ops")
-        return self._edit(device, {n: (None, None) for n in names})
+        shown = ", ".join(repr(n) for n in names) + ("" if device is None else f", device={device!r}")
+        return self._edit(device, {n: (None, None) for n in names}, f"without_ops({shown})")
 
-    def _edit(self, device, moves) -> "Policy":
+    def _edit(self, device, moves, step) -> "Policy":
         targets = self._targets(device)
         out = []
         for d, r in self.devices:
@@ -312,16 +262,16 @@ class Policy:
                         t.pop(n, None)
                     if cat is not None:
                         tables[cat][n] = (msg or DEFAULT_BAN_MESSAGE.format(op=n)) if cat == "banned" else None
-                r = _make_rules(r.lower_precision_dtype, tables, d, "with_ops")
+                r = make_rules(r.lower_precision_dtype, tables, d, "with_ops")
             out.append((d, r))
-        return dataclasses.replace(self, devices=tuple(out), source="")
+        return self._derive(step, devices=tuple(out))
 
     def with_dtype(self, device: str, dtype) -> "Policy":
         """A copy whose ``device`` regions default to ``dtype``."""
-        dt = _dtype_of(dtype, f"with_dtype({device!r})")
+        dt = dtype_of(dtype, f"with_dtype({device!r})")
         out = tuple((d, dataclasses.replace(r, lower_precision_dtype=dt) if d == device else r) for d, r in self.devices)
         self.rules(device)
-        return dataclasses.replace(self, devices=out, source="")
+        return self._derive(f"with_dtype({device!r}, {DTYPE_NAMES[dt]!r})", devices=out)
 
     # -- module scopes (ampkit._module_policy) -----------------------------------
     def with_module(self, pattern: str, *, pin: str | None = None, **categories) -> "Policy":
@@ -346,18 +296,19 @@ class Policy:
                     f"({m.to_dict()}, now {scope.to_dict()}); two scopes on one glob conflict: "
                     f"call without_module({pattern!r}) first to replace it")
         mods = tuple(sorted(self.modules + (scope,), key=lambda m: m.pattern))
-        return dataclasses.replace(self, modules=mods, source="")
+        rules = ({"pin": pin} if pin is not None else {}) | categories
+        return self._derive(_call("with_module", pattern, rules), modules=mods)
 
     def without_module(self, pattern: str) -> "Policy":
         """A copy without the scope ``pattern`` (PolicyError listing the scopes if absent)."""
         if not any(m.pattern == pattern for m in self.modules):
             raise PolicyError(f"without_module: no scope {pattern!r} in policy {self.name!r}; its "
                               f"scopes: {', '.join(m.pattern for m in self.modules) or 'none'}")
-        return dataclasses.replace(self, modules=tuple(m for m in self.modules if m.pattern != pattern), source="")
+        return self._derive(f"without_module({pattern!r})", modules=tuple(m for m in self.modules if m.pattern != pattern))
 
     def without_modules(self) -> "Policy":
         """A copy with no module scopes (the tables every scope starts from)."""
-        return self if not self.modules else dataclasses.replace(self, modules=(), source="")
+        return self if not self.modules else self._derive("without_modules()", modules=())
 
     def apply(self, model):
         """Install the module scopes on ``model``: returns a handle (a context manager;
@@ -372,32 +323,19 @@ class Policy:
         ...
         ampkit._errors.PolicyError: module scope '1' matches no module of the Sequential; the model's modules include: 0
         """
-        return _module_policy.ModuleScopes(self, model)
+        return ModuleScopes(self, model)
 
     def with_name(self, name: str, description: str | None = None) -> "Policy":
         if not isinstance(name, str) or not name:
             raise PolicyError(f"with_name: name must be a non-empty string, got {name!r}")
-        return dataclasses.replace(self, name=name, description=self.description if description is None else description)
+        return dataclasses.replace(self, name=name, description=self.description if description is None else description,
+                                   derived=())
 
 
-def _make_rules(dtype, tables, device, where) -> DeviceRules:
-    kw = {c: tuple(sorted(tables[c])) for c in CATEGORIES[:-1]}
-    kw["banned"] = tuple(sorted(tables["banned"].items()))
-    kw["decompose"] = tuple(sorted(tables.get("decompose", ())))
-    for n in kw["decompose"]:
-        _check_decomposable(n, device, where)
-    return DeviceRules(lower_precision_dtype=dtype, **kw)
-
-
-def _check_decomposable(op, device, where):
-    known = _decompositions.known(device)
-    if op not in known:
-        d = _decompositions.DECOMPOSITIONS.get(op)
-        why = f"its decomposition is ATen's only on {', '.join(d.devices)}" if d else "ampkit has no decomposition of it"
-        raise PolicyError(
-            f"{where}: op {op!r} cannot be decomposed on {device} ({why}); "
-            f"decomposable on {device}: {', '.join(known) or 'none'}"
-        )
+def _call(method, first, keywords) -> str:
+    """``method(first, k=v, ...)`` as written (``first`` left out when None)."""
+    args = ([] if first is None else [repr(first)]) + [f"{k}={v!r}" for k, v in keywords.items()]
+    return f"{method}({', '.join(args)})"
 
 
 # -- loading -----------------------------------------------------------------
@@ -435,7 +373,7 @@ def load_policy(path_or_name) -> Policy:
     """Load a policy from a YAML file or a shipped spec name.
 
     ``path_or_name``: ``"torch_default"`` (a file of ``shared_specs/policies``),
-    or a path to a YAML file in the schema of ``docs/TEAM.md``. Only safe YAML
+    or a path to a YAML file in the schema in docs/autocast.md ("The policy"). Only safe YAML
     is read. Any problem raises :class:`PolicyError` naming the file, the key,
     the value and the line; nothing is half-loaded.
 
@@ -473,13 +411,11 @@ def load_policy(path_or_name) -> Policy:
             f"{path}:{line}: the policy file is not UTF-8 text (byte {e.object[e.start:e.start + 1]!r} "
             f"at offset {e.start}); save it as UTF-8") from e
     policy = parse_policy(text, str(path))
-    if len(_LOADED) > 32:
-        _LOADED.clear()
-    _LOADED[key] = policy  # policies are immutable: share one per unchanged file
+    _LOADED.put(key, policy)  # policies are immutable: share one per unchanged file
     return policy
 
 
-_LOADED: dict = {}
+_LOADED = BoundedCache(32)
 
 
 def parse_policy(text: str, source: str = "<string>") -> Policy:
@@ -524,63 +460,7 @@ def parse_policy(text: str, source: str = "<string>") -> Policy:
     for dev, body in devs.items():
         if dev not in DEVICES:
             raise PolicyError(f"{where('devices', dev)}: unknown device type {dev!r}; valid: {', '.join(DEVICES)}")
-        out.append((dev, _parse_device(dev, body, where)))
+        out.append((dev, parse_device(dev, body, where)))
     modules = _module_policy.parse_scopes(data.get("modules"), where)
     return Policy(name=name, devices=tuple(sorted(out, key=lambda x: x[0])), description=desc.strip(),
                   source=source, modules=modules)
-
-
-def _parse_device(dev, body, where) -> DeviceRules:
-    if not isinstance(body, dict):
-        raise PolicyError(f"{where('devices', dev)}: rules must be a mapping with keys {', '.join(_DEVICE_KEYS)}, got {body!r}")
-    for k in body:
-        if k not in _DEVICE_KEYS + _OPTIONAL_DEVICE_KEYS:
-            kind = "category" if k not in ("dtype",) else "key"
-            raise PolicyError(
-                f"{where('devices', dev, k)}: unknown {kind} {k!r}; valid: {', '.join(_DEVICE_KEYS + _OPTIONAL_DEVICE_KEYS)}"
-            )
-    for k in _DEVICE_KEYS:
-        if k not in body:
-            raise PolicyError(f"{where('devices', dev)}: missing key {k!r} (write every category out, [] or {{}} when empty)")
-    dtype = _dtype_of(body["lower_precision_dtype"], where("devices", dev, "lower_precision_dtype"))
-    tables, seen = {}, {}
-    for cat in CATEGORIES:
-        val = body[cat]
-        if cat == "banned":
-            if val is None:
-                val = {}
-            if not isinstance(val, dict):
-                raise PolicyError(f"{where('devices', dev, cat)}: banned must be a mapping op: message, got {val!r}")
-            items = list(val.items())
-        else:
-            if val is None:
-                val = []
-            if not isinstance(val, list):
-                raise PolicyError(f"{where('devices', dev, cat)}: {cat} must be a list of op names, got {val!r}")
-            items = [(n, None) for n in val]
-        table = {}
-        for n, msg in items:
-            w = where("devices", dev, cat, n) if isinstance(n, str) else where("devices", dev, cat)
-            _ops.check_name(n, w)
-            if n in seen:
-                raise PolicyError(f"{w}: op {n!r} is listed in both {seen[n]!r} and {cat!r}; an op belongs to one category")
-            if cat == "banned" and not isinstance(msg, str):
-                raise PolicyError(f"{w}: the message of banned op {n!r} must be a string, got {msg!r}")
-            seen[n] = cat
-            table[n] = msg
-        tables[cat] = table
-    dec = body.get("decompose")
-    dec = [] if dec is None else dec
-    if not isinstance(dec, list):
-        raise PolicyError(f"{where('devices', dev, 'decompose')}: decompose must be a list of op names, got {dec!r}")
-    tables["decompose"] = {}
-    for n in dec:
-        w = where("devices", dev, "decompose", n) if isinstance(n, str) else where("devices", dev, "decompose")
-        _ops.check_name(n, w)
-        if n in seen:
-            twice = "twice under decompose" if seen[n] == "decompose" else f"in {seen[n]!r} and under decompose"
-            raise PolicyError(f"{w}: op {n!r} is listed {twice}; an op is either in one category or decomposed")
-        seen[n] = "decompose"
-        _check_decomposable(n, dev, w)
-        tables["decompose"][n] = None
-    return _make_rules(dtype, tables, dev, where("devices", dev))

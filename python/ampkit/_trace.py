@@ -29,7 +29,9 @@ import threading
 
 import torch
 
-from ampkit import _module_policy, _ops
+from ampkit import _ops
+from ampkit._engine import thread_engine
+from ampkit._module_scopes import deciding_scope
 
 _SEQ = (list, tuple)
 #: What ``CastRecord.rule`` can be: a policy category, or how the call was handled.
@@ -141,7 +143,7 @@ class CastTrace:
                 device=device,
                 input_dtypes=tuple(_dtype_name(t.dtype) for t in ins),
                 output_dtype=_dtype_name(outs[0].dtype),
-                scope=_module_policy.deciding_scope(op),
+                scope=deciding_scope(op),
             )
         )
         return out
@@ -180,8 +182,6 @@ class trace:
         self._thread = None
 
     def __enter__(self) -> CastTrace:
-        from ampkit._autocast import thread_engine
-
         if self._entered:
             raise RuntimeError(
                 "this ampkit.trace() is already active; nest a new ampkit.trace() instead")
@@ -194,8 +194,6 @@ class trace:
         return self.result
 
     def __exit__(self, exc_type, exc_val, exc_tb):
-        from ampkit._autocast import thread_engine
-
         eng = thread_engine()
         if not self._entered or self._thread != threading.get_ident():
             where = "was never entered (or was already exited)" if not self._entered \

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import ampkit
 import ampkit._kernels as kernels
-from ampkit._autocast import thread_engine
+from ampkit._engine import thread_engine
 from ampkit.testing import op_sample
 from conftest import bits_equal, compiles_correctly_here
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 import ampkit
-from ampkit import _autocast
+from ampkit import _autocast, _engine
 from conftest import needs_no_declared_differences
 
 pytestmark = pytest.mark.usefixtures("ampkit_quiet")
@@ -177,7 +177,7 @@ def test_exception_inside_restores_everything():
                 1 / 0
     assert not ampkit.is_autocast_enabled("cpu")
     assert modes() == base
-    assert _autocast.thread_engine().cache == {} and _autocast.thread_engine().depth == 0
+    assert _engine.thread_engine().cache == {} and _engine.thread_engine().depth == 0
     assert lin().dtype == F32
     with ampkit.autocast("cpu"):
         with pytest.raises(ValueError):
@@ -258,7 +258,7 @@ def reference_engine():
 
 
 def _cached_cast_of(w):
-    hits = [c for (src, c) in _autocast.thread_engine().cache.values() if src is w]
+    hits = [c for (src, c) in _engine.thread_engine().cache.values() if src is w]
     return hits[0] if hits else None
 
 
@@ -278,7 +278,7 @@ def test_cache_lives_for_the_outermost_region_and_is_freed(reference_engine):
     del y1, y2, y3  # their graphs hold the cast weight for backward
     gc.collect()
     assert ref() is None  # freed at the outermost exit
-    assert _autocast.thread_engine().cache == {}
+    assert _engine.thread_engine().cache == {}
 
 
 def test_cache_shares_one_cast_like_native():
@@ -328,7 +328,7 @@ def test_cache_disabled_and_disabled_region_cache_nothing(reference_engine):
     for region in (ampkit.autocast("cpu", cache_enabled=False), ampkit.autocast("cpu", enabled=False)):
         with region:
             F.linear(torch.randn(2, 4), w)
-            assert _autocast.thread_engine().cache == {}
+            assert _engine.thread_engine().cache == {}
 
 
 def test_cache_enabled_none_follows_torch_flag(reference_engine):
@@ -590,7 +590,7 @@ def test_bad_custom_fwd_device():
 
 # --------------------------------------------------------------------- enter/exit misuse
 def _region_state():
-    eng = _autocast.thread_engine()
+    eng = _engine.thread_engine()
     return (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), eng.depth,
             modes(), eng.mode_pushed)
 

@@ -93,6 +93,31 @@ def test_with_dtype_and_name():
     assert DEFAULT.with_dtype("cpu", torch.bfloat16) == DEFAULT
 
 
+
+def test_a_changed_policy_prints_the_changes_after_the_name_it_came_from():
+    def header(policy):
+        return str(policy).splitlines()[0]
+
+    assert header(DEFAULT).startswith("Policy 'torch_default' (") and " + " not in header(DEFAULT)
+    p = DEFAULT.with_ops("cpu", fp32=["linear"])
+    assert header(p) == "Policy 'torch_default' + with_ops('cpu', fp32=['linear'])"
+    q = p.without_ops("mm", device="cpu").with_dtype("cuda", "bfloat16").with_module("0", pin="float32")
+    assert header(q) == ("Policy 'torch_default' + with_ops('cpu', fp32=['linear']) + without_ops('mm', device='cpu')"
+                         " + with_dtype('cuda', 'bfloat16') + with_module('0', pin='float32')")
+    assert header(q.without_module("0")).endswith(" + with_module('0', pin='float32') + without_module('0')")
+    assert "derived=(\"with_ops('cpu', fp32=['linear'])\",)" in repr(p)
+    # a name the user gives replaces the history; the changes stay out of equality and hashing
+    assert header(q.with_name("mine")) == "Policy 'mine'"
+    undone = p.with_ops("cpu", lower_precision_fp=["linear"])
+    assert undone == DEFAULT and hash(undone) == hash(DEFAULT) and header(undone) != header(DEFAULT)
+    assert pickle_round_trip(q).derived == q.derived
+
+
+def pickle_round_trip(value):
+    import pickle
+
+    return pickle.loads(pickle.dumps(value))
+
 def test_yaml_round_trip(tmp_path):
     p = DEFAULT.with_ops("cpu", fp32=["softmax"])
     again = parse_policy(p.to_yaml(), "round trip")

@@ -51,13 +51,15 @@ ALLOWED = {
         "a test oracle's view of the doctor's internals, kept out of the package",
     ("tests/python/test_autocast_kernels.py", "ampkit._kernels"):
         "the kernel route's switch and its registrations (held()), which have no public face",
-    ("tests/python/test_autocast_kernels.py", "ampkit._autocast"):
+    ("tests/python/test_autocast_kernels.py", "ampkit._engine"):
         "whether a region pushed the handler mode (thread_engine()), which has no public face",
     ("tests/python/test_autocast_semantics.py", "ampkit._autocast"):
+        "reference() runs the YAML-only engine, the oracle side of the cache and policy tests",
+    ("tests/python/test_autocast_semantics.py", "ampkit._engine"):
         "the engine's cast cache and region depth (thread_engine()), which have no public face",
     ("tests/python/test_autocast_table.py", "ampkit._autocast"):
         "reference() runs the YAML-only engine, the oracle side of the table tests",
-    ("tests/python/test_trace.py", "ampkit._autocast"):
+    ("tests/python/test_trace.py", "ampkit._engine"):
         "the engine's mode after a trace exits (thread_engine()), which has no public face",
     ("tests/python/test_policy.py", "ampkit._policy"):
         "parse_policy (a policy from YAML text) is the loader's internal step",

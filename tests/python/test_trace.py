@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import ampkit
-from ampkit import _autocast
+from ampkit import _engine
 
 pytestmark = pytest.mark.usefixtures("ampkit_quiet")
 
@@ -117,7 +117,7 @@ def test_trace_is_per_thread():
 def test_zero_cost_when_off():
     """Without a trace the handler reads the compiled table directly (no slow path)."""
     with ampkit.autocast("cpu"):
-        mode = _autocast.thread_engine().mode
+        mode = _engine.thread_engine().mode
         assert mode.table is mode.real
         with ampkit.trace():
             assert mode.table is not mode.real and len(mode.table) == 0
@@ -136,7 +136,7 @@ def test_results_are_unchanged_by_tracing():
 
 # -- enter/exit misuse -------------------------------------------------------------------
 def _tracing():
-    return _autocast.thread_engine().trace
+    return _engine.thread_engine().trace
 
 
 def _records_linear(tr):

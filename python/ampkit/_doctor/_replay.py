@@ -23,7 +23,8 @@ import warnings
 import torch
 from torch.utils._pytree import tree_leaves
 
-from ampkit._autocast import autocast, thread_engine
+from ampkit._autocast import autocast
+from ampkit._engine import thread_engine
 from ampkit._doctor._finding import OUTSIDE, Finding
 from ampkit._doctor._op_watch import absmax
 from ampkit._doctor._replaying import set_replaying

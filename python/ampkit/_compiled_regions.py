@@ -1,0 +1,81 @@
+"""An ampkit region made inside code that torch.compile traces.
+
+Traced code cannot enter an ampkit region the eager way (the engine's per-thread state is
+Python that dynamo would guard on). A region made there is a torch.autocast plus, for a
+policy that changes native's handling, a handler over a table built once at trace time:
+
+    trace time -> table_index(...): the region's DELTA table, compiled once per
+                  (registry version, arguments, policy) and kept; -1 when it changes nothing
+    run time   -> torch.autocast(...) and, for index >= 0, CompiledMode(index)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ampkit import _ops
+from ampkit._cast_tables import DELTA, compile_table
+from ampkit._engine import thread_engine
+from ampkit._policy import Policy
+
+_TABLES: list = []  # the frozen tables of regions entered inside compiled code (never dropped:
+_INDEX: dict = {}  # compiled graphs hold their index) and (version, arguments, policy) -> index
+
+
+def _policy_with_id(policy_id: int) -> Policy:
+    """The Policy whose id() is ``policy_id``. Called at trace time only, with the id of the
+    policy the traced region holds: dynamo holds that object while it traces, so the id
+    names a live object (CPython's id() is its address)."""
+    policy = ctypes.cast(policy_id, ctypes.py_object).value
+    if type(policy) is not Policy:  # pragma: no cover - a caller passing another id
+        raise TypeError(f"ampkit: id {policy_id} does not name a Policy (got {type(policy).__name__})")
+    return policy
+
+
+@torch._dynamo.assume_constant_result
+def table_index(device_type, enabled, dtype, policy_id, cache_enabled) -> int:
+    """Index in the compiled tables of a region's delta table, -1 when it has none (run at
+    trace time). The policy comes as its id(): torch 2.11's dynamo cannot rebuild a frozen
+    dataclass argument of a trace-time function."""
+    policy = _policy_with_id(policy_id)
+    key = (_ops.VERSION[0], device_type, enabled, dtype, policy, cache_enabled)
+    index = _INDEX.get(key)
+    if index is None:
+        table = compile_table(thread_engine(), {device_type: (enabled, dtype, policy, cache_enabled)}, DELTA)
+        index = -1
+        if table.changes:
+            index = len(_TABLES)
+            _TABLES.append(table.frozen)
+        _INDEX[key] = index
+    return index
+
+
+class CompiledMode(TorchFunctionMode):
+    """The handler of a region inside compiled code: its table is fixed at trace time."""
+
+    def __init__(self, index):
+        super().__init__()
+        self.index = index
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        act = _TABLES[self.index].get(func)
+        if act is None:
+            return func(*args, **(kwargs or {}))
+        return act(func, args, kwargs or {})
+
+
+@contextlib.contextmanager
+def compiled_region(device_type, dtype, enabled, cache_enabled, index):
+    """A region inside traced code: torch's autocast, plus the delta's handler if any
+    (index >= 0). A generator context, not a torch.autocast: some dynamo releases (2.11)
+    cannot ask isinstance() of the torch.autocast that ampkit.autocast() would return."""
+    with torch.amp.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled):
+        if index < 0:
+            yield
+        else:
+            with CompiledMode(index):
+                yield
