@@ -103,7 +103,9 @@ class ModelBuffers:
     ``model.half()`` replacing buffers, ``.data =`` changing one in place), and finds
     them again when one differs. The copy is one ``torch._foreach_copy_`` into tensors
     kept from the last call (a clone per buffer cost ~10 us of host time each on CUDA);
-    a tensor subclass, which has no foreach copy, is cloned.
+    a tensor subclass, which has no foreach copy, is cloned. What was found is held
+    until the next ``save()`` finds it changed: a module taken out of the model between
+    calls is freed at the start of the next eager call, before its forward.
     """
 
     def __init__(self, model):
@@ -309,27 +311,39 @@ def why_copy(optimizer, scaler, kept=None):
     if kept.get("key") != key:
         kept["why"] = _tensors_why_copy(optimizer)
         kept["key"] = key
-        # (the state named by identity in the key, alive while the key is: no id reused)
-        kept["alive"] = [list(s.values()) for s in optimizer.state.values()]
+        kept["watch"] = _watch(optimizer, kept)
     return kept["why"]
 
 
+def _watch(optimizer, kept):
+    """Weak references to the tensors the key names by identity (parameters, state): when
+    one is freed, the key is forgotten, so that a tensor made later at its address (same
+    id) is never taken for it. Weak: a state replaced by load_state_dict is freed at once,
+    not held through the next call's forward."""
+    def forget(_, kept=kept):
+        kept.pop("key", None)
+
+    tensors = chain(optimizer.state, chain.from_iterable(map(dict.values, optimizer.state.values())),
+                    (p for g in optimizer.param_groups for p in g["params"]))
+    return [weakref.ref(t, forget) for t in tensors if isinstance(t, torch.Tensor)]
+
+
 def _tensors_key(optimizer):
-    """What ``_tensors_why_copy`` looks at, as values compared in C: the state's and each
-    group's identity, whether each group is fused or has momentum, and per parameter its
-    identity, dtype, shape and device, its gradient's class and layout, and the identities of its state's
-    values (a state tensor replaced, or state created, changes them). The objects named by
-    identity are kept alive while the key is (by the optimizer, and by ``why_copy``'s
-    ``kept``), so a replaced object changes its identity. C-level maps, no Python loop over
-    the parameters: this runs on every eager call."""
+    """What ``_tensors_why_copy`` looks at, as values compared in C: which parameters have
+    state, the identities and classes of their state's values (a state tensor replaced, or
+    state created, changes them), and per param group whether it is fused or has momentum
+    and per parameter its identity, dtype, shape and device, its gradient's class and
+    layout. A tensor named by identity is watched (``_watch``): freed, it drops the key.
+    C-level maps, no Python loop over the parameters: this runs on every eager call."""
     state = optimizer.state
+    values = list(chain.from_iterable(map(dict.values, state.values())))
     # (the state walked as a dict, not looked up per parameter: a tensor's hash is Python)
-    key = [id(state), list(map(id, state)), list(map(len, state.values())),
-           list(map(id, chain.from_iterable(map(dict.values, state.values()))))]
+    key = [list(map(id, state)), list(map(len, state.values())), list(map(id, values)),
+           list(map(type, values))]
     for group in optimizer.param_groups:
         params = group["params"]
         grads = list(map(_GRAD, params))
-        key += ((id(params), bool(group.get("fused")), group.get("momentum")),
+        key += ((bool(group.get("fused")), group.get("momentum")),
                 list(map(id, params)), list(map(_PARAM_META, params)), list(map(type, grads)),
                 list(map(_LAYOUT, filter(_is_not_none, grads))))
     return key

@@ -863,6 +863,32 @@ def _retype_tally(model):
     model[2].total.data = model[2].total.double() + 2.0**-40
 
 
+def test_the_kept_verdict_holds_no_state_the_optimizer_dropped():
+    """The verdict kept between calls names state tensors by identity but holds none: a
+    state replaced by load_state_dict is freed at once, not at the next call (whose forward
+    it would otherwise add to the peak memory), and the next call checks the new state."""
+    import weakref
+
+    model = _LinearAndEmbedding()
+    opt = _two_groups(model)
+    step = ampkit.make_train_step(model, torch.nn.functional.mse_loss, opt, scaler=make_scaler(),
+                                  autocast=FP16, capture=False)
+    batches = make_batches(n=4, poison=False)
+    for x, y in batches[:2]:
+        step(x, y)
+    assert step.rollback_copy is None
+    old = weakref.ref(opt.state[model.emb.weight]["exp_avg"])
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    gc.collect()
+    assert old() is None
+    undo = _half_way("state_replaced", model, opt)  # the new state, now of another dtype
+    before = _everything(model, opt, step)
+    with pytest.raises(RuntimeError, match=HALF_WAY["state_replaced"]):
+        step(*batches[2])
+    _assert_same(_everything(model, opt, step), before)
+    undo()
+
+
 def _insert_bn(model):
     model.insert(2, torch.nn.BatchNorm1d(32))  # (ModuleList/Sequential.insert: no registration hook)
 
