@@ -313,7 +313,7 @@ def check_capture(placement: Placement, built, steps: int = CHECK_STEPS) -> dict
         opt = built.new_optimizer(model, fused=True)
         step = ampkit.make_train_step(model, built.loss_fn, opt, scaler=ampkit.GradScaler(device),
                                       autocast=dict(device_type=device, dtype=dtype),
-                                      capture=False if capture == "again" or device != "cuda" else capture)
+                                      capture=False if capture == "again" else capture)
         losses = [step(*built.batches[i % built.num_batches]).item() for i in range(steps)]
         params = [(p.to_local() if hasattr(p, "to_local") else p).detach().clone() for p in model.parameters()]
         runs[capture] = (losses, params, step.captures, step.reason)
