@@ -2,7 +2,7 @@
 
     python benchmarks/eager_step_cost.py [--device cpu|cuda] [--profile cpu|full]
         [--cases seed_mlp,transformer] [--optimizers fused,plain,fallback]
-        [--unit step|epoch] [--rounds N] [--threads N]
+        [--unit step|epoch] [--rounds N] [--threads N] [--shrink [--breakdown]]
 
 For each benchmark case (shared_specs/benchmarks, built by ampkit.bench with make bench's
 seeds) and optimizer setting, two steps train two copies of the same seeded model on the
@@ -31,11 +31,29 @@ never asserted: the tests prove what the step computes, not how fast.
 On a GPU (the full profile, an epoch a round, the order alternating):
 
     PYTHONPATH=$PWD/python python3 benchmarks/eager_step_cost.py --device cuda
+
+A CPU proxy for a GPU's host-bound steps (``--shrink``): each case at its full profile's
+structure (the layers and blocks of the model the GPU runs, so the same parameters,
+buffers and optimizer state to walk) with its tiny profile's widths, batch and sequence
+length, so that every kernel is tiny and a step's time is nearly all host work (Python,
+dispatch, launches). Printed per case and setting: the host microseconds the eager step
+adds to the hand-written one (this thread's CPU time, eager minus hand: the median over
+rounds of ``--block`` steps each, and the fastest eager round less the fastest hand
+one, which the other jobs of a shared machine stretch least), beside each step's median.
+``--breakdown`` adds, from cProfile over the eager step alone, the microseconds per call
+spent in the step's own functions (``ampkit._train_step``, ``ampkit._rollback``): where
+the added time goes. cProfile inflates every call, so read its figures against one
+another, not against the others.
+
+    PYTHONPATH=$PWD/python OMP_NUM_THREADS=1 python3 benchmarks/eager_step_cost.py --shrink --breakdown
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import dataclasses
+import pstats
 import statistics
 import sys
 import time
@@ -48,6 +66,24 @@ import torch  # noqa: E402
 
 import ampkit  # noqa: E402
 import ampkit.bench as bench  # noqa: E402
+
+# The sizes that give a model its structure (how many layers, blocks): kept from the full
+# profile by --shrink; every other size comes from the tiny profile.
+STRUCTURE = ("num_layers", "n_layers", "blocks")
+# The modules whose functions --breakdown reports: the step's own work around the body.
+STEP_MODULES = ("ampkit/_train_step.py", "ampkit/_rollback.py")
+# The step's functions that hold the body (the model, the loss, backward, the scaler and
+# the optimizer, as the hand-written loop runs them): --breakdown gives their own lines only.
+HOLDERS = ("__call__", "_call", "_eager", "_body", "_warmup")
+
+
+def shrunk(case):
+    """The case with a 'shrunk' profile: the full profile's structure, the tiny one's sizes."""
+    full, tiny = case.profile("full"), case.profile("tiny")
+    sizes = {**tiny["sizes"], **{k: v for k, v in full["sizes"].items() if k in STRUCTURE}}
+    profile = {**tiny, "sizes": sizes, "num_batches": 4}
+    return dataclasses.replace(case, profiles={**case.profiles, "shrunk": profile})
+
 
 def _sync(device):
     if device == "cuda":
@@ -103,7 +139,7 @@ def time_ms(step, built, batches):
     return (time.perf_counter() - t0) * 1e3 / len(batches), (time.thread_time() - c0) * 1e3 / len(batches)
 
 
-def measure(built, dtype, setting, rounds, unit, warmup_epochs=2):
+def measure(built, dtype, setting, rounds, unit, warmup_epochs=2, block=1):
     steps, epoch = make_pair(built, dtype, setting)
     for _ in range(warmup_epochs):
         for s in steps.values():
@@ -111,15 +147,41 @@ def measure(built, dtype, setting, rounds, unit, warmup_epochs=2):
     times = {k: [] for k in steps}
     names = list(steps)
     for r in range(rounds):
-        # a round: one step (the next batch) or one epoch of each, the order alternating
-        batches = epoch if unit == "epoch" else [epoch[r % len(epoch)]]
+        # a round: one step (the next batch), `block` of them, or one epoch of each, the
+        # order alternating
+        batches = epoch if unit == "epoch" else [epoch[(r + i) % len(epoch)] for i in range(block)]
         for k in (names if r % 2 == 0 else names[::-1]):
             times[k].append(time_ms(steps[k], built, batches))
     out = {}
     for i, clock in enumerate(("wall", "cpu")):
         ratios = [e[i] / h[i] for e, h in zip(times["eager"], times["hand"])]
         out[clock] = ({k: statistics.median(t[i] for t in v) for k, v in times.items()}, ratios)
+    out["added_us"] = [(e[1] - h[1]) * 1e3 for e, h in zip(times["eager"], times["hand"])]
+    out["fastest_added_us"] = (min(e[1] for e in times["eager"]) - min(h[1] for h in times["hand"])) * 1e3
     return out
+
+
+def breakdown(built, dtype, setting, steps=200):
+    """{function: microseconds per step} of the eager step's own functions, by cProfile,
+    largest first: cumulative (a function's callees in its figure), but for the HOLDERS
+    of the body, whose own lines only are counted (marked "own")."""
+    pair, epoch = make_pair(built, dtype, setting)
+    eager = pair["eager"]
+    for x, y in epoch:
+        eager(x, y)
+    prof = cProfile.Profile()
+    prof.enable()
+    for i in range(steps):
+        eager(*epoch[i % len(epoch)])
+    prof.disable()
+    out = {}
+    for (path, line, fn), (_, _, own, cum, _) in pstats.Stats(prof).stats.items():
+        if path.replace("\\", "/").endswith(STEP_MODULES):
+            name = f"{Path(path).stem}.{fn}" + (f":{line}" if fn.startswith("<") else "")
+            if fn in HOLDERS:
+                name, cum = name + " (own)", own
+            out[name] = cum * 1e6 / steps
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def main(argv=None):
@@ -136,8 +198,20 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=None, help="default: 120 steps or 15 epochs")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (default: 1 on the CPU, as make bench runs; torch's own on CUDA)")
+    ap.add_argument("--shrink", action="store_true",
+                    help="the CPU proxy for host-bound GPU steps: each case at its full "
+                         "structure with tiny sizes; prints the host us the eager step adds")
+    ap.add_argument("--block", type=int, default=None,
+                    help="with --shrink: steps of each in a round (default 5)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="with --shrink: cProfile's us per step in the step's own functions")
     args = ap.parse_args(argv)
-    profile = args.profile or ("full" if args.device == "cuda" else "cpu")
+    if (args.breakdown or args.block) and not args.shrink:
+        ap.error("--breakdown and --block go with --shrink")
+    args.block = args.block or 5
+    if args.shrink and (args.device != "cpu" or args.profile):
+        ap.error("--shrink runs on the CPU at its own profile: leave --device and --profile out")
+    profile = "shrunk" if args.shrink else args.profile or ("full" if args.device == "cuda" else "cpu")
     unit = args.unit or ("epoch" if args.device == "cuda" else "step")
     rounds = args.rounds or (15 if unit == "epoch" else 120)
     threads = args.threads or (1 if args.device == "cpu" else None)
@@ -146,7 +220,9 @@ def main(argv=None):
     dtype = torch.float16 if args.device == "cuda" else torch.bfloat16
     card = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"{card}, torch {torch.__version__}, profile {profile}, {torch.get_num_threads()} thread(s), "
-          f"{rounds} rounds of one {unit} of each, interleaved")
+          f"{rounds} rounds of " + (f"{args.block} steps" if args.shrink else f"one {unit}") + " of each, interleaved")
+    if args.shrink:
+        return run_shrunk(args, dtype, rounds)
     clocks = ("wall", "cpu") if args.device == "cpu" else ("wall",)
     print(f"{'case':<16}{'optimizer':<10}{'clock':<6}{'hand ms':>9}{'eager ms':>10}{'ratio':>8}  "
           "[min, max] of the rounds")
@@ -161,6 +237,27 @@ def main(argv=None):
                 med, ratios = res[clock]
                 print(f"{case:<16}{opt:<10}{clock:<6}{med['hand']:>9.3f}{med['eager']:>10.3f}"
                       f"{statistics.median(ratios):>8.3f}  [{min(ratios):.3f}, {max(ratios):.3f}]", flush=True)
+    return 0
+
+
+def run_shrunk(args, dtype, rounds):
+    print(f"{'case':<16}{'optimizer':<10}{'hand us':>9}{'eager us':>10}{'added us':>10}"
+          f"{'fastest':>9}  [min, max] of the rounds (thread CPU time, us a step; rounds of "
+          f"{args.block} steps; fastest: the fastest eager round less the fastest hand one)")
+    cases = bench.load_cases()
+    for name in [c for c in args.cases.split(",") if c] or list(cases):
+        built = bench.build_case(shrunk(cases[name]), "shrunk", seed=0, device="cpu")
+        for opt in [o for o in (args.optimizers or "fused,plain").split(",") if o]:
+            if opt not in ("fused", "plain"):
+                raise SystemExit(f"--optimizers: {opt!r} is not fused or plain (the CPU has no graph)")
+            res = measure(built, dtype, opt, rounds, args.unit or "step", block=args.block)
+            med, added = res["cpu"][0], res["added_us"]
+            print(f"{name:<16}{opt:<10}{med['hand'] * 1e3:>9.0f}{med['eager'] * 1e3:>10.0f}"
+                  f"{statistics.median(added):>10.1f}{res['fastest_added_us']:>9.1f}  "
+                  f"[{min(added):.0f}, {max(added):.0f}]", flush=True)
+            if args.breakdown:
+                for fn, us in list(breakdown(built, dtype, opt).items())[:8]:
+                    print(f"{'':<26}{us:>9.1f} us  {fn}")
     return 0
 
 

@@ -44,32 +44,26 @@ and optimizer state unchanged and backs the scale off, whether replayed or eager
 
 from __future__ import annotations
 
-import copy
 import ctypes
-import signal
+import operator
 import sys
-import threading
-import weakref
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.optim.optimizer as _optim_module
-
-try:
-    import _signal
-except ImportError:  # (not CPython)
-    _signal = signal
 
 from ampkit._listeners import about_to_capture
 from ampkit._autocast import autocast as autocast_region
 from ampkit._policy import load_policy
+from ampkit._rollback import (PLAIN, HeldSignals, ModelBuffers, OptimizerCopy, give_back_grads,
+                              plain_value, why_copy, zero_grads_the_graph_had)
 from ampkit._scaler import GradScaler
 
 __all__ = ["TrainStep", "make_train_step"]
 
 _CAPTURE_CHOICES = ("auto", True, False)
+_GRAD_OF = operator.attrgetter("grad")
 _WARMUP = 3
 _DDP_WARMUP = 11  # torch's CUDA-graph notes: DDP needs 11 eager iterations before a capture
 _MAX_RECAPTURES = 2
@@ -195,7 +189,9 @@ class TrainStep:
         self._graph = None
         self._last_replayed = False
         self._stream = None
-        self._rollback_pool = {}  # copies kept between eager steps (_KeptCopies: buffers, CPU optimizer state)
+        self._rollback_pool = {}  # CPU optimizer state copies kept between eager steps (KeptCopies)
+        self._kept_buffers = ModelBuffers(model)  # the buffers and their copy, kept between eager steps
+        self._verdict = {}  # why_copy's verdict on the tensors, kept with its key
         self._reset_static()
 
         reasons = _static_refusals(capture, device_type, model, optimizer, scaler)
@@ -207,7 +203,7 @@ class TrainStep:
         if reasons and capture == "auto":
             self._warn(self.reason)
         self._eligible = not reasons
-        self._modules = list(model.modules())
+        self._model_modules = list(model.modules())
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
 
     # -- public -------------------------------------------------------------------------
@@ -256,8 +252,12 @@ class TrainStep:
         if self._graph is not None:
             sig = _signature(flat_in, flat_tg)
             if sig != self._sig:
-                why = (f"this batch has {_describe(sig)} but the graph was captured for "
-                       f"{_describe(self._sig)} (dynamic shapes run eagerly)")
+                if sig != self._other_sig:  # (the reason is written once per other shape)
+                    self._other_sig = sig
+                    self._other_why = (
+                        f"this batch has {_describe(sig)} but the graph was captured for "
+                        f"{_describe(self._sig)} (dynamic shapes run eagerly)")
+                why = self._other_why
                 if self._capture is True:
                     raise RuntimeError(f"make_train_step(capture=True): {why}")
                 self.reason = why
@@ -306,23 +306,23 @@ class TrainStep:
             self.scaler.update()
             return loss.detach()
         if owned_grads is not None:
-            _zero_grads_the_graph_had(self._params, owned_grads)
+            zero_grads_the_graph_had(self._params, owned_grads)
         # The optimizer writes parameters and state in place. Where nothing from its first
-        # write to the end of update() can raise (_why_copy), there is nothing to put back
+        # write to the end of update() can raise (why_copy), there is nothing to put back
         # and nothing is copied; a Ctrl-C that arrives meanwhile is held until the step is
         # whole. Otherwise (an unknown optimizer, a hook, a first step that creates state, a
         # scaler subclass ...) keep a copy to put back, taken after backward, when the
         # activations are freed.
         pool = self._rollback_pool
-        why = self._copy_why = _why_copy(self.optimizer, self.scaler)
+        why = self._copy_why = why_copy(self.optimizer, self.scaler, self._verdict)
         if why is None:
             pool.pop("optimizer", None)  # (copies kept by an earlier call: memory only)
-            held = self._held = _HeldSignals()
+            held = self._held = HeldSignals()
             with held:
                 self.scaler.step(self.optimizer)
                 self.scaler.update()
         else:
-            before = _OptimizerCopy(self.optimizer, pool.setdefault("optimizer", {}))
+            before = OptimizerCopy(self.optimizer, pool.setdefault("optimizer", {}))
             try:
                 self.scaler.step(self.optimizer)
                 self.scaler.update()
@@ -330,7 +330,7 @@ class TrainStep:
                 before.restore()
                 raise
         if owned_grads is not None:
-            _give_back_grads(self._params, owned_grads)
+            give_back_grads(self._params, owned_grads)
         return loss.detach()
 
     def _eager(self, flat_in, flat_tg, keep_grads=False) -> torch.Tensor:
@@ -340,7 +340,8 @@ class TrainStep:
         # old .grad references back. keep_grads: a graph exists and owns the .grad tensors
         # (it writes them by address); this step computes its own and copies them into the
         # graph's once it has succeeded, so that a failure leaves the graph's untouched.
-        buffers = _BufferCopy(self.model.buffers(), self._rollback_pool.setdefault("buffers", {}))
+        buffers = self._kept_buffers
+        buffers.save()
         owned = [p.grad for p in self._params] if keep_grads else None
         try:
             self.optimizer.zero_grad(set_to_none=True)
@@ -351,7 +352,7 @@ class TrainStep:
 
     # -- rollback of a failed call ----------------------------------------------------------
     _copy_why = None  # rollback_copy: set by each eager call
-    _held = None  # the signals held while the optimizer wrote without a copy (_HeldSignals)
+    _held = None  # the signals held while the optimizer wrote without a copy (HeldSignals)
 
     def _save_for_rollback(self):
         # Host objects only (no tensor work: a replay must stay one launch); what an eager
@@ -359,7 +360,7 @@ class TrainStep:
         attrs = vars(self).copy()
         for k in _NOT_ROLLED_BACK:
             attrs.pop(k, None)
-        return attrs, [p.grad for p in self._params]
+        return attrs, list(map(_GRAD_OF, self._params))  # (a C-level walk: every call)
 
     def _rollback(self, saved):
         attrs, grads = saved
@@ -488,7 +489,7 @@ class TrainStep:
 
     def _reset_static(self):
         self._static_in = self._static_tg = self._static_loss = None
-        self._sig = self._key = self._opt_objs = None
+        self._sig = self._key = self._opt_objs = self._other_sig = self._other_why = None
 
     def _same_state(self):
         state, groups = self._opt_objs
@@ -498,9 +499,9 @@ class TrainStep:
     def _state_key(self):
         # Host scalars are baked into the graph; tensors (a tensor lr) are read by address.
         groups = tuple(
-            tuple((k, v) for k, v in g.items() if k != "params" and _plain(v))
+            tuple((k, v) for k, v in g.items() if k != "params" and plain_value(v))
             for g in self.optimizer.param_groups)
-        return (groups, tuple(m.training for m in self._modules),
+        return (groups, tuple(m.training for m in self._model_modules),
                 tuple(p.requires_grad for p in self._params))
 
     def _warn(self, why):
@@ -518,267 +519,8 @@ class TrainStep:
 # The warning is issued once per step object (a failed call does not take it back); the
 # side stream and the rollback copies are caches; _copy_why says how the last eager call,
 # failed or not, guarded its optimizer step; _held is delivered after the rollback.
-_NOT_ROLLED_BACK = ("_warned", "_stream", "_rollback_pool", "on_warning", "_copy_why", "_held")
-_PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensors with a foreach copy (_KeptCopies)
-
-
-class _KeptCopies:
-    """Copies of tensors made with one ``torch._foreach_copy_``, into buffers kept between
-    calls in ``pool`` (a dict the caller keeps) for plain CPU tensors.
-
-    A fresh allocation of a large CPU tensor page-faults on every step (glibc hands large
-    blocks back to the system), which made a copy cost about 3x what copying into a kept
-    buffer costs; CUDA tensors are cloned each time (the caching allocator reuses the
-    block, and a kept copy would add them to the peak memory of the forward pass, where a
-    transient copy taken after backward does not), unless ``keep_device`` (small tensors,
-    such as a model's buffers: one clone each cost ~10 us of host time a tensor, 13% of
-    convnet's eager step on an H100, where one foreach copy into kept buffers costs a few
-    us). Buffers of tensors not copied this time are dropped from the pool by ``finish()``.
-    """
-
-    def __init__(self, pool, keep_device=False):
-        self.old, self.now, self.dst, self.src = pool, {}, [], []
-        self.keep_device = keep_device
-
-    def of(self, t):
-        # (tensor subclasses, such as FSDP2's DTensor parameters, have no foreach copy)
-        if type(t) not in _PLAIN or (t.device.type != "cpu" and not self.keep_device):
-            return t.detach().clone()
-        kept = self.old.get(id(t))  # (weak reference to the tensor, its buffer)
-        if kept is None or kept[0]() is not t or kept[1].shape != t.shape or kept[1].dtype != t.dtype:
-            kept = (weakref.ref(t), torch.empty_like(t, memory_format=torch.preserve_format))
-        self.now[id(t)] = kept
-        self.dst.append(kept[1])
-        self.src.append(t.detach())
-        return kept[1]
-
-    def finish(self):
-        if self.dst:
-            torch._foreach_copy_(self.dst, self.src)
-        self.old.clear()
-        self.old.update(self.now)
-
-
-class _BufferCopy:
-    """A copy of a model's buffers (BatchNorm statistics: the forward writes them), to put
-    back in place."""
-
-    def __init__(self, buffers, pool):
-        copies = _KeptCopies(pool, keep_device=True)
-        with torch.no_grad():
-            self.pairs = [(b, copies.of(b)) for b in buffers]
-            copies.finish()
-
-    def restore(self):
-        with torch.no_grad():
-            for b, v in self.pairs:
-                b.copy_(v)
-
-
-class _OptimizerCopy:
-    """A copy of an optimizer's parameters, state and hyperparameters, to put back in place.
-
-    In place: tensors keep their identity (a captured graph and the optimizer's own
-    references read them by address); state created after the copy is dropped. CPU copies
-    go into buffers kept in ``pool`` between steps (``_KeptCopies``).
-    """
-
-    def __init__(self, optimizer, pool):
-        self.optimizer = optimizer
-        copies = _KeptCopies(pool)
-        with torch.no_grad():
-            self.params = [(p, copies.of(p)) for g in optimizer.param_groups for p in g["params"]]
-            self.state = {p: {k: (v, copies.of(v) if isinstance(v, torch.Tensor) else copy.deepcopy(v))
-                              for k, v in s.items()}
-                          for p, s in optimizer.state.items()}
-            copies.finish()
-        self.groups = [dict(g) for g in optimizer.param_groups]
-
-    def restore(self):
-        opt = self.optimizer
-        with torch.no_grad():
-            for p, v in self.params:
-                p.copy_(v)
-            for p in [p for p in opt.state if p not in self.state]:
-                del opt.state[p]
-            for p, saved in self.state.items():
-                now = opt.state[p]
-                for k in [k for k in now if k not in saved]:
-                    del now[k]
-                for k, (obj, v) in saved.items():
-                    if isinstance(obj, torch.Tensor):
-                        obj.copy_(v)
-                        now[k] = obj
-                    else:
-                        now[k] = v
-        for g, saved in zip(opt.param_groups, self.groups):
-            g.clear()
-            g.update(saved)
-
-
-# The optimizers whose step the eager path checks instead of copying: torch's own, whose
-# step raises only on what _why_copy checks before it (or on a device or allocation error).
-_CHECKED_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
-# The one method a GradScaler subclass may override and keep the check: the gradient
-# check, which runs before the optimizer writes anything.
-_SCALER_HOOKS = frozenset({"found_inf"})
-_scaler_types_checked: dict = {}  # GradScaler subclass -> whether only _SCALER_HOOKS are its own
-_SCALARS = frozenset({float, int, bool, str, type(None)})  # hyperparameters _plain() takes at once
-
-
-def _why_copy(optimizer, scaler):
-    """Why the eager step must copy parameters and optimizer state before ``scaler.step``
-    (a readable reason), or None when nothing from the optimizer's first write to the end
-    of ``scaler.update()`` can raise, so that there is never anything to put back.
-
-    torch's SGD, Adam and AdamW raise inside ``step()`` only on what is checked here: a
-    sparse gradient, a tensor or otherwise non-plain hyperparameter (a tensor ``lr`` with
-    foreach, say), a differentiable step, state that no longer matches its parameter
-    (``model.half()`` after a step, say); each param group and each (device, dtype)
-    bucket is stepped in turn, so such a raise can come after an earlier one was written.
-    Other code in that window is the scaler's own (after ``found_inf``) and, if any, step
-    hooks and wrappers, which may raise anywhere: with them the step copies. Left: errors
-    of the device or of an allocation. On CUDA only the fused kernels (``fused=True``)
-    write without allocating memory the size of the parameters between their writes
-    (foreach and per-tensor steps do: an out-of-memory error can stop them half-way), and
-    a first step creates state (allocations again): both copy.
-    """
-    kind = type(optimizer)
-    name = kind.__name__
-    if kind not in _CHECKED_OPTIMIZERS:
-        return f"{name} is not torch's SGD, Adam or AdamW, whose steps can be checked beforehand"
-    own = vars(optimizer).get("step")
-    # (an LR scheduler wraps step() on the instance, to note that it was called)
-    if own is not None and not (getattr(own, "_wrapped_by_lr_sched", False)
-                                and getattr(own, "__wrapped__", None) is kind.step):
-        return f"{name}.step is replaced on the instance"
-    if (getattr(optimizer, "_optimizer_step_pre_hooks", None)
-            or getattr(optimizer, "_optimizer_step_post_hooks", None)
-            or _optim_module._global_optimizer_pre_hooks
-            or _optim_module._global_optimizer_post_hooks):
-        return f"{name} has step hooks"
-    why = _scaler_why_copy(scaler)
-    if why is not None:
-        return why
-    state, strided, tensor = optimizer.state, torch.strided, torch.Tensor
-    for group in optimizer.param_groups:
-        for k, v in group.items():
-            if type(v) not in _SCALARS and k != "params" and not _plain(v):
-                return f"{name} has a {type(v).__name__} {k!r}"
-        if group.get("differentiable"):
-            return f"{name} was built with differentiable=True"
-        any_device = group.get("fused")
-        stateless = kind is torch.optim.SGD and not group.get("momentum")  # (no momentum buffer)
-        for p in group["params"]:
-            grad = p.grad
-            if grad is None:
-                continue
-            local = _local(p)
-            if local is None:
-                return f"a parameter is a {type(p).__name__}"
-            grad = _local(grad)
-            if grad is None or grad.layout is not strided:
-                return f"a gradient is {grad.layout if grad is not None else type(p.grad).__name__}"
-            if not (any_device or local.is_cpu):
-                return (f"{name} without fused=True allocates while it writes on "
-                        f"{local.device.type} (an out-of-memory error could stop it half-way)")
-            s = state.get(p)
-            if not s:
-                if stateless:
-                    continue
-                return f"{name} creates its state in this step"
-            dtype, device, shape = local.dtype, local.device, local.shape
-            for k, v in s.items():
-                if not isinstance(v, tensor) or k == "step":
-                    continue
-                v = _local(v)
-                if v is None:
-                    return f"{name}'s state {k!r} is a {type(s[k]).__name__}"
-                if v.dtype is not dtype or v.device != device or v.shape != shape:
-                    return (f"{name}'s state {k!r} ({v.dtype}, {v.device}) does not match its "
-                            f"parameter ({dtype}, {device})")
-    return None
-
-
-def _local(t):
-    """The tensor the kernels write: a plain tensor itself, a DTensor's (FSDP2's) local
-    shard (one fused op over DTensors runs once over the local shards, after the sharding
-    is checked for all of them: all or nothing), anything else None."""
-    if type(t) in _PLAIN:
-        return t
-    local = getattr(t, "_local_tensor", None)  # (to_local() is an autograd op: ~15 us a call)
-    return local if type(local) in _PLAIN else None
-
-
-def _scaler_why_copy(scaler):
-    kind = type(scaler)
-    known = _scaler_types_checked.get(kind)
-    if known is None:
-        own = {k for c in kind.__mro__[:kind.__mro__.index(GradScaler)] for k in vars(c)
-               if not (k.startswith("__") and k.endswith("__"))}
-        known = _scaler_types_checked[kind] = own <= _SCALER_HOOKS
-    if not known:
-        return f"the scaler's class {kind.__name__} overrides more than found_inf"
-    d = vars(scaler)
-    if "step" in d or "update" in d:
-        return "the scaler's step or update is replaced on the instance"
-    return None
-
-
-class _HeldSignals:
-    """Hold SIGINT and SIGTERM (where Python handles them) while the optimizer writes
-    without a copy: a Ctrl-C there would stop a step half-way with nothing to put back.
-    ``deliver()`` runs the handlers of the signals that came, once the step is whole (the
-    call then raises KeyboardInterrupt with the step taken). Only the main thread gets
-    Python's signals; elsewhere there is nothing to hold. (``_signal``: the C functions
-    behind ``signal``, without its wrappers' conversions to enums, the larger part of the
-    cost of holding.)"""
-
-    SIGNALS = (int(signal.SIGINT), int(signal.SIGTERM))
-
-    def __init__(self):
-        self.saved, self.came = {}, []
-
-    def _hold(self, signum, frame):
-        self.came.append((signum, frame))
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for s in self.SIGNALS:
-                handler = _signal.getsignal(s)
-                if callable(handler):
-                    self.saved[s] = handler
-                    _signal.signal(s, self._hold)
-        return self
-
-    def __exit__(self, *exc):
-        for s, handler in self.saved.items():
-            _signal.signal(s, handler)
-        return False
-
-    def deliver(self):
-        for signum, frame in self.came:
-            self.saved[signum](signum, frame)
-
-
-def _zero_grads_the_graph_had(params, owned):
-    # As zero_grad(set_to_none=False) left them: a parameter that had a gradient in the
-    # graph and got none in this step is stepped with zeros (fresh ones: the graph's stay
-    # untouched until the step has succeeded).
-    for p, g in zip(params, owned):
-        if g is not None and p.grad is None:
-            p.grad = torch.zeros_like(g)
-
-
-def _give_back_grads(params, owned):
-    # The graph writes the .grad tensors it owns by address: this step's gradients go into
-    # them, and they become .grad again.
-    pairs = [(p, g) for p, g in zip(params, owned) if g is not None]
-    with torch.no_grad():
-        torch._foreach_copy_([g for _, g in pairs], [p.grad for p, _ in pairs])
-    for p, g in pairs:
-        p.grad = g
-
+_NOT_ROLLED_BACK = ("_warned", "_stream", "_rollback_pool", "on_warning", "_copy_why", "_held",
+                    "_kept_buffers", "_verdict")
 
 class _AccumulationStreams:
     """Records the CUDA streams the parameters' gradients accumulate on, over one step.
@@ -793,7 +535,7 @@ class _AccumulationStreams:
     """
 
     def __init__(self, params):
-        self.params = [p for p in params if p.requires_grad and type(p) in _PLAIN
+        self.params = [p for p in params if p.requires_grad and type(p) in PLAIN
                        and p.device.type == "cuda"]
         self.streams: set = set()
         self._handles: list = []
@@ -870,12 +612,6 @@ def _user_stacklevel():
     while frame is not None and frame.f_code.co_filename == __file__:
         level, frame = level + 1, frame.f_back
     return level
-
-
-def _plain(v):
-    if isinstance(v, (tuple, list)):
-        return all(_plain(x) for x in v)
-    return isinstance(v, (int, float, bool, str, type(None)))
 
 
 def _policy_dtype(kw):

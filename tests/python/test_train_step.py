@@ -497,19 +497,25 @@ def _half_way(why, model, opt):
     if why == "sparse_gradient":
         model.emb.sparse = True
         return lambda: setattr(model.emb, "sparse", False)
+    if why == "state_replaced":  # one state tensor swapped for another dtype's, in the same dict
+        s = opt.state[model.emb.weight]
+        kept = s["exp_avg"]
+        s["exp_avg"] = kept.double()
+        return lambda: s.update(exp_avg=kept)
     model.emb.double()  # its parameter and gradient (exactly), not its Adam state
     return model.emb.float
 
 
 HALF_WAY = {"tensor_lr": "lr as a Tensor is not supported", "sparse_gradient": "does not support sparse",
-            "state_of_another_dtype": "expected dtype float"}
+            "state_of_another_dtype": "expected dtype float", "state_replaced": "expected dtype double"}
 
 
 @pytest.mark.parametrize("why", sorted(HALF_WAY))
 def test_a_torch_optimizer_that_raises_half_way_changes_nothing(why):
     """torch's own Adam raising at its second param group, after the first was stepped (a
-    tensor lr with foreach, a sparse gradient): the step saw it coming, copied, and put
-    everything back; the run then goes on bitwise as the one without it. The control, a
+    tensor lr with foreach, a sparse gradient, a parameter or a state tensor changed
+    between calls): the step saw it coming although its verdict from the calls before
+    (no copy needed) is kept between calls, copied, and put everything back; the run then goes on bitwise as the one without it. The control, a
     hand-written step with the same Adam, shows that the raise does come half-way."""
     batches = make_batches(n=8)
     ref_model = _LinearAndEmbedding()
@@ -785,3 +791,141 @@ def test_the_fallback_beside_a_graph_gives_the_graph_its_gradients_only_once_it_
         step._eager([batches[3][0]], [batches[3][1]], keep_grads=True)
     assert_bitwise(owned, kept)  # the graph's tensors, untouched
     assert_bitwise(list(model.buffers()), buffers)  # the forward's statistics, put back
+
+
+def _lin_then_emb_adam(model):
+    return torch.optim.Adam(model.lin.parameters(), lr=1e-2, foreach=True)
+
+
+def _sgd_without_momentum(model):
+    return torch.optim.SGD(model.parameters(), lr=1e-2)
+
+
+# A change between calls that turns the verdict "nothing can raise half-way, copy nothing"
+# into "copy": the step keeps its verdict between calls and must see each of these.
+VERDICT_CHANGES = {
+    "param_group_added": (_lin_then_emb_adam,
+                          lambda model, opt: opt.add_param_group({"params": list(model.emb.parameters())})),
+    "momentum_turned_on": (_sgd_without_momentum,
+                           lambda model, opt: [g.update(momentum=0.9) for g in opt.param_groups]),
+}
+
+
+@pytest.mark.parametrize("change", sorted(VERDICT_CHANGES))
+def test_the_kept_verdict_follows_the_optimizer_between_calls(change):
+    """After a change to the optimizer between calls, the step decides to copy (or not)
+    as a step built afresh at that point does (it has no verdict kept), and computes
+    bitwise what that step computes."""
+    make_opt, apply_change = VERDICT_CHANGES[change]
+    batches = make_batches(n=5, poison=False)
+    model = _LinearAndEmbedding()
+    opt = make_opt(model)
+    step = ampkit.make_train_step(model, torch.nn.functional.mse_loss, opt, scaler=make_scaler(),
+                                  autocast=FP16, capture=False)
+    for x, y in batches[:3]:
+        step(x, y)
+    assert step.rollback_copy is None
+    apply_change(model, opt)
+    fresh_model, fresh_opt = copy.deepcopy((model, opt))
+    fresh_scaler = make_scaler()
+    fresh_scaler.load_state_dict(step.scaler.state_dict())
+    fresh = ampkit.make_train_step(fresh_model, torch.nn.functional.mse_loss, fresh_opt,
+                                   scaler=fresh_scaler, autocast=FP16, capture=False)
+    verdicts = []
+    for x, y in batches[3:]:
+        assert_bitwise(step(x, y), fresh(x, y))
+        verdicts.append(step.rollback_copy)
+        assert step.rollback_copy == fresh.rollback_copy
+    assert verdicts[0] is not None and verdicts[1] is None  # (state created, then there)
+    assert_bitwise(list(model.parameters()), list(fresh_model.parameters()))
+
+
+class _Tally(torch.nn.Module):
+    """A buffer the forward writes in place, of any dtype (BatchNorm's must be float)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("total", torch.zeros(()))
+
+    def forward(self, x):
+        self.total.add_(x.detach().float().mean())
+        return x
+
+
+def _tally_model():
+    model = _bn_model()
+    model.insert(2, _Tally())
+    return model
+
+
+def _retype_tally(model):
+    # a float64 value that float32 cannot hold: a copy kept in the old dtype rounds it
+    model[2].total.data = model[2].total.double() + 2.0**-40
+
+
+def test_the_kept_verdict_holds_no_state_the_optimizer_dropped():
+    """The verdict kept between calls names state tensors by identity but holds none: a
+    state replaced by load_state_dict is freed at once, not at the next call (whose forward
+    it would otherwise add to the peak memory), and the next call checks the new state."""
+    import weakref
+
+    model = _LinearAndEmbedding()
+    opt = _two_groups(model)
+    step = ampkit.make_train_step(model, torch.nn.functional.mse_loss, opt, scaler=make_scaler(),
+                                  autocast=FP16, capture=False)
+    batches = make_batches(n=4, poison=False)
+    for x, y in batches[:2]:
+        step(x, y)
+    assert step.rollback_copy is None
+    old = weakref.ref(opt.state[model.emb.weight]["exp_avg"])
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    gc.collect()
+    assert old() is None
+    undo = _half_way("state_replaced", model, opt)  # the new state, now of another dtype
+    before = _everything(model, opt, step)
+    with pytest.raises(RuntimeError, match=HALF_WAY["state_replaced"]):
+        step(*batches[2])
+    _assert_same(_everything(model, opt, step), before)
+    undo()
+
+
+def _insert_bn(model):
+    model.insert(2, torch.nn.BatchNorm1d(32))  # (ModuleList/Sequential.insert: no registration hook)
+
+
+# Changes to the model's buffers between calls, by routes that do and do not go through
+# torch's registration hooks: the step keeps its list of buffers between calls.
+BUFFER_CHANGES = {
+    "buffer_reassigned": lambda model: setattr(model[1], "running_mean", torch.randn(32)),
+    "buffer_data_replaced": lambda model: setattr(model[1].running_var, "data", torch.rand(32) + 0.5),
+    "module_converted": lambda model: model[1].bfloat16().float(),  # (new buffer tensors)
+    "module_inserted": _insert_bn,
+    "buffer_data_retyped": _retype_tally,
+}
+
+
+@pytest.mark.parametrize("change", sorted(BUFFER_CHANGES))
+def test_buffers_changed_between_calls_are_put_back_by_a_failed_call(change):
+    """A buffer replaced, its .data swapped (for another dtype's), the module converted, or a
+    BatchNorm inserted after some calls: a call that then fails after the forward (which
+    wrote the statistics) puts every buffer back, bitwise, into the tensors the model holds
+    now."""
+    model = _tally_model()
+    opt = OPTIMIZERS["sgd_fused"](model.parameters())
+    step = ampkit.make_train_step(model, torch.nn.functional.mse_loss, opt, scaler=make_scaler(),
+                                  autocast=FP16, capture=False)
+    batches = make_batches(n=4, poison=False)
+    for x, y in batches[:2]:
+        step(x, y)
+    BUFFER_CHANGES[change](model)
+    held = list(model.buffers())
+    before = [b.clone() for b in held]
+    loss_fn = step.loss_fn
+    step.loss_fn = lambda out, y: (_ for _ in ()).throw(_Boom())  # after the forward
+    with pytest.raises(_Boom):
+        step(*batches[2])
+    assert all(a is b for a, b in zip(model.buffers(), held))
+    assert_bitwise(held, before)
+    step.loss_fn = loss_fn
+    step(*batches[3])  # and the run goes on: the forward writes them again
+    assert not torch.equal(model[1].running_mean, before[0])

@@ -1,0 +1,418 @@
+"""What the eager train step keeps so that a call that raises changes nothing.
+
+An eager step writes in place in three stages, and keeps what each would need put back:
+
+    forward          writes the model's buffers (BatchNorm statistics)
+                     -> ModelBuffers.save(): one foreach copy into kept tensors
+    backward         makes fresh gradients (the step starts from none)
+                     -> nothing: the old ``.grad`` references are put back
+    optimizer step   writes parameters and optimizer state, then scaler.update()
+                     -> why_copy() is None: nothing there can raise, so nothing is
+                        copied; HeldSignals holds a Ctrl-C until the step is whole
+                     -> else: OptimizerCopy, put back if the step raises
+
+The host work of each call is kept near what the hand-written loop does: the buffer list
+and the verdict of ``why_copy`` are found once and kept, with a key (identities, lengths,
+dtypes and shapes: lists compared in C) that changes whenever what they were found from
+does; then each call costs one comparison and, for the buffers, one foreach copy.
+
+>>> import torch
+>>> from ampkit._rollback import ModelBuffers
+>>> bn = torch.nn.BatchNorm1d(3)
+>>> kept = ModelBuffers(bn)
+>>> kept.save()
+>>> _ = bn(torch.randn(4, 3))          # the forward writes the running statistics
+>>> kept.restore()                     # ... a later stage raised: put them back
+>>> bool((bn.running_mean == 0).all()), int(bn.num_batches_tracked)
+(True, 0)
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import operator
+import signal
+import threading
+import weakref
+from itertools import chain
+
+import torch
+import torch.optim.optimizer as _optim_module
+
+try:
+    import _signal
+except ImportError:  # (not CPython)
+    _signal = signal
+
+from ampkit._scaler import GradScaler
+
+__all__ = ["HeldSignals", "KeptCopies", "ModelBuffers", "OptimizerCopy", "PLAIN",
+           "give_back_grads", "plain_value", "why_copy", "zero_grads_the_graph_had"]
+
+PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensors with a foreach copy (KeptCopies)
+_META = operator.attrgetter("dtype", "shape")
+_PARAM_META = operator.attrgetter("dtype", "shape", "device")  # (model.to(device) moves .data)
+_GRAD = operator.attrgetter("grad")
+_LAYOUT = operator.attrgetter("layout")
+_is_not_none = functools.partial(operator.is_not, None)
+
+
+class KeptCopies:
+    """Copies of tensors made with one ``torch._foreach_copy_``, into buffers kept between
+    calls in ``pool`` (a dict the caller keeps) for plain CPU tensors.
+
+    A fresh allocation of a large CPU tensor page-faults on every step (glibc hands large
+    blocks back to the system), which made a copy cost about 3x what copying into a kept
+    buffer costs; CUDA tensors are cloned each time (the caching allocator reuses the
+    block, and a kept copy would add them to the peak memory of the forward pass, where a
+    transient copy taken after backward does not). Buffers of tensors not copied this time
+    are dropped from the pool by ``finish()``.
+    """
+
+    def __init__(self, pool):
+        self.old, self.now, self.dst, self.src = pool, {}, [], []
+
+    def of(self, t):
+        # (tensor subclasses, such as FSDP2's DTensor parameters, have no foreach copy)
+        if type(t) not in PLAIN or t.device.type != "cpu":
+            return t.detach().clone()
+        kept = self.old.get(id(t))  # (weak reference to the tensor, its buffer)
+        if kept is None or kept[0]() is not t or kept[1].shape != t.shape or kept[1].dtype != t.dtype:
+            kept = (weakref.ref(t), torch.empty_like(t, memory_format=torch.preserve_format))
+        self.now[id(t)] = kept
+        self.dst.append(kept[1])
+        self.src.append(t.detach())
+        return kept[1]
+
+    def finish(self):
+        if self.dst:
+            torch._foreach_copy_(self.dst, self.src)
+        self.old.clear()
+        self.old.update(self.now)
+
+
+class ModelBuffers:
+    """A model's buffers (BatchNorm statistics: the forward writes them) and a kept copy of
+    each, on its device, taken by ``save()`` and put back in place by ``restore()``.
+
+    The modules and buffers are found once. Each ``save()`` checks them against what the
+    model holds now with three lists compared in C (the identities of every module's
+    children and buffers, and the buffers' dtypes and shapes), which catch a module or
+    buffer added, removed or reassigned by any route (``setattr``, ``ModuleList.insert``,
+    ``model.half()`` replacing buffers, ``.data =`` changing one in place), and finds
+    them again when one differs. The copy is one ``torch._foreach_copy_`` into tensors
+    kept from the last call (a clone per buffer cost ~10 us of host time each on CUDA);
+    a tensor subclass, which has no foreach copy, is cloned. What was found is held
+    until the next ``save()`` finds it changed: a module taken out of the model between
+    calls is freed at the start of the next eager call, before its forward.
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self._found = None  # (the ids of every module's children, of every module's buffers)
+        self._child_dicts = self._buffer_dicts = self._tensors = []
+        self._others = self._other_copies = []
+
+    def _look(self):
+        # C-level walks of the kept modules' dicts (the objects they name are kept alive
+        # by self, and by the model: no identity is reused while compared)
+        children = list(map(id, chain.from_iterable(map(dict.values, self._child_dicts))))
+        buffers = list(map(id, chain.from_iterable(map(dict.values, self._buffer_dicts))))
+        return children, buffers
+
+    def _find(self):
+        modules = list(self.model.modules())
+        self._child_dicts = [m._modules for m in modules]
+        self._buffer_dicts = [m._buffers for m in modules]
+        self._kept = modules
+        buffers = [b for m in modules for b in m._buffers.values() if b is not None]
+        self._tensors, self._metas = buffers, list(map(_META, buffers))
+        self._found = self._look()
+        # (the buffers themselves, not detached aliases, which would keep the storage they
+        # had when found if a buffer's .data were replaced since)
+        self._plain = [b for b in buffers if type(b) in PLAIN]
+        self._copies = [torch.empty_like(b, memory_format=torch.preserve_format) for b in self._plain]
+        self._others = [b for b in buffers if type(b) not in PLAIN]
+
+    def _current(self):
+        if self._look() != self._found or list(map(_META, self._tensors)) != self._metas:
+            self._find()
+
+    def save(self):
+        self._current()
+        with torch.no_grad():
+            if self._plain:
+                torch._foreach_copy_(self._copies, self._plain)
+            self._other_copies = [b.detach().clone() for b in self._others]
+
+    def restore(self):
+        with torch.no_grad():
+            if self._plain:
+                torch._foreach_copy_(self._plain, self._copies)
+            for b, v in zip(self._others, self._other_copies):
+                b.copy_(v)
+
+
+class HeldSignals:
+    """Hold SIGINT and SIGTERM (where Python handles them) while the optimizer writes
+    without a copy: a Ctrl-C there would stop a step half-way with nothing to put back.
+    ``deliver()`` runs the handlers of the signals that came, once the step is whole (the
+    call then raises KeyboardInterrupt with the step taken). Only the main thread gets
+    Python's signals; elsewhere there is nothing to hold. (``_signal``: the C functions
+    behind ``signal``, without its wrappers' conversions to enums, the larger part of the
+    cost of holding.)"""
+
+    SIGNALS = (int(signal.SIGINT), int(signal.SIGTERM))
+
+    def __init__(self):
+        self.saved, self.came = {}, []
+
+    def _hold(self, signum, frame):
+        self.came.append((signum, frame))
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in self.SIGNALS:
+                handler = _signal.getsignal(s)
+                if callable(handler):
+                    self.saved[s] = handler
+                    _signal.signal(s, self._hold)
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self.saved.items():
+            _signal.signal(s, handler)
+        return False
+
+    def deliver(self):
+        for signum, frame in self.came:
+            self.saved[signum](signum, frame)
+
+
+def zero_grads_the_graph_had(params, owned):
+    # As zero_grad(set_to_none=False) left them: a parameter that had a gradient in the
+    # graph and got none in this step is stepped with zeros (fresh ones: the graph's stay
+    # untouched until the step has succeeded).
+    for p, g in zip(params, owned):
+        if g is not None and p.grad is None:
+            p.grad = torch.zeros_like(g)
+
+
+def give_back_grads(params, owned):
+    # The graph writes the .grad tensors it owns by address: this step's gradients go into
+    # them, and they become .grad again.
+    pairs = [(p, g) for p, g in zip(params, owned) if g is not None]
+    with torch.no_grad():
+        torch._foreach_copy_([g for _, g in pairs], [p.grad for p, _ in pairs])
+    for p, g in pairs:
+        p.grad = g
+
+
+class OptimizerCopy:
+    """A copy of an optimizer's parameters, state and hyperparameters, to put back in place.
+
+    In place: tensors keep their identity (a captured graph and the optimizer's own
+    references read them by address); state created after the copy is dropped. CPU copies
+    go into buffers kept in ``pool`` between steps (``KeptCopies``).
+    """
+
+    def __init__(self, optimizer, pool):
+        self.optimizer = optimizer
+        copies = KeptCopies(pool)
+        with torch.no_grad():
+            self.params = [(p, copies.of(p)) for g in optimizer.param_groups for p in g["params"]]
+            self.state = {p: {k: (v, copies.of(v) if isinstance(v, torch.Tensor) else copy.deepcopy(v))
+                              for k, v in s.items()}
+                          for p, s in optimizer.state.items()}
+            copies.finish()
+        self.groups = [dict(g) for g in optimizer.param_groups]
+
+    def restore(self):
+        opt = self.optimizer
+        with torch.no_grad():
+            for p, v in self.params:
+                p.copy_(v)
+            for p in [p for p in opt.state if p not in self.state]:
+                del opt.state[p]
+            for p, saved in self.state.items():
+                now = opt.state[p]
+                for k in [k for k in now if k not in saved]:
+                    del now[k]
+                for k, (obj, v) in saved.items():
+                    if isinstance(obj, torch.Tensor):
+                        obj.copy_(v)
+                        now[k] = obj
+                    else:
+                        now[k] = v
+        for g, saved in zip(opt.param_groups, self.groups):
+            g.clear()
+            g.update(saved)
+
+
+# The optimizers whose step the eager path checks instead of copying: torch's own, whose
+# step raises only on what why_copy checks before it (or on a device or allocation error).
+_CHECKED_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+# The one method a GradScaler subclass may override and keep the check: the gradient
+# check, which runs before the optimizer writes anything.
+_SCALER_HOOKS = frozenset({"found_inf"})
+_scaler_types_checked: dict = {}  # GradScaler subclass -> whether only _SCALER_HOOKS are its own
+_SCALARS = frozenset({float, int, bool, str, type(None)})  # hyperparameters plain_value() takes at once
+
+
+def why_copy(optimizer, scaler, kept=None):
+    """Why the eager step must copy parameters and optimizer state before ``scaler.step``
+    (a readable reason), or None when nothing from the optimizer's first write to the end
+    of ``scaler.update()`` can raise, so that there is never anything to put back.
+
+    torch's SGD, Adam and AdamW raise inside ``step()`` only on what is checked here: a
+    sparse gradient, a tensor or otherwise non-plain hyperparameter (a tensor ``lr`` with
+    foreach, say), a differentiable step, state that no longer matches its parameter
+    (``model.half()`` after a step, say); each param group and each (device, dtype)
+    bucket is stepped in turn, so such a raise can come after an earlier one was written.
+    Other code in that window is the scaler's own (after ``found_inf``) and, if any, step
+    hooks and wrappers, which may raise anywhere: with them the step copies. Left: errors
+    of the device or of an allocation. On CUDA only the fused kernels (``fused=True``)
+    write without allocating memory the size of the parameters between their writes
+    (foreach and per-tensor steps do: an out-of-memory error can stop them half-way), and
+    a first step creates state (allocations again): both copy.
+
+    ``kept``: a dict the caller keeps between calls, where the verdict on the parameters,
+    gradients and state is kept with its key (``_tensors_key``); it is looked at again only
+    when the key differs. The checks on the optimizer, its hooks, the scaler and the
+    hyperparameters (a handful of values) run every call.
+    """
+    kind = type(optimizer)
+    name = kind.__name__
+    if kind not in _CHECKED_OPTIMIZERS:
+        return f"{name} is not torch's SGD, Adam or AdamW, whose steps can be checked beforehand"
+    own = vars(optimizer).get("step")
+    # (an LR scheduler wraps step() on the instance, to note that it was called)
+    if own is not None and not (getattr(own, "_wrapped_by_lr_sched", False)
+                                and getattr(own, "__wrapped__", None) is kind.step):
+        return f"{name}.step is replaced on the instance"
+    if (getattr(optimizer, "_optimizer_step_pre_hooks", None)
+            or getattr(optimizer, "_optimizer_step_post_hooks", None)
+            or _optim_module._global_optimizer_pre_hooks
+            or _optim_module._global_optimizer_post_hooks):
+        return f"{name} has step hooks"
+    why = _scaler_why_copy(scaler)
+    if why is not None:
+        return why
+    for group in optimizer.param_groups:
+        for k, v in group.items():
+            if type(v) not in _SCALARS and k != "params" and not plain_value(v):
+                return f"{name} has a {type(v).__name__} {k!r}"
+        if group.get("differentiable"):
+            return f"{name} was built with differentiable=True"
+    if kept is None:
+        return _tensors_why_copy(optimizer)
+    key = _tensors_key(optimizer)
+    if kept.get("key") != key:
+        kept["why"] = _tensors_why_copy(optimizer)
+        kept["key"] = key
+        kept["watch"] = _watch(optimizer, kept)
+    return kept["why"]
+
+
+def _watch(optimizer, kept):
+    """Weak references to the tensors the key names by identity (parameters, state): when
+    one is freed, the key is forgotten, so that a tensor made later at its address (same
+    id) is never taken for it. Weak: a state replaced by load_state_dict is freed at once,
+    not held through the next call's forward."""
+    def forget(_, kept=kept):
+        kept.pop("key", None)
+
+    tensors = chain(optimizer.state, chain.from_iterable(map(dict.values, optimizer.state.values())),
+                    (p for g in optimizer.param_groups for p in g["params"]))
+    return [weakref.ref(t, forget) for t in tensors if isinstance(t, torch.Tensor)]
+
+
+def _tensors_key(optimizer):
+    """What ``_tensors_why_copy`` looks at, as values compared in C: which parameters have
+    state, the identities and classes of their state's values (a state tensor replaced, or
+    state created, changes them), and per param group whether it is fused or has momentum
+    and per parameter its identity, dtype, shape and device, its gradient's class and
+    layout. A tensor named by identity is watched (``_watch``): freed, it drops the key.
+    C-level maps, no Python loop over the parameters: this runs on every eager call."""
+    state = optimizer.state
+    values = list(chain.from_iterable(map(dict.values, state.values())))
+    # (the state walked as a dict, not looked up per parameter: a tensor's hash is Python)
+    key = [list(map(id, state)), list(map(len, state.values())), list(map(id, values)),
+           list(map(type, values))]
+    for group in optimizer.param_groups:
+        params = group["params"]
+        grads = list(map(_GRAD, params))
+        key += ((bool(group.get("fused")), group.get("momentum")),
+                list(map(id, params)), list(map(_PARAM_META, params)), list(map(type, grads)),
+                list(map(_LAYOUT, filter(_is_not_none, grads))))
+    return key
+
+
+def _tensors_why_copy(optimizer):
+    name = type(optimizer).__name__
+    state, strided, tensor = optimizer.state, torch.strided, torch.Tensor
+    for group in optimizer.param_groups:
+        any_device = group.get("fused")
+        stateless = type(optimizer) is torch.optim.SGD and not group.get("momentum")  # (no momentum buffer)
+        for p in group["params"]:
+            grad = p.grad
+            if grad is None:
+                continue
+            local = _local(p)
+            if local is None:
+                return f"a parameter is a {type(p).__name__}"
+            grad = _local(grad)
+            if grad is None or grad.layout is not strided:
+                return f"a gradient is {grad.layout if grad is not None else type(p.grad).__name__}"
+            if not (any_device or local.is_cpu):
+                return (f"{name} without fused=True allocates while it writes on "
+                        f"{local.device.type} (an out-of-memory error could stop it half-way)")
+            s = state.get(p)
+            if not s:
+                if stateless:
+                    continue
+                return f"{name} creates its state in this step"
+            dtype, device, shape = local.dtype, local.device, local.shape
+            for k, v in s.items():
+                if not isinstance(v, tensor) or k == "step":
+                    continue
+                v = _local(v)
+                if v is None:
+                    return f"{name}'s state {k!r} is a {type(s[k]).__name__}"
+                if v.dtype is not dtype or v.device != device or v.shape != shape:
+                    return (f"{name}'s state {k!r} ({v.dtype}, {v.device}) does not match its "
+                            f"parameter ({dtype}, {device})")
+    return None
+
+
+def _local(t):
+    """The tensor the kernels write: a plain tensor itself, a DTensor's (FSDP2's) local
+    shard (one fused op over DTensors runs once over the local shards, after the sharding
+    is checked for all of them: all or nothing), anything else None."""
+    if type(t) in PLAIN:
+        return t
+    local = getattr(t, "_local_tensor", None)  # (to_local() is an autograd op: ~15 us a call)
+    return local if type(local) in PLAIN else None
+
+
+def _scaler_why_copy(scaler):
+    kind = type(scaler)
+    known = _scaler_types_checked.get(kind)
+    if known is None:
+        own = {k for c in kind.__mro__[:kind.__mro__.index(GradScaler)] for k in vars(c)
+               if not (k.startswith("__") and k.endswith("__"))}
+        known = _scaler_types_checked[kind] = own <= _SCALER_HOOKS
+    if not known:
+        return f"the scaler's class {kind.__name__} overrides more than found_inf"
+    d = vars(scaler)
+    if "step" in d or "update" in d:
+        return "the scaler's step or update is replaced on the instance"
+    return None
+
+
+def plain_value(v):
+    """Whether a hyperparameter is a host value (numbers, strings, None, tuples of them)."""
+    if isinstance(v, (tuple, list)):
+        return all(plain_value(x) for x in v)
+    return isinstance(v, (int, float, bool, str, type(None)))
