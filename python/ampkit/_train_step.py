@@ -44,7 +44,9 @@ and optimizer state unchanged and backs the scale off, whether replayed or eager
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import gc
 import operator
 import sys
 import warnings
@@ -413,7 +415,8 @@ class TrainStep:
         stream = _fresh_stream()
         stream.wait_stream(self._side_stream())
         try:
-            with torch.cuda.graph(graph, stream=stream, capture_error_mode=_CAPTURE_ERROR_MODE):
+            with _collector_paused(), torch.cuda.graph(graph, stream=stream,
+                                                       capture_error_mode=_CAPTURE_ERROR_MODE):
                 static_loss = self._body(self._static_in, self._static_tg, capturing=True)
             torch.cuda.current_stream().wait_stream(stream)
             self._stream.wait_stream(stream)
@@ -579,6 +582,28 @@ def _holds_ddp(model) -> bool:
 # thread) are no error in the capture of this thread's step, as in torch.compile's graphs.
 _CAPTURE_ERROR_MODE = "thread_local"
 _capture_streams: list = []  # every stream a capture ran on: never destroyed, never reused
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """Python's cyclic garbage collector stays off while a step is captured.
+
+    A collection inside the capture runs the finalizers of whatever dead cycles exist then
+    (an earlier step's CUDA events, graphs, streams, compiled kernels), and a CUDA call made
+    by one of them is illegal while this thread captures: the error, raised inside a C++
+    destructor, aborts the process. Seen on an H100: an armed doctor's Triton kernel
+    compiled inside a capture allocated enough to start a collection, and pytest died with
+    "Fatal Python error: Aborted" while "Garbage-collecting" (one run in three). torch's
+    ``torch.cuda.graph`` no longer collects before a capture, nor pauses the collector.
+    The collector's state before the capture is restored after it, also on an error.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _fresh_stream() -> torch.cuda.Stream:

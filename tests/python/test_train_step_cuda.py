@@ -433,3 +433,37 @@ def test_the_eager_fallback_gives_the_graph_its_gradients():
         torch.testing.assert_close(p, q, rtol=3e-7, atol=0, msg=f"param {i}")
     assert all(torch.equal(s, t) for s, t in zip(state_tensors(opt), state_tensors(ref_opt)))
     assert step.scaler.get_scale() == ref_scaler.get_scale()
+
+
+def test_the_garbage_collector_is_paused_inside_the_capture_and_restored_after():
+    # A collection inside a capture runs finalizers whose CUDA calls are illegal there (an
+    # H100 run aborted so while the doctor's kernel compiled inside a capture). The loss
+    # function sees the collector's state in every call, captured or not.
+    import gc
+
+    seen = []
+
+    def loss_fn(out, y):
+        seen.append((torch.cuda.is_current_stream_capturing(), gc.isenabled()))
+        return torch.nn.functional.mse_loss(out, y)
+
+    model = make_mlp()
+    step = ampkit.make_train_step(model, loss_fn, OPTIMIZERS["sgd_fused"](model.parameters()),
+                                  scaler=scaler(), autocast=AC, capture=True)
+    assert gc.isenabled()
+    for x, y in make_batches(6)[:6]:
+        step(x, y)
+    assert step.captured
+    assert (True, False) in seen, seen  # the capture ran with the collector off
+    assert all(enabled for capturing, enabled in seen if not capturing), seen
+    assert gc.isenabled()
+    gc.disable()  # a caller who turned it off keeps it off
+    try:
+        model2 = make_mlp()
+        step2 = ampkit.make_train_step(model2, loss_fn, OPTIMIZERS["sgd_fused"](model2.parameters()),
+                                       scaler=scaler(), autocast=AC, capture=True)
+        for x, y in make_batches(6)[:6]:
+            step2(x, y)
+        assert step2.captured and not gc.isenabled()
+    finally:
+        gc.enable()
