@@ -67,6 +67,7 @@ from ampkit import _doctor
 from ampkit._autocast import autocast as autocast_region
 from ampkit._compile import compile_failure
 from ampkit._compile import compile_model
+from ampkit._kernels import expect_compile
 from ampkit._policy import load_policy
 from ampkit._scaler import GradScaler
 
@@ -186,6 +187,8 @@ class TrainStep:
                 f"which a capture cannot hold; pass warmup>={_DDP_WARMUP} or leave "
                 f"warmup=None (it then is {_DDP_WARMUP})")
         compiled = compile_model(model, compile, capture)
+        if compiled is not None:  # (the region then runs its policy where the compile sees it)
+            expect_compile(self)
 
         self.model = model
         self._forward_model = model if compiled is None else compiled  # what _body calls
