@@ -124,8 +124,9 @@ def make_train_step(
         default. Where torch cannot compile the model (dynamo or inductor raises at the
         first call), the step warns once and runs the model uncompiled: ``step.compiled``
         says which runs, ``step.compile_reason`` why not. The policy and module scopes
-        apply inside compiled code; ``ampkit.doctor`` sees the compiled model's module
-        boundaries but not the ops fused inside a compiled graph (docs/train_step.md).
+        apply inside compiled code; ``ampkit.doctor`` does not see the ops fused inside a
+        compiled graph, and armed over a compiled step it currently fails in torch (see
+        "With torch.compile" in docs/train_step.md): debug numerics with compile=None.
 
     Returns:
       A ``TrainStep``. ``step.captured`` says whether the last call replayed a graph,
