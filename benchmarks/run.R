@@ -83,8 +83,9 @@ make_step <- function(v, built, model, opt, scaler) {
   dtype <- py_to_r(v$resolved_dtype(device))
   if (!is.null(dtype)) dtype <- torch_dtype(dtype)
   if (field(v, "runner") == "train_step") {  # the whole step in one call
+    # compile: FALSE, TRUE or list(mode = ...), from the same code as in the Python runner
     return(amp_train_step(model, loss_fn, opt, scaler = scaler, device_type = device, dtype = dtype,
-                          capture = field(v, "capture")))
+                          capture = field(v, "capture"), compile = py_to_r(runner$step_compile(v))))
   }
   # A compiled variant's loop calls torch.compile(model, mode = ...) (dynamo reset first),
   # made by the same code as in the Python runner.
@@ -200,7 +201,7 @@ run_variant <- function(built, v) {
     note <- if (is.null(py_step)) {
       py_to_r(runner$compile_note(v, warmup, counts0, counts_warm, runner$compile_counts()))
     } else {
-      py_to_r(reticulate::py_get_attr(py_step, "reason"))
+      py_to_r(runner$train_step_note(v, py_step, warmup, counts0, counts_warm, runner$compile_counts()))
     }
     do.call(bench$make_record, c(common, list(
       status = "ok", samples_ms = as.list(samples), final_loss = final_loss,

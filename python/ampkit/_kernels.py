@@ -28,7 +28,13 @@ kernel is registered keeps its casts after the kernel is gone
   before kernels existed;
 - a compile that starts inside a region running kernels (a kernel sees fake tensors) is
   noted, and when the outermost region exits ``torch._dynamo.reset()`` drops everything
-  compiled meanwhile, so no graph traced under the kernels outlives them.
+  compiled meanwhile, so no graph traced under the kernels outlives them (that call's own
+  compiled result ran without the region's changes, and the next region, finding nothing
+  compiled, would run kernels and be traced under them again);
+- so code that is about to compile a model it calls inside a region says so first
+  (``expect_compile(owner)``: ``make_train_step(compile=...)`` does, for the life of the
+  step): while it lives the process counts as using torch.compile, and its first region
+  pushes the handler mode.
 
 ``AMPKIT_AUTOCAST_KERNELS=0`` in the environment (or ``ENABLED[0] = False``) turns the
 route off: every change then runs through the handler mode.
@@ -41,6 +47,7 @@ import sys
 import threading
 import types
 import warnings
+import weakref
 
 import torch
 
@@ -78,6 +85,7 @@ _overloads: dict = {}  # op name -> tuple of OpOverloads ((): not a kernel op)
 # same table finds its kernels' records without a lookup per op (drop_idle clears it)
 _kept = BoundedCache(256)
 _traced = [False]  # a kernel ran on fake tensors (a compile) since the last reset
+_compile_expected = [0]  # owners of expect_compile() alive: torch.compile is in play
 
 
 def overloads(name: str) -> tuple:
@@ -213,8 +221,24 @@ def drop_idle() -> None:
             _held.pop(key)[0].reset()
 
 
+def expect_compile(owner) -> None:
+    """Say that torch.compile will trace regions in this process while ``owner`` lives:
+    ``dynamo_used()`` is True until it is collected (a reset included), so that a region
+    entered before the first compile does not run kernels that the compile would trace
+    past."""
+    _compile_expected[0] += 1
+    weakref.finalize(owner, _compile_no_longer_expected)
+
+
+def _compile_no_longer_expected() -> None:
+    _compile_expected[0] -= 1
+
+
 def dynamo_used() -> bool:
-    """Whether torch.compile holds code it compiled in this process (none after a reset)."""
+    """Whether torch.compile holds code it compiled in this process (none after a reset),
+    or was said to be coming (``expect_compile``)."""
+    if _compile_expected[0]:
+        return True
     convert_frame = sys.modules.get("torch._dynamo.convert_frame")
     if convert_frame is None:
         return False

@@ -57,6 +57,9 @@ import torch
 
 from ampkit._listeners import about_to_capture
 from ampkit._autocast import autocast as autocast_region
+from ampkit._compile import compile_failure
+from ampkit._compile import compile_model
+from ampkit._kernels import expect_compile
 from ampkit._policy import load_policy
 from ampkit._rollback import (PLAIN, HeldSignals, ModelBuffers, OptimizerCopy, give_back_grads,
                               plain_value, why_copy, zero_grads_the_graph_had)
@@ -81,6 +84,7 @@ def make_train_step(
     autocast: dict | None = None,
     capture: str | bool = "auto",
     warmup: int | None = None,
+    compile: bool | dict | None = None,
 ) -> "TrainStep":
     """Build ``step(inputs, targets) -> loss``: one whole AMP training step.
 
@@ -103,6 +107,21 @@ def make_train_step(
         at least 1: they create the optimizer state and the scaler's scale outside the
         graph. ``None``: 3, or 11 for a model that holds a ``DistributedDataParallel``
         (DDP gathers runtime statistics with host syncs in its first 10 iterations).
+      compile: ``None`` or ``False``: the model as given. ``True``: the step runs
+        ``torch.compile(model)``; a dict: ``torch.compile(model, **compile)``. The first
+        call (an eager warm-up step) compiles the forward and the backward; the capture
+        then records the compiled kernels with the optimizer and the scaler, and never
+        compiles (a recompile there fails the capture: the step runs eagerly, with the
+        usual warning). Where the step may capture, the region's cast cache is off
+        (``cache_enabled=False``, as inside the capture: torch.compile guards on it), and
+        modes that record CUDA graphs of their own (``'reduce-overhead'``,
+        ``'max-autotune'``) are refused: use ``'max-autotune-no-cudagraphs'`` or the
+        default. Where torch cannot compile the model (dynamo or inductor raises at the
+        first call), the step warns once and runs the model uncompiled: ``step.compiled``
+        says which runs, ``step.compile_reason`` why not. The policy and module scopes
+        apply inside compiled code; ``ampkit.doctor`` does not see the ops fused inside a
+        compiled graph, and armed over a compiled step it currently fails in torch (see
+        "With torch.compile" in docs/train_step.md): debug numerics with compile=None.
 
     Returns:
       A ``TrainStep``. ``step.captured`` says whether the last call replayed a graph,
@@ -130,14 +149,14 @@ def make_train_step(
       True
     """
     return TrainStep(model, loss_fn, optimizer, scaler=scaler, autocast=autocast,
-                     capture=capture, warmup=warmup)
+                     capture=capture, warmup=warmup, compile=compile)
 
 
 class TrainStep:
     """The callable returned by ``make_train_step``; see its docstring."""
 
     def __init__(self, model, loss_fn, optimizer, *, scaler=None, autocast=None,
-                 capture="auto", warmup=None):
+                 capture="auto", warmup=None, compile=None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not callable(loss_fn):
@@ -163,8 +182,14 @@ class TrainStep:
                 f"gathers runtime statistics (with host syncs) in its first 10 iterations, "
                 f"which a capture cannot hold; pass warmup>={_DDP_WARMUP} or leave "
                 f"warmup=None (it then is {_DDP_WARMUP})")
+        compiled = compile_model(model, compile, capture)
+        if compiled is not None:  # (the region then runs its policy where the compile sees it)
+            expect_compile(self)
 
         self.model = model
+        self._forward_model = model if compiled is None else compiled  # what _body calls
+        self._compile_pending = compiled is not None  # no compiled call has succeeded yet
+        self._compile_reason = None
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self._autocast = _autocast_kwargs(autocast, model)
@@ -197,6 +222,9 @@ class TrainStep:
         self._reset_static()
 
         reasons = _static_refusals(capture, device_type, model, optimizer, scaler)
+        self._autocast_uncompiled = dict(self._autocast)
+        if compiled is not None and not reasons:
+            _cache_off_for_capture(self._autocast, compile)
         self.reason = "; ".join(reasons) if reasons else None
         if reasons and capture is True:
             raise RuntimeError(
@@ -230,6 +258,18 @@ class TrainStep:
         call). See "A call that raises changes nothing" in docs/train_step.md."""
         return self._copy_why
 
+    @property
+    def compiled(self) -> bool:
+        """True when the step runs the model through ``torch.compile`` (``compile=...``);
+        False when no compile was asked for, or torch could not compile the model."""
+        return self._forward_model is not self.model
+
+    @property
+    def compile_reason(self) -> str | None:
+        """Why the step runs the model uncompiled though ``compile=...`` asked for it (the
+        compile error of the first call), or ``None``."""
+        return self._compile_reason
+
     def __call__(self, inputs, targets) -> torch.Tensor:
         flat_in = _as_tensors("inputs", inputs)
         flat_tg = _as_tensors("targets", targets)
@@ -239,12 +279,33 @@ class TrainStep:
         saved = self._save_for_rollback()
         try:
             loss = self._call(flat_in, flat_tg)
-        except BaseException:
+        except BaseException as e:
             self._rollback(saved)
             self._deliver_held_signals()
+            if self._compile_pending and compile_failure(e):
+                self._run_uncompiled(e)
+                return self(inputs, targets)  # the same call again, uncompiled
             raise
         self._deliver_held_signals()  # a Ctrl-C held while the optimizer wrote: raised now
+        self._compile_pending = False
         return loss
+
+    def _run_uncompiled(self, error):
+        # After the rollback: the failed call left nothing behind, and this choice stays.
+        lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()] or [""]
+        first = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]  # (and the cause)
+        self._compile_reason = (f"torch.compile could not compile the model at its first "
+                                f"call: {type(error).__name__}: {first}")
+        self._forward_model = self.model
+        self._compile_pending = False
+        self._autocast = self._autocast_uncompiled
+        message = (f"ampkit.make_train_step: running the model uncompiled: "
+                   f"{self._compile_reason} (compile=None runs it uncompiled without this "
+                   "warning)")
+        if self.on_warning is not None:
+            self.on_warning(message)
+        else:
+            warnings.warn(message, UserWarning, stacklevel=_user_stacklevel())
 
     def _call(self, flat_in, flat_tg) -> torch.Tensor:
         self.calls += 1
@@ -295,7 +356,7 @@ class TrainStep:
         if capturing:  # a cast cached at capture would be a stale copy on replay
             kw["cache_enabled"] = False
         with autocast_region(**kw):
-            loss = self.loss_fn(self.model(*flat_in), *flat_tg)
+            loss = self.loss_fn(self._forward_model(*flat_in), *flat_tg)
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"loss_fn must return a tensor, got {type(loss).__name__}")
         if loss.dim() != 0:
@@ -415,8 +476,8 @@ class TrainStep:
         stream = _fresh_stream()
         stream.wait_stream(self._side_stream())
         try:
-            with _collector_paused(), torch.cuda.graph(graph, stream=stream,
-                                                       capture_error_mode=_CAPTURE_ERROR_MODE):
+            with _collector_paused(), _no_compiling(self.compiled), \
+                    torch.cuda.graph(graph, stream=stream, capture_error_mode=_CAPTURE_ERROR_MODE):
                 static_loss = self._body(self._static_in, self._static_tg, capturing=True)
             torch.cuda.current_stream().wait_stream(stream)
             self._stream.wait_stream(stream)
@@ -570,6 +631,25 @@ class _AccumulationStreams:
                 "AccumulateGrad node from its construction, with the stream current then. "
                 "Build the DDP module on a side stream: `with torch.cuda.stream("
                 "torch.cuda.Stream()): model = DistributedDataParallel(model, ...)`")
+
+
+def _cache_off_for_capture(kw, compile):
+    # The capture runs the region with its cast cache off, and torch.compile guards on that
+    # flag: a warm-up with the cache on would leave the capture to compile the model again.
+    if kw.get("cache_enabled", False):
+        raise ValueError(
+            f"make_train_step(compile={compile!r}, autocast=dict(cache_enabled=True)): a "
+            "step that may capture runs a compiled model with the cast cache off (the "
+            "capture runs with it off, and torch.compile compiles again for each setting); "
+            "leave cache_enabled out, or pass capture=False")
+    kw["cache_enabled"] = False
+
+
+def _no_compiling(compiled):
+    """Inside a capture: a compiled model whose guards fail raises instead of compiling."""
+    if not compiled:
+        return contextlib.nullcontext()
+    return torch.compiler.set_stance("fail_on_recompile")
 
 
 def _holds_ddp(model) -> bool:

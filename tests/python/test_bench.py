@@ -67,17 +67,22 @@ def test_the_variants_of_the_issue_exist_and_tf32_is_cuda_only():
     assert variants["ampkit_autocast_only"].scaler == "none"
 
 
-def test_the_compiled_rivals_are_torch_amp_and_ampkit_amp_with_a_compiled_model():
-    """Each compiled variant is an eager one's step (same autocast, scaler and dtype) with
-    torch.compile in the given mode; the eager variants compile nothing."""
+def test_the_compiled_variants_are_eager_ones_with_a_compiled_model():
+    """Each compiled variant is an eager one's step (same runner, autocast, scaler, dtype and
+    optimizer) with torch.compile in the given mode; the eager variants compile nothing."""
     v = bench.load_variants()
-    assert COMPILED == ["torch_compile_amp", "torch_compile_ro", "ampkit_compile_amp"]
-    for name, eager, mode in (("torch_compile_amp", "torch_amp", "default"),
-                              ("torch_compile_ro", "torch_amp", "reduce-overhead"),
-                              ("ampkit_compile_amp", "ampkit_amp", "default")):
+    assert COMPILED == ["torch_compile_amp", "torch_compile_ro", "ampkit_compile_amp", "torch_compile_mat",
+                        "ampkit_step_compiled"]
+    both = ("cpu", "cuda")
+    for name, eager, mode, devices in (("torch_compile_amp", "torch_amp", "default", both),
+                                       ("torch_compile_ro", "torch_amp", "reduce-overhead", both),
+                                       ("ampkit_compile_amp", "ampkit_amp", "default", both),
+                                       ("torch_compile_mat", "torch_amp", "max-autotune-no-cudagraphs", ("cuda",)),
+                                       ("ampkit_step_compiled", "ampkit_step", "default", both)):
         c, e = v[name], v[eager]
-        assert (c.compile, c.runner, c.languages, c.devices) == (mode, "loop", ("python", "r"), ("cpu", "cuda"))
-        assert (c.autocast, c.scaler, c.dtype) == (e.autocast, e.scaler, e.dtype)
+        assert (c.compile, c.languages, c.devices) == (mode, ("python", "r"), devices)
+        assert (c.runner, c.autocast, c.scaler, c.dtype, c.fused_optimizer, c.capture) == (
+            e.runner, e.autocast, e.scaler, e.dtype, e.fused_optimizer, e.capture)
     assert all(x.compile == "none" for n, x in v.items() if n not in COMPILED)
     # the first warm-up step compiles: a compiled variant runs at least one
     assert v["torch_compile_amp"].warmup_steps(0) == 1 and v["torch_compile_amp"].warmup_steps(2) == 2
@@ -131,18 +136,21 @@ def test_every_case_and_variant_runs_and_validates(tiny_records, case, variant):
     assert len(rec["samples"]) == rec["repeats"] and all(s > 0 for s in rec["samples"])
     assert rec["min"] <= rec["median"] <= rec["max"]
     assert rec["dtype"] == (None if variant == "fp32" else "bfloat16")
-    if rec["runner"] == "train_step":  # on the CPU the step runs eagerly, and says why
-        why = ("capture=False was passed" if bench.load_variants()[variant].capture is False
-               else "autocast device_type is 'cpu'; CUDA graphs need 'cuda'")
-        assert rec["graph_captured"] is False and rec["reason"] == why
-    elif variant in COMPILED:  # compiled in the first warm-up step, timed apart, never in the samples
-        assert rec["compile"] == bench.load_variants()[variant].compile and rec["graph_captured"] is None
+    if variant in COMPILED:  # compiled in the first warm-up step, timed apart, never in the samples
+        assert rec["compile"] == bench.load_variants()[variant].compile
         assert rec["warmup_steps"] == 1 and rec["compile_s"] > 0  # tiny: 0 warm-up steps, 1 for compiling
         assert "compiled during the 1 untimed warm-up step" in rec["reason"]
         assert rec["reason"].endswith("; none in the timed steps"), rec["reason"]
     else:
-        assert rec["graph_captured"] is None and rec["reason"] is None
         assert rec["compile"] == "none" and rec["compile_s"] is None
+    if rec["runner"] == "train_step":  # on the CPU the step runs eagerly, and says why first
+        why = ("capture=False was passed" if bench.load_variants()[variant].capture is False
+               else "autocast device_type is 'cpu'; CUDA graphs need 'cuda'")
+        assert rec["graph_captured"] is False
+        assert rec["reason"] == why if variant not in COMPILED else rec["reason"].startswith(why + "; torch.compile")
+    else:
+        assert rec["graph_captured"] is None
+        assert variant in COMPILED or rec["reason"] is None
     if rec["scaler"] != "none":
         assert rec["skipped_steps"] == 0 and rec["final_scale"] == 2.0 ** 16  # bf16: no overflow
     fp32 = next(r for r in tiny_records if (r["case"], r["variant"]) == (case, "fp32"))
@@ -491,12 +499,12 @@ def test_a_malformed_variant_names_the_file_and_the_key(tmp_path):
         bench.load_variants(path)
     path.write_text("schema_version: 1\nvariants:\n  x:\n    description: d\n    compile: max-autotune\n")
     with pytest.raises(bench.BenchSpecError, match="key 'variants.x.compile': got 'max-autotune'; "
-                                                   "valid: none, default, reduce-overhead"):
+                                                   "valid: none, default, reduce-overhead, "
+                                                   "max-autotune-no-cudagraphs"):
         bench.load_variants(path)
     path.write_text("schema_version: 1\nvariants:\n  x:\n    description: d\n    runner: train_step\n"
                     "    compile: default\n")
-    with pytest.raises(bench.BenchSpecError, match="key 'variants.x.compile': torch.compile applies to the loop"):
-        bench.load_variants(path)
+    assert bench.load_variants(path)["x"].compile == "default"  # make_train_step(compile=True)
     path.write_text("schema_version: 1\nvariants:\n  x:\n    description: d\n    runner: train_step\n"
                     "    capture: 0\n")
     with pytest.raises(bench.BenchSpecError, match="key 'variants.x.capture': got 0; valid: auto, false"):

@@ -79,7 +79,9 @@ from ampkit.bench._runner import rotation
 from ampkit.bench._runner import run_interleaved
 from ampkit.bench._runner import run_variant
 from ampkit.bench._runner import skipped_from_scale
+from ampkit.bench._runner import step_compile
 from ampkit.bench._runner import synchronize
+from ampkit.bench._runner import train_step_note
 
 __all__ = [
     "BenchSpecError",
@@ -145,8 +147,10 @@ __all__ = [
     "select",
     "skipped_from_scale",
     "spec_dir",
+    "step_compile",
     "synchronize",
     "time_ratio",
+    "train_step_note",
     "validate",
     "write_document",
     "write_sized_cases",

@@ -111,6 +111,31 @@ def compile_model(variant: Variant, model):
     return torch.compile(model, mode=None if variant.compile == "default" else variant.compile)
 
 
+def step_compile(variant: Variant):
+    """``make_train_step(compile=...)`` for a variant of the train_step runner: False, True
+    (the default mode) or ``dict(mode=...)``; dynamo is reset first for a compiled one, as
+    ``compile_model`` does for the loop.
+
+    >>> from ampkit.bench import load_variants
+    >>> step_compile(load_variants()["ampkit_step"]), step_compile(load_variants()["ampkit_step_compiled"])
+    (False, True)
+    """
+    if variant.compile == "none":
+        return False
+    torch._dynamo.reset()
+    return True if variant.compile == "default" else dict(mode=variant.compile)
+
+
+def train_step_note(variant: Variant, step, warmup_steps: int, before: dict, warm: dict, end: dict):
+    """The record's note for a variant of the train_step runner: why the step did not
+    capture (``step.reason``), and for a compiled one why it runs uncompiled
+    (``step.compile_reason``) and ``compile_note``; None when there is nothing to say."""
+    parts = [step.reason]
+    if variant.compile != "none":
+        parts += [step.compile_reason, compile_note(variant, warmup_steps, before, warm, end)]
+    return "; ".join(p for p in parts if p) or None
+
+
 def compile_counts() -> dict:
     """Dynamo's and inductor's running counts in this process (they only grow): graphs
     compiled, and inductor's on-disk FX graph cache hits and misses (a hit compiles in a
@@ -147,7 +172,7 @@ def make_step(variant: Variant, built: BuiltCase, model, opt, scaler):
         # make_train_step's defaults, on every engine (it warms a DDP model up for 11 steps)
         return ampkit.make_train_step(model, loss_fn, opt, scaler=scaler,
                                       autocast=dict(device_type=device, dtype=dtype),
-                                      capture=variant.capture)
+                                      capture=variant.capture, compile=step_compile(variant))
     model = compile_model(variant, model)
     if variant.autocast == "torch":
         region = lambda: torch.autocast(device_type=device, dtype=dtype)  # noqa: E731
@@ -367,7 +392,9 @@ class VariantRun:
                 final_loss = self.built.mean_loss(self.losses)
                 final_scale = float(self.scaler.get_scale()) if self.scaler is not None else None
                 if self.variant.runner == "train_step":
-                    captured, note = getattr(self.step, "captured", None), getattr(self.step, "reason", None)
+                    captured = self.step.captured
+                    note = train_step_note(self.variant, self.step, self.run.warmup_steps, *self.counts,
+                                           compile_counts())
                 else:
                     captured = None
                     note = compile_note(self.variant, self.run.warmup_steps, *self.counts, compile_counts())

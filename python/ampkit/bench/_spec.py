@@ -34,7 +34,8 @@ DTYPES = ("none", "auto", "float16", "bfloat16")
 DEVICES = ("cpu", "cuda")
 LANGUAGES = ("python", "r")
 RUNNERS = ("loop", "train_step")
-COMPILES = ("none", "default", "reduce-overhead")  # torch.compile's mode ("default": no mode given)
+# torch.compile's mode ("default": no mode given)
+COMPILES = ("none", "default", "reduce-overhead", "max-autotune-no-cudagraphs")
 
 
 class BenchSpecError(ValueError):
@@ -259,9 +260,6 @@ def load_variants(path=None) -> dict:
         if "capture" in v and v.get("runner", "loop") != "train_step":
             raise _fail(path, where + "capture", "applies to the train_step runner (make_train_step's "
                         "capture=); this variant's runner is %r" % v.get("runner", "loop"))
-        if v.get("compile", "none") != "none" and v.get("runner", "loop") != "loop":
-            raise _fail(path, where + "compile", "torch.compile applies to the loop runner's model; "
-                        "runner %r builds its own step" % v["runner"])
         kw = {k: (tuple(x) if k in ("devices", "languages") else x) for k, x in v.items()}
         kw["description"] = str(kw["description"]).strip()
         out[name] = Variant(name=name, **kw)

@@ -152,6 +152,20 @@ load_py_policy <- function(x, context) {
   x
 }
 
+# `compile` of amp_train_step(): TRUE, FALSE or a named list of torch.compile
+# arguments (a Python dict). The names and values are the core's to check: it
+# knows torch.compile's arguments and which modes it refuses.
+as_py_compile <- function(x, arg = "compile") {
+  if (isTRUE(x) || isFALSE(x)) return(x)
+  if (is.list(x) && !inherits(x, "python.builtin.object") &&
+      (!length(x) || (!is.null(names(x)) && all(nzchar(names(x))) && !anyDuplicated(names(x))))) {
+    return(do.call(reticulate::dict, x))
+  }
+  what <- if (is.list(x) && length(x)) "a list without a name for each element" else describe(x)
+  abort(sprintf("`%s` must be TRUE, FALSE or a named list of torch.compile arguments, such as list(mode = \"max-autotune-no-cudagraphs\"), not %s.",
+                arg, what), class = "ampkit_bad_argument")
+}
+
 # A character vector of op names per category, for Policy.with_ops().
 as_py_ops <- function(ops, arg) {
   if (!is.character(ops) || anyNA(ops)) {

@@ -29,6 +29,15 @@
 #'   a CUDA graph.
 #' @param warmup Eager steps before the capture; `NULL`: 3, or 11 for a model
 #'   that holds a `DistributedDataParallel` (as in the core).
+#' @param compile `FALSE`: the model as given. `TRUE`: the step runs
+#'   `torch.compile(model)`; a named list: `torch.compile(model, ...)` with
+#'   those arguments, such as `list(mode = "max-autotune-no-cudagraphs")`.
+#'   The first step compiles (an eager warm-up step, never inside the
+#'   capture). Modes that record CUDA graphs of their own
+#'   (`"reduce-overhead"`, `"max-autotune"`) are refused where the step may
+#'   capture. Where torch cannot compile the model the step raises one R
+#'   warning and runs it uncompiled; `attr(step, "py")$compiled` says which
+#'   runs.
 #'
 #' Whenever the step gives up on capturing (when it is made, or at a later
 #' step: a capture that failed, a DDP model built on the default stream, a
@@ -52,7 +61,7 @@
 amp_train_step <- function(model, loss_fn, optimizer, ..., scaler = NULL,
                            device_type = NULL, dtype = NULL, enabled = TRUE,
                            cache_enabled = NULL, policy = NULL,
-                           capture = "auto", warmup = NULL) {
+                           capture = "auto", warmup = NULL, compile = FALSE) {
   if (...length()) {
     check_dots_empty_(..., .hint = "Name the options after `optimizer`, e.g. amp_train_step(model, loss_fn, optimizer, device_type = \"cuda\").")
   }
@@ -84,6 +93,7 @@ amp_train_step <- function(model, loss_fn, optimizer, ..., scaler = NULL,
             class = "ampkit_bad_argument")
     }
   }
+  compile <- as_py_compile(compile)
   py_ready()
   # The region is built (and dropped) now, so that a bad dtype or policy fails here.
   py_try(do.call(.h$check_autocast, c(list(model), autocast)), "amp_train_step()")
@@ -92,7 +102,8 @@ amp_train_step <- function(model, loss_fn, optimizer, ..., scaler = NULL,
   # raised when that step returns: no per-step cost.
   py <- py_call_warn(py_ampkit$make_train_step, list(model, loss_fn, optimizer, scaler = scaler,
                                                      autocast = autocast, capture = capture,
-                                                     warmup = warmup), "amp_train_step()")
+                                                     warmup = warmup, compile = compile),
+                      "amp_train_step()")
   pending <- character()
   py$on_warning <- function(message) {
     pending <<- c(pending, message)

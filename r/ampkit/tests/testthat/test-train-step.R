@@ -100,3 +100,40 @@ test_that("amp_train_step() warns once, as an R warning naming the fix, when it 
   expect_silent(step(torch_randn(2, 4), torch_randn(2, 1)))
   expect_silent(amp_train_step(net, nn_mse_loss(), opt, device_type = "cpu", capture = FALSE))
 })
+
+test_that("amp_train_step() passes compile to torch.compile and names a bad value", {
+  skip_if_no_ampkit()
+  torch_manual_seed(15)
+  xs <- lapply(1:3, function(i) torch_randn(16, 4))
+  ys <- lapply(1:3, function(i) torch_randn(16, 1))
+  run <- function(compile) {
+    torch_manual_seed(16)
+    net <- nn_sequential(nn_linear(4, 8), nn_relu(), nn_linear(8, 1))
+    opt <- optim_sgd(net$parameters, lr = 0.05)
+    step <- amp_train_step(net, nn_mse_loss(), opt, device_type = "cpu", dtype = "bfloat16",
+                           capture = FALSE, compile = compile)
+    list(losses = vapply(1:3, function(i) step(xs[[i]], ys[[i]])$item(), numeric(1)),
+         compiled = attr(step, "py")$compiled)
+  }
+  # dynamo's "eager" backend runs the traced graph with torch's own kernels: the losses
+  # are the uncompiled step's, and no inductor compile is paid here
+  plain <- run(FALSE)
+  traced <- run(list(backend = "eager"))
+  expect_false(plain$compiled)
+  expect_true(traced$compiled)
+  expect_identical(traced$losses, plain$losses)
+
+  net <- nn_linear(2, 1)
+  opt <- optim_sgd(net$parameters, lr = 0.1)
+  expect_error(amp_train_step(net, nn_mse_loss(), opt, device_type = "cpu", compile = "yes"),
+               "`compile` must be TRUE, FALSE or a named list.*not \"yes\"", class = "ampkit_bad_argument")
+  expect_error(amp_train_step(net, nn_mse_loss(), opt, device_type = "cpu",
+                              compile = list("max-autotune-no-cudagraphs")),
+               "without a name for each element", class = "ampkit_bad_argument")
+  expect_error(amp_train_step(net, nn_mse_loss(), opt, device_type = "cpu",
+                              compile = list(mode = "reduce-overhead")),
+               "mode='reduce-overhead'.*max-autotune-no-cudagraphs", class = "ampkit_py_ValueError")
+  expect_error(amp_train_step(net, nn_mse_loss(), opt, device_type = "cpu",
+                              compile = list(mood = "fast")),
+               "unknown torch.compile argument.*'mood'", class = "ampkit_py_ValueError")
+})
