@@ -29,6 +29,7 @@ ValueError: make_train_step(compile={'mode': 'reduce-overhead'}): mode='reduce-o
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
@@ -116,3 +117,22 @@ def compile_failure(error) -> bool:
     if isinstance(error, exc.TorchDynamoException):
         return True
     return type(error).__module__.startswith("torch._inductor")
+
+
+def cache_off_for_capture(kw, compile):
+    # The capture runs the region with its cast cache off, and torch.compile guards on that
+    # flag: a warm-up with the cache on would leave the capture to compile the model again.
+    if kw.get("cache_enabled", False):
+        raise ValueError(
+            f"make_train_step(compile={compile!r}, autocast=dict(cache_enabled=True)): a "
+            "step that may capture runs a compiled model with the cast cache off (the "
+            "capture runs with it off, and torch.compile compiles again for each setting); "
+            "leave cache_enabled out, or pass capture=False")
+    kw["cache_enabled"] = False
+
+
+def no_compiling(compiled):
+    """Inside a capture: a compiled model whose guards fail raises instead of compiling."""
+    if not compiled:
+        return contextlib.nullcontext()
+    return torch.compiler.set_stance("fail_on_recompile")

@@ -44,9 +44,6 @@ and optimizer state unchanged and backs the scale off, whether replayed or eager
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import gc
 import operator
 import sys
 import warnings
@@ -57,11 +54,12 @@ import torch
 
 from ampkit._listeners import about_to_capture
 from ampkit._autocast import autocast as autocast_region
-from ampkit._compile import compile_failure
-from ampkit._compile import compile_model
+from ampkit._capture import (CAPTURE_ERROR_MODE, AccumulationStreams, collector_paused, fresh_stream,
+                             holds_ddp)
+from ampkit._compile import cache_off_for_capture, compile_failure, compile_model, no_compiling
 from ampkit._kernels import expect_compile
 from ampkit._policy import load_policy
-from ampkit._rollback import (PLAIN, HeldSignals, ModelBuffers, OptimizerCopy, give_back_grads,
+from ampkit._rollback import (HeldSignals, ModelBuffers, OptimizerCopy, give_back_grads,
                               plain_value, why_copy, zero_grads_the_graph_had)
 from ampkit._scaler import GradScaler
 
@@ -167,7 +165,7 @@ class TrainStep:
         if isinstance(capture, str) and capture != "auto" or not (
                 isinstance(capture, (str, bool))):
             raise ValueError(f"capture={capture!r} is not valid; use 'auto', True or False")
-        ddp = _holds_ddp(model)
+        ddp = holds_ddp(model)
         if warmup is None:
             warmup = _DDP_WARMUP if ddp else _WARMUP
         if isinstance(warmup, bool) or not isinstance(warmup, int):
@@ -224,7 +222,7 @@ class TrainStep:
         reasons = _static_refusals(capture, device_type, model, optimizer, scaler)
         self._autocast_uncompiled = dict(self._autocast)
         if compiled is not None and not reasons:
-            _cache_off_for_capture(self._autocast, compile)
+            cache_off_for_capture(self._autocast, compile)
         self.reason = "; ".join(reasons) if reasons else None
         if reasons and capture is True:
             raise RuntimeError(
@@ -451,7 +449,7 @@ class TrainStep:
             with torch.cuda.stream(self._side_stream()):
                 if self._streams_checked:
                     return self._eager(flat_in, flat_tg)
-                with _AccumulationStreams(self._params) as where:
+                with AccumulationStreams(self._params) as where:
                     loss = self._eager(flat_in, flat_tg)
                 self._streams_checked = True
                 self._default_stream_grads = where.on_default_stream()
@@ -473,11 +471,11 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=True)
         graph = torch.cuda.CUDAGraph()
         about_to_capture.notify()
-        stream = _fresh_stream()
+        stream = fresh_stream()
         stream.wait_stream(self._side_stream())
         try:
-            with _collector_paused(), _no_compiling(self.compiled), \
-                    torch.cuda.graph(graph, stream=stream, capture_error_mode=_CAPTURE_ERROR_MODE):
+            with collector_paused(), no_compiling(self.compiled), \
+                    torch.cuda.graph(graph, stream=stream, capture_error_mode=CAPTURE_ERROR_MODE):
                 static_loss = self._body(self._static_in, self._static_tg, capturing=True)
             torch.cuda.current_stream().wait_stream(stream)
             self._stream.wait_stream(stream)
@@ -586,129 +584,7 @@ class TrainStep:
 _NOT_ROLLED_BACK = ("_warned", "_stream", "_rollback_pool", "on_warning", "_copy_why", "_held",
                     "_kept_buffers", "_verdict")
 
-class _AccumulationStreams:
-    """Records the CUDA streams the parameters' gradients accumulate on, over one step.
-
-    autograd runs a parameter's ``AccumulateGrad`` node (and the hooks on it, such as DDP's
-    copy into its buckets) on the stream that was current when the node was created. A
-    step makes new nodes each forward (on the step's own streams), unless something keeps
-    them: ``DistributedDataParallel`` keeps every parameter's node from its construction.
-    Built on the default stream, those nodes make each backward wait on, and launch into,
-    the default (legacy) stream, which no capture can hold ("operation failed due to a
-    previous error during capture"). A pre-hook on each node notes the stream it runs on.
-    """
-
-    def __init__(self, params):
-        self.params = [p for p in params if p.requires_grad and type(p) in PLAIN
-                       and p.device.type == "cuda"]
-        self.streams: set = set()
-        self._handles: list = []
-
-    def __enter__(self):
-        with torch.enable_grad():
-            for p in self.params:  # the node in use (a new one, made on this stream, if none is kept)
-                node = p.view_as(p).grad_fn.next_functions[0][0]
-                self._handles.append((node, node.register_prehook(self._note)))
-        return self
-
-    def _note(self, grad_outputs):
-        self.streams.add(torch.cuda.current_stream().cuda_stream)
-
-    def __exit__(self, *exc):
-        for _, handle in self._handles:
-            handle.remove()
-        self._handles = []  # (the nodes go with them)
-        return False
-
-    def on_default_stream(self):
-        """None, or why a capture cannot hold this step's gradient accumulation."""
-        default = {torch.cuda.default_stream(d).cuda_stream
-                   for d in {p.device for p in self.params}}
-        if not self.streams & default:
-            return None
-        return ("the parameters' gradients accumulate on the default CUDA stream, which a "
-                "capture cannot hold: DistributedDataParallel keeps each parameter's "
-                "AccumulateGrad node from its construction, with the stream current then. "
-                "Build the DDP module on a side stream: `with torch.cuda.stream("
-                "torch.cuda.Stream()): model = DistributedDataParallel(model, ...)`")
-
-
-def _cache_off_for_capture(kw, compile):
-    # The capture runs the region with its cast cache off, and torch.compile guards on that
-    # flag: a warm-up with the cache on would leave the capture to compile the model again.
-    if kw.get("cache_enabled", False):
-        raise ValueError(
-            f"make_train_step(compile={compile!r}, autocast=dict(cache_enabled=True)): a "
-            "step that may capture runs a compiled model with the cast cache off (the "
-            "capture runs with it off, and torch.compile compiles again for each setting); "
-            "leave cache_enabled out, or pass capture=False")
-    kw["cache_enabled"] = False
-
-
-def _no_compiling(compiled):
-    """Inside a capture: a compiled model whose guards fail raises instead of compiling."""
-    if not compiled:
-        return contextlib.nullcontext()
-    return torch.compiler.set_stance("fail_on_recompile")
-
-
-def _holds_ddp(model) -> bool:
-    ddp = getattr(torch.nn.parallel, "DistributedDataParallel", None)
-    return ddp is not None and any(isinstance(m, ddp) for m in model.modules())
-
-
 # -- helpers ------------------------------------------------------------------------------
-# Another thread's CUDA calls (NCCL's watchdog querying its events, a DataLoader's pinning
-# thread) are no error in the capture of this thread's step, as in torch.compile's graphs.
-_CAPTURE_ERROR_MODE = "thread_local"
-_capture_streams: list = []  # every stream a capture ran on: never destroyed, never reused
-
-
-@contextlib.contextmanager
-def _collector_paused():
-    """Python's cyclic garbage collector stays off while a step is captured.
-
-    A collection inside the capture runs the finalizers of whatever dead cycles exist then
-    (an earlier step's CUDA events, graphs, streams, compiled kernels), and a CUDA call made
-    by one of them is illegal while this thread captures: the error, raised inside a C++
-    destructor, aborts the process. Seen on an H100: an armed doctor's Triton kernel
-    compiled inside a capture allocated enough to start a collection, and pytest died with
-    "Fatal Python error: Aborted" while "Garbage-collecting" (one run in three). torch's
-    ``torch.cuda.graph`` no longer collects before a capture, nor pauses the collector.
-    The collector's state before the capture is restored after it, also on an error.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
-def _fresh_stream() -> torch.cuda.Stream:
-    """A CUDA stream no kernel has run on: the one a step is captured on.
-
-    cuBLAS takes its workspace from a map keyed by (handle, stream), filled at the first
-    matmul on a stream and emptied by ``torch._C._cuda_clearCublasWorkspaces()``, which
-    torch.compile's CUDA-graph trees call around each of their warm-ups and recordings. A
-    graph captured on a stream that already had a workspace (torch's pooled streams are
-    handed out again, round-robin, and the warm-up ran on one) bakes in a block of the
-    general pool that the step does not own: once the trees cleared it, the block went to
-    whatever allocated next, and each replay's matmuls wrote into it (issue 25: "unspecified
-    launch failure" beside a reduce-overhead model). On a stream of its own the first
-    matmul of the capture allocates the workspace inside the graph's private pool, which
-    lives as long as the graph (a clear then frees it into that pool, reserved for the
-    graph). The stream is never destroyed: a later stream at the same address would find
-    the stale workspace entry, so each capture keeps its own for the life of the process.
-    """
-    handle = ctypes.c_void_p()
-    cudart = torch.cuda.cudart()
-    err = cudart.cudaStreamCreate(ctypes.addressof(handle))
-    if err != cudart.cudaError.success:
-        raise RuntimeError(f"cudaStreamCreate failed: {err}")
-    _capture_streams.append(handle.value)
-    return torch.cuda.ExternalStream(handle.value)
 
 
 def _user_stacklevel():
