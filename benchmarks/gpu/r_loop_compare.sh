@@ -11,9 +11,12 @@
 #
 # Needs .device-carry/ with r-runtime.tar.xz and run-r.sh, and the base tree in
 # .device-carry/base/ (its python/ and r/ampkit/: git archive <base> python r/ampkit).
+# A tree's R package installed here beforehand in .device-carry/rlib-<base|new>/ (R CMD
+# INSTALL -l) is used as it is: the package's compiled code (src/) then needs no compiler
+# on the device. Without it, the package is installed there from the tree.
 # Environment: CASES (seed_mlp,convnet), VARIANTS (fp32_tf32,torch_amp,ampkit_amp,
 # ampkit_autocast_only), ROUNDS (2), REPEATS (7), SEED_LOOP (1: run the seed loop too),
-# NODEFER (1: the "nodefer" runs), SPLIT (1: benchmarks/gpu/r_step_split.R, where the R
+# NODEFER (0: 1 adds the "nodefer" runs), SPLIT (1: benchmarks/gpu/r_step_split.R, where the R
 # step's time goes, new tree only).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -34,10 +37,18 @@ export PYTHONUNBUFFERED=1
 
 declare -A tree=([base]=$root/.device-carry/base [new]=$root)
 for t in base new; do
-  mkdir -p /tmp/rlib-$t
-  runr -- R CMD INSTALL --no-multiarch -l /tmp/rlib-$t "${tree[$t]}/r/ampkit" > "$dest/r-install-$t.log" 2>&1 \
-    || { echo "R CMD INSTALL ($t) failed"; tail -5 "$dest/r-install-$t.log"; }
+  rm -rf /tmp/rlib-$t; mkdir -p /tmp/rlib-$t
+  if [ -d "$root/.device-carry/rlib-$t/ampkit" ]; then
+    cp -a "$root/.device-carry/rlib-$t/ampkit" /tmp/rlib-$t/ && echo "R package ($t): installed beforehand" > "$dest/r-install-$t.log"
+  else
+    runr -- R CMD INSTALL --no-multiarch -l /tmp/rlib-$t "${tree[$t]}/r/ampkit" > "$dest/r-install-$t.log" 2>&1 \
+      || { echo "R CMD INSTALL ($t) failed"; tail -5 "$dest/r-install-$t.log"; }
+  fi
 done
+# Whether the new tree's compiled crossing loads here (its status, or why not).
+(export PYTHONPATH=$root/python R_LIBS=/tmp/rlib-new
+ runr -e 'suppressMessages(library(ampkit)); invisible(ampkit_available()); s <- ampkit:::crossing_status(); cat("compiled crossing (new):", if (s$on) "in use" else paste("not in use:", s$why), "\n")') 2>&1 \
+  | tail -1 | tee -a "$dest/card.txt"
 
 # What reading the CUDA memory allocated costs (the garbage watch's reading).
 PYTHONPATH=$root/python python3 - <<'PY' 2>&1 | tee "$dest/memory_reading.txt"
@@ -60,7 +71,7 @@ for r in $(seq "$rounds"); do
       --variants "$variants" --repeats "$repeats" --out "$dest/raw-python-$c-r$r.json" > "$dest/log-python-$c-r$r.txt" 2>&1
     # nodefer: the working tree with options(ampkit.defer_update = FALSE), on seed_mlp
     for t in base new nodefer; do
-      [ "$t" = nodefer ] && { [ "$c" != seed_mlp ] || [ "${NODEFER:-1}" != 1 ]; } && continue
+      [ "$t" = nodefer ] && { [ "$c" != seed_mlp ] || [ "${NODEFER:-0}" != 1 ]; } && continue
       lib=/tmp/rlib-${t/nodefer/new}
       (export PYTHONPATH=${tree[${t/nodefer/new}]}/python R_LIBS=$lib
        [ "$t" = nodefer ] && export R_PROFILE_USER=$nodefer_profile

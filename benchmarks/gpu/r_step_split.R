@@ -1,9 +1,13 @@
 # Where the R seed loop's step time goes on the GPU: the seed's AMP step (seed_mlp's full
 # sizes) written in R, and its Python twin, in one process. For each R loop: ms/step (epochs of 50 steps, synchronized, median of
-# the repeats), the time spent inside Python per step (every crossing timed in Python,
-# in epochs of their own), R's own collections per step (gc.time()), the crossings per
-# step, and, over epochs of their own, Rprof's top entries by self time. r_one_call: the
-# whole step as one Python call from an R loop, the floor of any R loop that crosses.
+# the repeats), the time spent inside Python per step (every crossing timed, in epochs of
+# their own: by the compiled crossing's own clock, or in Python for reticulate's), R's own
+# collections per step (gc.time()), the crossings per step, and, over epochs of their
+# own, Rprof's top entries by self time. r_loop crosses through the package's compiled
+# crossing when it is in use, r_loop_reticulate through reticulate (the package's path
+# without it: ampkit:::use_crossing(FALSE)), in the same process. r_one_call: the whole
+# step as one Python call from an R loop, the floor of any R loop that crosses (through
+# the compiled crossing, and through reticulate: r_one_call_reticulate).
 #
 #   Rscript benchmarks/gpu/r_step_split.R [repeats=7]        (AMPKIT_SPLIT_DEVICE=cpu: a dry run)
 #
@@ -79,19 +83,37 @@ one_step <- py$one_step
 step_args <- lapply(twin_args[c(1:4)], ampkit:::py_arg)
 xs <- lapply(data, ampkit:::py_arg)
 ys <- lapply(targets, ampkit:::py_arg)
-one_call_epoch <- function() {
-  call <- ampkit:::.h$call_raw
-  f <- ampkit:::py_fn(one_step)
-  for (i in seq_len(nb)) call(f, c(step_args, list(xs[[i]], ys[[i]], device)), NULL)
+one_call <- function(call) {
+  force(call)
+  function() {
+    f <- ampkit:::py_fn(one_step)
+    for (i in seq_len(nb)) call(f, c(step_args, list(xs[[i]], ys[[i]], device)), NULL)
+  }
 }
 
 h <- ampkit:::.h
-raw <- h$call_raw
+# The package's compiled crossing (when this version has one and it loaded), switched off
+# for the loops that cross through reticulate.
+compiled <- exists("use_crossing", envir = asNamespace("ampkit")) && ampkit:::crossing_status()$on
+crossing <- function(on) if (compiled) ampkit:::use_crossing(on)
+say("compiled crossing: %s", if (compiled) "in use" else "none (reticulate's)")
 timed_fn <- py$timed
+# Time spent inside Python per crossing: reticulate's calls through a timing wrapper in
+# Python; the compiled crossing reads its own clock.
 with_inside <- function(f) {
+  if (compiled && ampkit:::crossing_status()$on) {
+    ampkit:::crossing_status(reset = TRUE)
+    f()
+    got <- ampkit:::crossing_status(reset = TRUE)
+    return(c(got$seconds_in_python, got$calls))
+  }
+  raw <- h$call_raw
   h$call_raw <- function(fn, a, kw) raw(timed_fn, c(list(fn), a), kw)
   on.exit(h$call_raw <- raw)
+  reticulate::py_call(py$take)
   f()
+  sync()
+  unlist(reticulate::py_to_r(reticulate::py_call(py$take)))
 }
 ms_per_step <- function(f) {
   sync()
@@ -103,30 +125,37 @@ ms_per_step <- function(f) {
 
 loops <- list(
   r_loop = r_epoch,
-  r_one_call = one_call_epoch,
+  r_loop_reticulate = r_epoch,
+  r_one_call = one_call(h$call_raw),
+  r_one_call_reticulate = one_call(if (compiled) h$reticulate_call else h$call_raw),
   python = py_epoch)
-for (f in loops) for (k in 1:2) f()  # warm-up
+if (!compiled) loops$r_loop_reticulate <- loops$r_one_call_reticulate <- NULL
+through_reticulate <- function(name) grepl("_reticulate$", name)
+for (name in names(loops)) {  # warm-up
+  crossing(!through_reticulate(name))
+  for (k in 1:2) loops[[name]]()
+}
 times <- list(); gcs <- list(); insides <- list(); calls <- list()
 for (rep in seq_len(repeats)) {
   for (name in names(loops)) {
+    crossing(!through_reticulate(name))
     g0 <- gc.time()[[1]]
     times[[name]] <- c(times[[name]], ms_per_step(loops[[name]]))
     gcs[[name]] <- c(gcs[[name]], (gc.time()[[1]] - g0) * 1000 / nb)
-    if (!name %in% c("python", "r_one_call")) {
-      reticulate::py_call(py$take)
-      with_inside(loops[[name]])
+    if (startsWith(name, "r_loop")) {
+      got <- with_inside(loops[[name]])
       sync()
-      got <- reticulate::py_to_r(reticulate::py_call(py$take))
       insides[[name]] <- c(insides[[name]], got[[1]] * 1000 / nb)
       calls[[name]] <- c(calls[[name]], got[[2]] / nb)
     }
   }
 }
+crossing(TRUE)
 py_ms <- median(times$python)
-say("\n%-10s %9s %9s %12s %13s %11s %10s", "loop", "ms/step", "vs python", "inside py ms", "outside py ms",
+say("\n%-21s %9s %9s %12s %13s %11s %10s", "loop", "ms/step", "vs python", "inside py ms", "outside py ms",
     "R gc ms", "crossings")
 for (name in names(loops)) {
-  say("%-10s %9.3f %9.3f %12s %13s %11.3f %10s", name, median(times[[name]]), median(times[[name]]) / py_ms,
+  say("%-21s %9.3f %9.3f %12s %13s %11.3f %10s", name, median(times[[name]]), median(times[[name]]) / py_ms,
       if (is.null(insides[[name]])) "-" else sprintf("%.3f", median(insides[[name]])),
       if (is.null(insides[[name]])) "-" else sprintf("%.3f", median(times[[name]]) - median(insides[[name]])),
       median(gcs[[name]]), if (is.null(calls[[name]])) "-" else sprintf("%.1f", median(calls[[name]])))

@@ -55,9 +55,11 @@
 #' }
 #'
 #' Outputs R has dropped: the outputs of module calls are watched; when a later
-#' step rebinds `output` and nothing else in R (R's own reference count) or in
-#' Python holds the old one, the next module call frees its memory in the same
-#' call to Python (the tensor becomes empty). So a loop written as the seed
+#' step rebinds `output` and nothing else in R (R's own reference count) holds
+#' the old one, the next module call lets go of R's reference to it in the same
+#' call to Python (with the compiled crossing; otherwise it empties the tensor
+#' when nothing in Python holds it either), so that Python frees it as it would
+#' in a Python loop. So a loop written as the seed
 #' writes it holds no earlier step's outputs, with no collection at all. A
 #' tensor you keep (bound to another name, stored in a list) is never freed;
 #' an output passed to code that keeps a reference until R collects is left to
@@ -119,7 +121,10 @@ gc_threshold_bytes <- function(option = "ampkit.gc_threshold_mb", default = 1024
 # comparison on the hot path.
 watch_memory <- function(bytes) {
   base <- .mem$base
-  if (identical(bytes, base)) return(invisible(NULL))  # no growth (always so on the CPU)
+  # no growth (always so on the CPU); primitives only: identical() is a closure
+  if (is.double(bytes) && length(bytes) == 1L && !is.na(base) && !is.na(bytes) && bytes == base) {
+    return(invisible(NULL))
+  }
   if (is.na(base) || bytes < base) {
     .mem$base <- bytes  # growth is measured from the lowest reading since the last collection
     if (!is.na(.mem$floor) && bytes < .mem$floor) .mem$floor <- bytes
@@ -169,6 +174,10 @@ free_memory <- function() {
 }
 
 # ---- the outputs of earlier steps, freed when R drops them
+#
+# (With the compiled crossing, src/module.c keeps these rings and applies this rule; an
+# output whose Python object nothing else in R reaches is let go there rather than
+# emptied through the bridge.)
 #
 # R frees a Python tensor when it collects the R object holding it, which can be many
 # steps later (see above). The outputs of module calls (`output <- net(x)`, `loss <-
@@ -229,6 +238,7 @@ make_refcnt <- function() {
 # reticulate's making of the R object may count too. R >= 4.0 counts references;
 # where it does not, the release stays off.
 calibrate_release <- function() {
+  if (isTRUE(.x$on)) return(calibrate_release_compiled())
   slots <- .rel$slots
   empty <- py_fn(py_torch$empty)
   probe <- function() {
@@ -334,9 +344,39 @@ dropped_kept <- function() {
 # Before a full collection: let go of the watched outputs, so that the collection frees
 # those that nothing else holds.
 forget_outputs <- function() {
+  if (!is.null(.x$forget)) .Call(.x$forget, FALSE)
   for (key in SLOTS) assign(key, NULL, envir = .rel$slots)
   .rel$used <- logical(RELEASE_KEEP)
   for (key in KEPT) assign(key, NULL, envir = .rel$kept)
   .rel$kused <- logical(RELEASE_KEPT)
   invisible(NULL)
+}
+
+# The compiled twin of the above (src/module.c), calibrated the same way: the outputs of
+# module calls are watched there when the compiled crossing is in use.
+calibrate_release_compiled <- function() {
+  forget_outputs()
+  .Call(.x$forget, TRUE)
+  empty <- py_fn(py_torch$empty)
+  probe <- function() {
+    .External(.x$module, empty, 0L)
+    invisible(NULL)
+  }
+  base <- tryCatch({
+    withr::with_options(list(ampkit.release_outputs = TRUE), probe())
+    .Call(.x$calibrated)
+  }, error = function(e) -1L)
+  .rel$on <- base >= 1L
+  invisible(.rel$on)
+}
+
+# A module call whose arguments the compiled crossing does not convert: the R path
+# (through reticulate for those arguments), with the outputs the compiled rings dropped.
+module_fallback <- function(obj, dead, args) {
+  nm <- names(args)
+  named <- if (is.null(nm)) logical(length(args)) else nzchar(nm) & !is.na(nm)
+  pos <- py_args(unname(args[!named]))
+  kw <- if (any(named)) py_args(args[named]) else NULL
+  if (is.null(dead)) .h$call(obj, pos, kw)
+  else .h$call(.h$fn$call_releasing, c(list(dead, py_arg(obj)), pos), kw)
 }

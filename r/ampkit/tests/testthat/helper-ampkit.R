@@ -33,3 +33,24 @@ py_golden <- function(code) {
 }
 
 shape <- function(t) unlist(reticulate::import_builtins()$list(t$shape))
+
+# How many calls into Python the hot path's crossing makes while `expr` runs: counted by
+# the compiled crossing where it is in use, else through reticulate's call.
+crossings <- function(expr) {
+  status <- ampkit:::crossing_status
+  if (status()$on) {
+    status(reset = TRUE)
+    force(expr)
+    return(as.integer(status(reset = TRUE)$calls))
+  }
+  h <- ampkit:::.h
+  raw <- h$call_raw
+  withr::defer(h$call_raw <- raw)
+  calls <- 0L
+  h$call_raw <- function(f, args, kwargs) {
+    calls <<- calls + 1L
+    raw(f, args, kwargs)
+  }
+  force(expr)
+  calls
+}
