@@ -33,7 +33,7 @@ SEXP ampkit_region_setup(SEXP fns) {
 }
 
 typedef struct {
-  SEXP expr, env, token;
+  SEXP expr, env, token, frame;
   int convert;
 } region;
 
@@ -45,19 +45,37 @@ static SEXP block_handler(SEXP cond, void *data) {
   return R_NilValue;           /* any other error goes on */
 }
 
+/* The block's frame: `expr`, `env` and `value` bound (value NULL for now). */
+static SEXP new_frame(SEXP expr, SEXP env) {
+  SEXP frame = PROTECT(R_NewEnv(R_BaseEnv, FALSE, 3));
+  Rf_defineVar(sym_value, R_NilValue, frame);
+  Rf_defineVar(sym_expr, expr, frame);
+  Rf_defineVar(sym_env, env, frame);
+  UNPROTECT(1);
+  return frame;
+}
+
+/* Unbind what the block's frame holds, however the block ended. The frame lives on as
+ * garbage until R collects it, and a binding there to `env` (the caller's frame) counts
+ * as a reference: R then keeps the caller's bindings counted when the caller returns,
+ * so the module outputs bound there (`output <- net(x)`) never read as dropped and are
+ * not let go (R/memory.R). Replacing bindings that exist allocates nothing, so this
+ * also runs during a jump. */
+static void clear_frame(SEXP frame) {
+  Rf_defineVar(sym_expr, R_NilValue, frame);
+  Rf_defineVar(sym_env, R_NilValue, frame);
+  Rf_defineVar(sym_value, R_NilValue, frame);
+}
+
 /* R's `eval(expr, env)`, then `value()` when the value is a function, as run_region()
  * writes them (so that an error's call reads the same), in a frame of their own. */
 static SEXP block(void *data) {
   region *r = (region *) data;
-  SEXP frame = PROTECT(R_NewEnv(R_BaseEnv, FALSE, 3));
-  Rf_defineVar(sym_expr, r->expr, frame);
-  Rf_defineVar(sym_env, r->env, frame);
-  SEXP value = Rf_eval(call_eval, frame);
+  SEXP value = Rf_eval(call_eval, r->frame);
   if (Rf_isFunction(value)) {
-    Rf_defineVar(sym_value, value, frame);
-    value = Rf_eval(call_value, frame);
+    Rf_defineVar(sym_value, value, r->frame);
+    value = Rf_eval(call_value, r->frame);
   }
-  UNPROTECT(1);
   return value;
 }
 
@@ -87,7 +105,9 @@ static SEXP ignore(SEXP cond, void *data) {
 
 /* After a jump out of the block: leave the region, and nothing may jump from here. */
 static void cleanup(void *data, Rboolean jump) {
-  if (jump) R_tryCatchError(leave_body, data, ignore, NULL);
+  if (!jump) return;
+  clear_frame(((region *) data)->frame);
+  R_tryCatchError(leave_body, data, ignore, NULL);
 }
 
 SEXP ampkit_region(SEXP args) {
@@ -105,10 +125,12 @@ SEXP ampkit_region(SEXP args) {
   PyObject *before = pending_update(&keep);
   PROTECT(keep);
   r.token = PROTECT(call_python(before, py_enter, NULL, 0, &a, 1, r_enter_context, MODE_TO_R));
+  r.frame = PROTECT(new_frame(r.expr, r.env));
   SEXP cont = PROTECT(R_MakeUnwindCont());
   SEXP value = PROTECT(R_UnwindProtect(guarded_block, &r, cleanup, &r, cont));
   SETCAR(cont, R_NilValue);  /* R_UnwindProtect() keeps the value there: one R reference more */
+  clear_frame(r.frame);
   leave(&r, R_NilValue);
-  UNPROTECT(4);
+  UNPROTECT(5);
   return value;
 }
