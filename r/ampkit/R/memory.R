@@ -63,7 +63,8 @@
 #' writes it holds no earlier step's outputs, with no collection at all. A
 #' tensor you keep (bound to another name, stored in a list) is never freed;
 #' an output passed to code that keeps a reference until R collects is left to
-#' the garbage watch.
+#' the garbage watch, whose collections stop watching the outputs first (a
+#' watched output is reachable, so no collection could free it).
 #'
 #' Out of memory: an out-of-memory error (`torch.OutOfMemoryError`) raised by
 #' a Python call that ampkit makes (entering a region, tensor and optimizer
@@ -99,7 +100,6 @@ amp_gc <- function() {
   gc_threshold_bytes("ampkit.gc_full_threshold_mb", 8192)
   py_ready()
   before <- memory_allocated()
-  forget_outputs()
   after <- collect_memory(before, full = TRUE, automatic = FALSE)
   invisible(list(allocated_before_mb = before / 2^20, allocated_after_mb = after / 2^20,
                  collections = .mem$collections))
@@ -135,6 +135,10 @@ watch_memory <- function(bytes) {
 }
 
 collect_memory <- function(bytes, full = FALSE, automatic = TRUE) {
+  # The watched outputs first: the rings below hold each one, so no collection could
+  # free an output that only R's garbage references (a list rebound every step that
+  # held it, a frame kept by a closure) while it is watched.
+  forget_outputs()
   after <- bytes
   if (!full) {
     gc(full = FALSE)
@@ -341,13 +345,13 @@ dropped_kept <- function() {
   out
 }
 
-# Before a full collection: let go of the watched outputs, so that the collection frees
-# those that nothing else holds.
+# Before a collection: let go of the watched outputs, so that the collection frees
+# those that nothing else holds (those still referenced are then left to R's collector).
 forget_outputs <- function() {
   if (!is.null(.x$forget)) .Call(.x$forget, FALSE)
-  for (key in SLOTS) assign(key, NULL, envir = .rel$slots)
+  for (key in SLOTS[.rel$used]) assign(key, NULL, envir = .rel$slots)
   .rel$used <- logical(RELEASE_KEEP)
-  for (key in KEPT) assign(key, NULL, envir = .rel$kept)
+  for (key in KEPT[.rel$kused]) assign(key, NULL, envir = .rel$kept)
   .rel$kused <- logical(RELEASE_KEPT)
   invisible(NULL)
 }
