@@ -260,17 +260,25 @@ bound_method <- function(self, name) {
     # The R function too: `opt$zero_grad` builds nothing after the first step.
     zero <- .subset2(x, ".ampkit_zero_grad")
     if (is.null(zero)) {
-      bound <- py_fn(.h$bound_zero_grad(x))
-      zero <- function(...) {
-        watch_memory(if (.x$on) .External(.x$callx, "$zero_grad()", CALLX_TO_R, bound, ...)
-                     else py_try(.h$to_r(.h$call(bound, dot_args(...), dot_keywords(...))),
-                                 "$zero_grad()"))
-      }
+      zero <- zero_grad_function(py_fn(.h$bound_zero_grad(x)))
       assign(".ampkit_zero_grad", zero, envir = x)
     }
     return(zero)
   }
   if (is_py_method(x, name)) method_function(x, name) else NextMethod()
+}
+
+# The R function of `opt$zero_grad`, made in a frame of its own: made in the frame of
+# `$`'s method, whose `x` is the dispatch's promise, still pointing to the caller's
+# frame, it would keep that frame (and the outputs bound there when the first
+# `opt$zero_grad()` ran) counted as referenced, and alive, as long as the optimizer.
+zero_grad_function <- function(bound) {
+  force(bound)
+  function(...) {
+    watch_memory(if (.x$on) .External(.x$callx, "$zero_grad()", CALLX_TO_R, bound, ...)
+                 else py_try(.h$to_r(.h$call(bound, dot_args(...), dot_keywords(...))),
+                             "$zero_grad()"))
+  }
 }
 
 # Modules reach R through reticulate's conversion (the constructors here, a model
