@@ -32,6 +32,14 @@ py_golden <- function(code) {
   reticulate::py_to_r(ns)
 }
 
+# Run Python code in a fresh namespace and return the namespace itself (not converted):
+# functions defined there see its globals, and stay Python objects.
+py_ns <- function(code) {
+  ns <- reticulate::py_dict(list(), list(), convert = FALSE)
+  reticulate::import_builtins(convert = FALSE)$exec(code, ns)
+  ns
+}
+
 shape <- function(t) unlist(reticulate::import_builtins()$list(t$shape))
 
 # How many calls into Python the hot path's crossing makes while `expr` runs: counted by

@@ -137,6 +137,101 @@ test_that("a step of the R loop frees the earlier steps' outputs without any col
   expect_gt(off$live[[20]] - off$live[[3]], 15 * out_bytes)
 })
 
+# How the outputs of a module's earlier calls stand when it is called again, recorded by
+# a forward pre-hook (in Python, so that R holds no reference): "dead" (Python freed the
+# tensor), "empty" (its memory freed, the object alive until R collects its wrapper) or
+# "live" (its memory held). The same loop in Python is the oracle.
+outputs_watch_py <- "
+import weakref, torch, ampkit
+def state(r):
+    t = r()
+    return 'dead' if t is None else 'empty' if t.untyped_storage().nbytes() == 0 else 'live'
+def watch(net):
+    outs, seen = [], []
+    net.register_forward_pre_hook(lambda m, i: seen.append([state(r) for r in outs]))
+    net.register_forward_hook(lambda m, i, out: outs.append(weakref.ref(out)))
+    return seen
+def build(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
+def loop(xs, ys, steps, amp, seed=9):
+    net = build(seed)
+    seen = watch(net)
+    loss_fn = torch.nn.MSELoss()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    scaler = ampkit.GradScaler('cpu', init_scale=2.0**10)
+    def step(x, y):
+        with ampkit.autocast('cpu', enabled=amp):
+            output = net(x)
+            loss = loss_fn(output, y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        return loss
+    losses = [step(xs[s % 4], ys[s % 4]) for s in range(steps)]
+    return [l.item() for l in losses], seen
+"
+
+test_that("a step written as a function frees its output before the next step's forward, as Python does", {
+  skip_if_no_ampkit()
+  ns <- py_ns(outputs_watch_py)
+  withr::local_options(ampkit.gc_threshold_mb = Inf)  # the garbage watch off: no collection
+  torch_manual_seed(4)
+  xs <- lapply(1:4, function(i) torch_randn(8, 16))
+  ys <- lapply(1:4, function(i) torch_randn(8, 32))
+  r_loop <- function(steps, amp) {
+    torch_manual_seed(9)  # the oracle's build(9)
+    net <- nn_sequential(nn_linear(16, 64), nn_relu(), nn_linear(64, 32))
+    seen <- ns$watch(net)
+    loss_fn <- nn_mse_loss()
+    opt <- optim_sgd(net$parameters, lr = 0.01)
+    scaler <- amp_grad_scaler("cpu", init_scale = 2^10)
+    # as benchmarks/run.R writes the step: `output` goes when the step returns
+    step <- function(x, y) {
+      with_autocast(device_type = "cpu", enabled = amp, {
+        output <- net(x)
+        loss <- loss_fn(output, y)
+      })
+      scaler$scale(loss)$backward()
+      scaler$step(opt)
+      scaler$update()
+      opt$zero_grad()
+      loss
+    }
+    losses <- vector("list", steps)
+    for (s in seq_len(steps)) losses[[s]] <- step(xs[[(s - 1L) %% 4L + 1L]], ys[[(s - 1L) %% 4L + 1L]])
+    list(losses = vapply(losses, function(l) l$item(), numeric(1)),
+         seen = reticulate::py_to_r(seen))
+  }
+  crossings <- if (ampkit:::crossing_status()$on) c(TRUE, FALSE) else FALSE
+  withr::defer(ampkit:::use_crossing(crossings[[1]]))
+  for (amp in c(TRUE, FALSE)) {
+    py <- reticulate::py_to_r(ns$loop(xs, ys, 8L, amp))
+    py_seen <- py[[2]]
+    # the oracle: Python has freed every earlier output when the next forward starts
+    expect_identical(unique(unlist(py_seen)), "dead")
+    for (compiled in crossings) {
+      ampkit:::use_crossing(compiled)
+      r <- r_loop(8L, amp)
+      expect_identical(r$losses, unlist(py[[1]]))
+      expect_identical(lengths(r$seen), lengths(py_seen))
+      if (compiled) {
+        # the compiled crossing lets go of R's reference: Python frees the tensor itself
+        expect_identical(r$seen, py_seen)
+      } else {
+        # reticulate's path empties it (its wrapper goes when R collects)
+        expect_true(all(unlist(r$seen) %in% c("dead", "empty")))
+      }
+    }
+  }
+  # Control: without the release, the earlier outputs are live until R collects.
+  withr::local_options(ampkit.release_outputs = FALSE)
+  ampkit:::use_crossing(crossings[[1]])
+  off <- r_loop(8L, TRUE)
+  expect_true("live" %in% unlist(off$seen))
+})
+
 oom_py <- "
 import torch
 calls = {'n': 0}
