@@ -69,6 +69,7 @@ start_crossing <- function() {
         .x$defer_update <- routine("ampkit_defer_update")
         .x$compiled_methods <- routine("ampkit_compiled_methods")
         .x$forget <- routine("ampkit_release_forget")
+        .x$collecting <- routine("ampkit_release_collecting")
         .x$calibrated <- routine("ampkit_release_calibrated")
       }
       ok

@@ -100,6 +100,7 @@ amp_gc <- function() {
   gc_threshold_bytes("ampkit.gc_full_threshold_mb", 8192)
   py_ready()
   before <- memory_allocated()
+  forget_outputs()  # a fresh start: what is still referenced is left to R's collector
   after <- collect_memory(before, full = TRUE, automatic = FALSE)
   invisible(list(allocated_before_mb = before / 2^20, allocated_after_mb = after / 2^20,
                  collections = .mem$collections))
@@ -135,10 +136,16 @@ watch_memory <- function(bytes) {
 }
 
 collect_memory <- function(bytes, full = FALSE, automatic = TRUE) {
-  # The watched outputs first: the rings below hold each one, so no collection could
-  # free an output that only R's garbage references (a list rebound every step that
-  # held it, a frame kept by a closure) while it is watched.
-  forget_outputs()
+  # The rings below hold each watched output, so no collection could free one that only
+  # R's garbage references (a list rebound every step that held it) while it is watched:
+  # the compiled rings hold them weakly while R collects, and watch again those that
+  # survive (the current step's `output`, still bound); the R rings stop watching them.
+  if (.x$on) {
+    .Call(.x$collecting, TRUE)
+    on.exit(.Call(.x$collecting, FALSE))
+  } else {
+    forget_outputs()
+  }
   after <- bytes
   if (!full) {
     gc(full = FALSE)
@@ -353,6 +360,8 @@ forget_outputs <- function() {
   .rel$used <- logical(RELEASE_KEEP)
   for (key in KEPT[.rel$kused]) assign(key, NULL, envir = .rel$kept)
   .rel$kused <- logical(RELEASE_KEPT)
+  .rel$calls <- 0L  # a fresh start: the interval learnt on what was watched goes too
+  .rel$every <- RELEASE_EVERY
   invisible(NULL)
 }
 

@@ -656,6 +656,7 @@ static const R_CallMethodDef call_methods[] = {
   {"ampkit_crossing_stats", (DL_FUNC) &ampkit_crossing_stats, 1},
   {"ampkit_release_setup", (DL_FUNC) &ampkit_release_setup, 3},
   {"ampkit_release_forget", (DL_FUNC) &ampkit_release_forget, 1},
+  {"ampkit_release_collecting", (DL_FUNC) &ampkit_release_collecting, 1},
   {"ampkit_release_calibrated", (DL_FUNC) &ampkit_release_calibrated, 0},
   {"ampkit_release_counts", (DL_FUNC) &ampkit_release_counts, 0},
   {"ampkit_region_setup", (DL_FUNC) &ampkit_region_setup, 1},

@@ -89,6 +89,7 @@ SEXP via_reticulate(SEXP f, SEXP args, SEXP kwargs);
 SEXP ampkit_module(SEXP args);
 SEXP ampkit_release_setup(SEXP rel, SEXP sizes, SEXP fns);
 SEXP ampkit_release_forget(SEXP calibrating);
+SEXP ampkit_release_collecting(SEXP start);
 SEXP ampkit_release_calibrated(void);
 SEXP ampkit_release_counts(void);
 

@@ -143,8 +143,49 @@ SEXP ampkit_release_forget(SEXP calibrate) {
   if (ring == NULL) return R_NilValue;
   for (int k = 0; k < keep_n; k++) SET_VECTOR_ELT(ring, k, R_NilValue);
   for (int j = 0; j < kept_n; j++) SET_VECTOR_ELT(kept, j, R_NilValue);
+  calls = 0;  /* a fresh start: the interval learnt on what was watched goes too */
+  set_every(every_min);
   calibrating = Rf_asLogical(calibrate) == TRUE;
   if (calibrating) base = xp_base = -1;
+  return R_NilValue;
+}
+
+/* While R collects (R/memory.R's collect_memory()): the rings hold every watched output,
+ * so no collection could free one that only R's garbage references (a list rebound each
+ * step that held it). ampkit_release_collecting(TRUE) moves each watched output to a weak
+ * reference (its element emptied); ampkit_release_collecting(FALSE), after the
+ * collection, puts back in its element each one that survived, and clears the weak
+ * references, which drops the count they added (a live output bound in a frame reads as
+ * before, so the release still lets it go once it is dropped). */
+static SEXP weak;  /* the weak references, by element: the ring's, then the second ring's */
+
+static void to_weak(SEXP list, int i, int at) {
+  SEXP x = VECTOR_ELT(list, i);
+  if (x == R_NilValue) return;
+  SET_VECTOR_ELT(weak, at, R_MakeWeakRef(x, R_NilValue, R_NilValue, FALSE));
+  SET_VECTOR_ELT(list, i, R_NilValue);
+}
+
+static void from_weak(SEXP list, int i, int at) {
+  SEXP w = VECTOR_ELT(weak, at);
+  if (w == R_NilValue) return;
+  SEXP x = PROTECT(R_WeakRefKey(w));
+  R_RunWeakRefFinalizer(w);  /* (no finalizer: it only clears the reference) */
+  SET_VECTOR_ELT(weak, at, R_NilValue);
+  SEXP xp = x == R_NilValue ? R_NilValue : Rf_findVarInFrame(x, sym_pyobj);
+  if (TYPEOF(xp) == EXTPTRSXP && R_ExternalPtrAddr(xp) != NULL) SET_VECTOR_ELT(list, i, x);
+  UNPROTECT(1);
+}
+
+SEXP ampkit_release_collecting(SEXP start) {
+  if (ring == NULL) return R_NilValue;
+  if (weak == NULL) {
+    weak = Rf_allocVector(VECSXP, keep_n + kept_n);
+    R_PreserveObject(weak);
+  }
+  int to = Rf_asLogical(start) == TRUE;
+  for (int k = 0; k < keep_n; k++) (to ? to_weak : from_weak)(ring, k, k);
+  for (int j = 0; j < kept_n; j++) (to ? to_weak : from_weak)(kept, j, keep_n + j);
   return R_NilValue;
 }
 
