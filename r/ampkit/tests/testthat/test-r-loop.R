@@ -232,6 +232,44 @@ test_that("a step written as a function frees its output before the next step's 
   expect_true("live" %in% unlist(off$seen))
 })
 
+test_that("a collection of the garbage watch at every step leaves the release to free each output", {
+  skip_if_no_ampkit()
+  skip_if_not(ampkit:::crossing_status()$on, "the compiled crossing is not in use (reticulate's rings forget at a collection)")
+  ns <- py_ns(paste(outputs_watch_py, "
+import itertools
+ticks = itertools.count()
+def growing():  # 2 GiB more at every reading: the watch collects at each
+    return float(next(ticks) * 2**31)
+", sep = "\n"))
+  ampkit:::.h$set_memory_reader(ns$growing)
+  withr::defer(ampkit:::.h$set_memory_reader(NULL))
+  withr::local_options(ampkit.gc_threshold_mb = 1, ampkit.gc_full_threshold_mb = 1e9)
+  torch_manual_seed(4)
+  xs <- lapply(1:4, function(i) torch_randn(8, 16))
+  ys <- lapply(1:4, function(i) torch_randn(8, 32))
+  net <- nn_sequential(nn_linear(16, 64), nn_relu(), nn_linear(64, 32))
+  seen <- ns$watch(net)
+  loss_fn <- nn_mse_loss()
+  opt <- optim_sgd(net$parameters, lr = 0.01)
+  scaler <- amp_grad_scaler("cpu", init_scale = 2^10)
+  step <- function(x, y) {
+    with_autocast(device_type = "cpu", {
+      output <- net(x)
+      loss <- loss_fn(output, y)
+    })
+    scaler$scale(loss)$backward()
+    scaler$step(opt)
+    scaler$update()
+    opt$zero_grad()  # collects while `output` is still bound
+    loss
+  }
+  before <- amp_gc()$collections
+  losses <- vector("list", 8)
+  for (s in 1:8) losses[[s]] <- step(xs[[(s - 1L) %% 4L + 1L]], ys[[(s - 1L) %% 4L + 1L]])
+  expect_gte(amp_gc()$collections - before, 8L)
+  expect_identical(unique(unlist(reticulate::py_to_r(seen))), "dead")
+})
+
 oom_py <- "
 import torch
 calls = {'n': 0}
