@@ -116,6 +116,14 @@ with_autocast_positional <- function(device_type, ..., env) {
 # would keep this frame, and `value` with it, alive), and `value` is cleared on exit,
 # so that R's reference count of the value drops when the caller drops it (memory.R).
 run_region <- function(expr, env, device_type, dtype, enabled, cache_enabled, policy) {
+  if (.x$on) {  # the same checks, then all of it in compiled code (src/region.c)
+    if (!is_device_type(device_type)) device_type <- as_device_type(device_type)
+    if (!is.null(dtype)) dtype <- as_py_dtype(dtype)
+    if (!is_true(enabled)) enabled <- as_py_bool(enabled, "enabled")
+    if (!is.null(cache_enabled)) cache_enabled <- as_py_bool(cache_enabled, "cache_enabled")
+    if (!is.null(policy)) policy <- as_py_policy(policy)
+    return(.External(.x$region, expr, env, device_type, dtype, enabled, cache_enabled, policy))
+  }
   region <- enter_autocast(device_type, dtype, enabled, cache_enabled, policy)
   on.exit(exit_autocast(region), add = TRUE)
   value <- withCallingHandlers(eval(expr, env), error = region_error)
@@ -171,20 +179,26 @@ enter_autocast <- function(device_type, dtype, enabled, cache_enabled, policy) {
     abort("`device_type` is missing: give \"cuda\" or \"cpu\", e.g. local_autocast(\"cuda\").",
           class = "ampkit_bad_device", call = sys.call(-1))
   }
-  device_type <- as_device_type(device_type)
+  if (!is_device_type(device_type)) device_type <- as_device_type(device_type)
   if (is.null(.h$ready)) py_ready()
   if (!is.null(dtype)) dtype <- as_py_dtype(dtype)
   if (!isTRUE(enabled)) enabled <- as_py_bool(enabled, "enabled")
   if (!is.null(cache_enabled)) cache_enabled <- as_py_bool(cache_enabled, "cache_enabled")
   if (!is.null(policy)) policy <- as_py_policy(policy)
-  # The token stays a Python int: it goes back to exit_autocast() unconverted.
+  # The token: an R integer through the compiled crossing; through reticulate a Python
+  # int, which goes back to exit_autocast() unconverted.
+  if (.x$on) {
+    return(.External(.x$callx, "with_autocast()", CALLX_TO_R, .h$fn$enter_autocast,
+                     device_type, dtype, enabled, cache_enabled, policy))
+  }
   py_try(.h$call(.h$fn$enter_autocast,
                  list(device_type, py_arg(dtype), enabled, cache_enabled, py_arg(policy)), NULL),
          "with_autocast()")
 }
 
 exit_autocast <- function(region) {
-  .h$call(.h$fn$exit_autocast, list(py_arg(region)), NULL)
+  if (.x$on) .External(.x$callx, NULL, CALLX_NOTHING, .h$fn$exit_autocast, region)
+  else .h$call(.h$fn$exit_autocast, list(py_arg(region)), NULL)
   invisible(NULL)
 }
 

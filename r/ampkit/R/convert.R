@@ -62,6 +62,14 @@ as_device_type <- function(x, arg = "device_type") {
   x
 }
 
+# The checks of the hot path, in primitives (isTRUE(), identical() and %in% are closures,
+# a few microseconds each on a small CPU): whether `x` is "cuda" or "cpu" as it stands, and
+# whether it is TRUE as isTRUE() says.
+is_device_type <- function(x) {
+  is.character(x) && length(x) == 1L && !is.na(x) && (x == "cuda" || x == "cpu")
+}
+is_true <- function(x) is.logical(x) && length(x) == 1L && !is.na(x) && x
+
 # A tensor's device: NULL, "cpu", "cuda", "cuda:1" or a torch device.
 as_py_device <- function(x, arg = "device") {
   if (is.null(x) || inherits(x, "torch.device")) return(x)

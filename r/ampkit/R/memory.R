@@ -55,13 +55,16 @@
 #' }
 #'
 #' Outputs R has dropped: the outputs of module calls are watched; when a later
-#' step rebinds `output` and nothing else in R (R's own reference count) or in
-#' Python holds the old one, the next module call frees its memory in the same
-#' call to Python (the tensor becomes empty). So a loop written as the seed
+#' step rebinds `output` and nothing else in R (R's own reference count) holds
+#' the old one, the next module call lets go of R's reference to it in the same
+#' call to Python (with the compiled crossing; otherwise it empties the tensor
+#' when nothing in Python holds it either), so that Python frees it as it would
+#' in a Python loop. So a loop written as the seed
 #' writes it holds no earlier step's outputs, with no collection at all. A
 #' tensor you keep (bound to another name, stored in a list) is never freed;
 #' an output passed to code that keeps a reference until R collects is left to
-#' the garbage watch.
+#' the garbage watch, whose collections stop watching the outputs first (a
+#' watched output is reachable, so no collection could free it).
 #'
 #' Out of memory: an out-of-memory error (`torch.OutOfMemoryError`) raised by
 #' a Python call that ampkit makes (entering a region, tensor and optimizer
@@ -97,7 +100,7 @@ amp_gc <- function() {
   gc_threshold_bytes("ampkit.gc_full_threshold_mb", 8192)
   py_ready()
   before <- memory_allocated()
-  forget_outputs()
+  forget_outputs()  # a fresh start: what is still referenced is left to R's collector
   after <- collect_memory(before, full = TRUE, automatic = FALSE)
   invisible(list(allocated_before_mb = before / 2^20, allocated_after_mb = after / 2^20,
                  collections = .mem$collections))
@@ -119,7 +122,10 @@ gc_threshold_bytes <- function(option = "ampkit.gc_threshold_mb", default = 1024
 # comparison on the hot path.
 watch_memory <- function(bytes) {
   base <- .mem$base
-  if (identical(bytes, base)) return(invisible(NULL))  # no growth (always so on the CPU)
+  # no growth (always so on the CPU); primitives only: identical() is a closure
+  if (is.double(bytes) && length(bytes) == 1L && !is.na(base) && !is.na(bytes) && bytes == base) {
+    return(invisible(NULL))
+  }
   if (is.na(base) || bytes < base) {
     .mem$base <- bytes  # growth is measured from the lowest reading since the last collection
     if (!is.na(.mem$floor) && bytes < .mem$floor) .mem$floor <- bytes
@@ -130,6 +136,16 @@ watch_memory <- function(bytes) {
 }
 
 collect_memory <- function(bytes, full = FALSE, automatic = TRUE) {
+  # The rings below hold each watched output, so no collection could free one that only
+  # R's garbage references (a list rebound every step that held it) while it is watched:
+  # the compiled rings hold them weakly while R collects, and watch again those that
+  # survive (the current step's `output`, still bound); the R rings stop watching them.
+  if (.x$on) {
+    .Call(.x$collecting, TRUE)
+    on.exit(.Call(.x$collecting, FALSE))
+  } else {
+    forget_outputs()
+  }
   after <- bytes
   if (!full) {
     gc(full = FALSE)
@@ -169,6 +185,10 @@ free_memory <- function() {
 }
 
 # ---- the outputs of earlier steps, freed when R drops them
+#
+# (With the compiled crossing, src/module.c keeps these rings and applies this rule; an
+# output whose Python object nothing else in R reaches is let go there rather than
+# emptied through the bridge.)
 #
 # R frees a Python tensor when it collects the R object holding it, which can be many
 # steps later (see above). The outputs of module calls (`output <- net(x)`, `loss <-
@@ -229,6 +249,7 @@ make_refcnt <- function() {
 # reticulate's making of the R object may count too. R >= 4.0 counts references;
 # where it does not, the release stays off.
 calibrate_release <- function() {
+  if (isTRUE(.x$on)) return(calibrate_release_compiled())
   slots <- .rel$slots
   empty <- py_fn(py_torch$empty)
   probe <- function() {
@@ -331,12 +352,44 @@ dropped_kept <- function() {
   out
 }
 
-# Before a full collection: let go of the watched outputs, so that the collection frees
-# those that nothing else holds.
+# Before a collection: let go of the watched outputs, so that the collection frees
+# those that nothing else holds (those still referenced are then left to R's collector).
 forget_outputs <- function() {
-  for (key in SLOTS) assign(key, NULL, envir = .rel$slots)
+  if (!is.null(.x$forget)) .Call(.x$forget, FALSE)
+  for (key in SLOTS[.rel$used]) assign(key, NULL, envir = .rel$slots)
   .rel$used <- logical(RELEASE_KEEP)
-  for (key in KEPT) assign(key, NULL, envir = .rel$kept)
+  for (key in KEPT[.rel$kused]) assign(key, NULL, envir = .rel$kept)
   .rel$kused <- logical(RELEASE_KEPT)
+  .rel$calls <- 0L  # a fresh start: the interval learnt on what was watched goes too
+  .rel$every <- RELEASE_EVERY
   invisible(NULL)
+}
+
+# The compiled twin of the above (src/module.c), calibrated the same way: the outputs of
+# module calls are watched there when the compiled crossing is in use.
+calibrate_release_compiled <- function() {
+  forget_outputs()
+  .Call(.x$forget, TRUE)
+  empty <- py_fn(py_torch$empty)
+  probe <- function() {
+    .External(.x$module, empty, 0L)
+    invisible(NULL)
+  }
+  base <- tryCatch({
+    withr::with_options(list(ampkit.release_outputs = TRUE), probe())
+    .Call(.x$calibrated)
+  }, error = function(e) -1L)
+  .rel$on <- base >= 1L
+  invisible(.rel$on)
+}
+
+# A module call whose arguments the compiled crossing does not convert: the R path
+# (through reticulate for those arguments), with the outputs the compiled rings dropped.
+module_fallback <- function(obj, dead, args) {
+  nm <- names(args)
+  named <- if (is.null(nm)) logical(length(args)) else nzchar(nm) & !is.na(nm)
+  pos <- py_args(unname(args[!named]))
+  kw <- if (any(named)) py_args(args[named]) else NULL
+  if (is.null(dead)) .h$call(obj, pos, kw)
+  else .h$call(.h$fn$call_releasing, c(list(dead, py_arg(obj)), pos), kw)
 }

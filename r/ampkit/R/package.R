@@ -11,6 +11,15 @@
 #' and `make test` do), else the virtual environment that [install_ampkit()]
 #' made. It is started on first use, not when the package loads.
 #'
+#' The calls a training step makes into Python (regions, module and loss calls, the
+#' scaler's and the optimizer's per-step calls) go through the package's compiled code,
+#' on the objects reticulate holds, with the same results and conditions as through
+#' reticulate; everything else goes through reticulate. A package installed without a
+#' C compiler, or a Python whose C API is not found, calls through reticulate instead
+#' (slower), and says so once when Python starts. `AMPKIT_R_COMPILED=0` (at install or at
+#' run time) or `options(ampkit.compiled = FALSE)` before Python starts turns the compiled
+#' code off.
+#'
 #' @keywords internal
 #' @importFrom R6 R6Class
 "_PACKAGE"
@@ -30,6 +39,7 @@ py_torch <- NULL
                           class = "ampkit_python_missing"))
   }
   use_ampkit_env()
+  load_crossing(libname, pkgname)
   lazy <- list(before_load = python_startup, on_error = on_error)
   py_ampkit <<- reticulate::import("ampkit", delay_load = lazy)
   py_torch <<- reticulate::import("torch", delay_load = lazy)
@@ -175,16 +185,17 @@ py_ready <- function() {
                  "bound_zero_grad", "is_torch_function")) {
     assign(name, bridge[[name]], envir = .h)
   }
-  # The hot path's crossings (see py_arg() below): reticulate's own call, without the
-  # R closure around it, and the bridge's functions as Python objects.
-  .h$call_raw <- utils::getFromNamespace("py_call_impl", "reticulate")
+  # The hot path's crossings (see py_arg() below): the compiled crossing (crossing.R), or
+  # reticulate's own call without the R closure around it; the bridge's functions as
+  # Python objects.
+  .h$reticulate_call <- utils::getFromNamespace("py_call_impl", "reticulate")
+  .h$reticulate_to_r <- utils::getFromNamespace("py_ref_to_r", "reticulate")  # a plain value, no dispatch
   .h$call <- py_call
-  .h$to_r <- utils::getFromNamespace("py_ref_to_r", "reticulate")  # a plain value, no dispatch
   .h$fn <- lapply(list(enter_autocast = "enter_autocast", exit_autocast = "exit_autocast",
                        call_method = "call_method", call_releasing = "call_releasing",
                        release_tensors = "release_tensors", update_then = "update_then"),
                   function(n) py_fn(bridge[[n]]))
-  calibrate_release()
+  start_crossing()  # (calibrates the release through the crossing in use)
   # An out-of-memory error in Python runs R's gc() before the retry.
   py_reset_collector()
   .h$named_parameters <- reticulate::py_eval("lambda m: dict(m.named_parameters())")

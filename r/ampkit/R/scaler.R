@@ -159,9 +159,16 @@ GradScalerR6 <- R6::R6Class("ampkit_grad_scaler",
       private$hot <- lapply(list(scale_backward = "scale_backward", step = "step", update = "update"),
                             function(n) py_fn(calls[[n]]))
       private$deferred <- py_arg(calls[["update_deferred"]])
+      # The per-step methods as byte code (R6 drops it: src/scaler.c says why).
+      if (!is.null(.x$compiled_methods)) {
+        .Call(.x$compiled_methods, self, GradScalerR6$public_methods[c("scale", "step", "update")])
+      }
     },
     scale = function(x) {
-      if (inherits(x, "torch.Tensor")) return(scaled_loss(private$pyobj, x, private$hot$scale_backward))
+      if (inherits(x, "torch.Tensor")) {
+        if (.x$on) return(.Call(.x$scaled_loss, private$pyobj, x, private$hot$scale_backward))
+        return(scaled_loss(private$pyobj, x, private$hot$scale_backward))
+      }
       if (!is_tensor_list(x)) {
         abort(sprintf("`$scale()` takes a torch tensor (the loss) or a list of tensors, not %s.", describe(x)),
               class = "ampkit_bad_argument")
@@ -174,12 +181,15 @@ GradScalerR6 <- R6::R6Class("ampkit_grad_scaler",
         abort(sprintf("`$step()` takes a torch optimizer (from optim_sgd(), optim_adam(), ...), not %s.",
                       describe(optimizer)), class = "ampkit_bad_argument")
       }
-      res <- py_try(py_value(.h$call(private$hot$step, c(list(py_arg(optimizer)), dot_args(...)),
-                                     dot_keywords(...))), "$step()")
-      private$stepped <- TRUE
+      res <- if (.x$on) .External(.x$callx, "$step()", CALLX_VALUE, private$hot$step, optimizer, ...)
+             else py_try(py_value(.h$call(private$hot$step, c(list(py_arg(optimizer)), dot_args(...)),
+                                          dot_keywords(...))), "$step()")
+      assign("stepped", TRUE, envir = private)
       invisible(res)
     },
     update = function(new_scale = NULL) {
+      # (the compiled crossing makes the common case in one call: src/scaler.c)
+      if (is.null(new_scale) && .x$on && .Call(.x$defer_update, private, .pend)) return(invisible(NULL))
       if (is.null(new_scale) && private$stepped && option_on("ampkit.defer_update")) {
         flush_update()  # another scaler's
         private$stepped <- FALSE
@@ -190,8 +200,9 @@ GradScalerR6 <- R6::R6Class("ampkit_grad_scaler",
         new_scale <- as_py_num(new_scale, "new_scale")
       }
       private$stepped <- FALSE
-      watch_memory(py_try(.h$to_r(.h$call(private$hot$update, list(py_arg(new_scale)), NULL)),
-                          "$update()"))
+      watch_memory(if (.x$on) .External(.x$callx, "$update()", CALLX_TO_R, private$hot$update, new_scale)
+                   else py_try(.h$to_r(.h$call(private$hot$update, list(py_arg(new_scale)), NULL)),
+                               "$update()"))
     },
     unscale_ = function(optimizer) {
       flush_update()
@@ -272,7 +283,7 @@ scaled_tensor <- function(x) {
 
 #' @export
 `$.ampkit_scaled_loss` <- function(x, name) {
-  if (identical(name, "backward")) return(scaled_backward(x))
+  if (name == "backward") return(scaled_backward(x))
   t <- scaled_tensor(x)
   `$`(t, name)
 }
@@ -281,10 +292,18 @@ scaled_backward <- function(x) {
   force(x)
   function(...) {
     if (is.null(.subset2(x, "loss"))) scaled_tensor(x)  # the error: used already
-    py_try(.h$call(.subset2(x, "backward"), c(list(py_arg(.subset2(x, "loss"))), dot_args(...)),
-                   dot_keywords(...)), "$scale(loss)$backward()")
+    if (.x$on) {
+      .External(.x$callx, "$scale(loss)$backward()", CALLX_NOTHING, .subset2(x, "backward"),
+                .subset2(x, "loss"), ...)
+    } else {
+      py_try(.h$call(.subset2(x, "backward"), c(list(py_arg(.subset2(x, "loss"))), dot_args(...)),
+                     dot_keywords(...)), "$scale(loss)$backward()")
+    }
     # Without arguments (retain_graph and such) the graph is gone: let go of the loss.
-    if (!...length()) x$loss <- NULL
+    # (`x$loss <- NULL` dispatches `$<-` on the class; the compiled crossing unbinds it.)
+    if (!...length()) {
+      if (.x$on) .Call(.x$scaled_done, x) else x$loss <- NULL
+    }
     invisible(NULL)
   }
 }

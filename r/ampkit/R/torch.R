@@ -241,9 +241,11 @@ method_function <- function(x, name) bound_method(py_arg(x), name)
 bound_method <- function(self, name) {
   force(self)
   force(name)  # an unforced promise would keep the caller's frame, and `x`, alive
+  context <- paste0("$", name, "()")
   function(...) {
+    if (.x$on) return(.External(.x$callx, context, CALLX_VALUE, .h$fn$call_method, self, name, ...))
     py_try(py_value(.h$call(.h$fn$call_method, c(list(self, name), dot_args(...)), dot_keywords(...))),
-           paste0("$", name, "()"))
+           context)
   }
 }
 
@@ -251,23 +253,32 @@ bound_method <- function(self, name) {
 # memory allocated, for the garbage watch of memory.R.
 #' @export
 `$.torch.optim.optimizer.Optimizer` <- function(x, name) {
-  if (identical(name, "zero_grad")) {
+  if (name == "zero_grad") {
     if (is.null(.h$ready)) py_ready()
     # Bound in Python once per optimizer and kept in the optimizer's own R object
     # (an environment): no optimizer argument to convert each step.
     # The R function too: `opt$zero_grad` builds nothing after the first step.
-    zero <- get0(".ampkit_zero_grad", envir = x, inherits = FALSE)
+    zero <- .subset2(x, ".ampkit_zero_grad")
     if (is.null(zero)) {
-      bound <- py_fn(.h$bound_zero_grad(x))
-      zero <- function(...) {
-        watch_memory(py_try(.h$to_r(.h$call(bound, dot_args(...), dot_keywords(...))),
-                            "$zero_grad()"))
-      }
+      zero <- zero_grad_function(py_fn(.h$bound_zero_grad(x)))
       assign(".ampkit_zero_grad", zero, envir = x)
     }
     return(zero)
   }
   if (is_py_method(x, name)) method_function(x, name) else NextMethod()
+}
+
+# The R function of `opt$zero_grad`, made in a frame of its own: made in the frame of
+# `$`'s method, whose `x` is the dispatch's promise, still pointing to the caller's
+# frame, it would keep that frame (and the outputs bound there when the first
+# `opt$zero_grad()` ran) counted as referenced, and alive, as long as the optimizer.
+zero_grad_function <- function(bound) {
+  force(bound)
+  function(...) {
+    watch_memory(if (.x$on) .External(.x$callx, "$zero_grad()", CALLX_TO_R, bound, ...)
+                 else py_try(.h$to_r(.h$call(bound, dot_args(...), dot_keywords(...))),
+                             "$zero_grad()"))
+  }
 }
 
 # Modules reach R through reticulate's conversion (the constructors here, a model
@@ -303,6 +314,8 @@ module_function <- function(f) {
   module <- py_arg(obj)
   convert <- isTRUE(get0("convert", envir = obj, inherits = FALSE))
   g <- function(...) {
+    # The compiled crossing makes the whole call (src/module.c), the release included.
+    if (.x$on) return(.External(.x$module, obj, ...))
     # The outputs of earlier calls that R has dropped are freed in the same crossing.
     dead <- dropped_outputs()
     res <- if (is.null(dead)) .h$call(obj, dot_args(...), dot_keywords(...))

@@ -32,4 +32,33 @@ py_golden <- function(code) {
   reticulate::py_to_r(ns)
 }
 
+# Run Python code in a fresh namespace and return the namespace itself (not converted):
+# functions defined there see its globals, and stay Python objects.
+py_ns <- function(code) {
+  ns <- reticulate::py_dict(list(), list(), convert = FALSE)
+  reticulate::import_builtins(convert = FALSE)$exec(code, ns)
+  ns
+}
+
 shape <- function(t) unlist(reticulate::import_builtins()$list(t$shape))
+
+# How many calls into Python the hot path's crossing makes while `expr` runs: counted by
+# the compiled crossing where it is in use, else through reticulate's call.
+crossings <- function(expr) {
+  status <- ampkit:::crossing_status
+  if (status()$on) {
+    status(reset = TRUE)
+    force(expr)
+    return(as.integer(status(reset = TRUE)$calls))
+  }
+  h <- ampkit:::.h
+  raw <- h$call_raw
+  withr::defer(h$call_raw <- raw)
+  calls <- 0L
+  h$call_raw <- function(f, args, kwargs) {
+    calls <<- calls + 1L
+    raw(f, args, kwargs)
+  }
+  force(expr)
+  calls
+}

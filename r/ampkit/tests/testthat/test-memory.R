@@ -1,35 +1,34 @@
 # The garbage watch (R/memory.R), on the CPU: the CUDA memory reading is
-# simulated by the bytes of the model outputs still alive in Python, counted
-# by a forward hook with weakref finalizers. A loop that writes
-# `output <- net(x)` each step leaks those outputs until R collects.
+# simulated by the bytes of the model outputs that still hold memory in Python
+# (tracked by a forward hook through weak references: an output is freed when
+# Python frees it, or, through reticulate's crossing, when the release empties it).
+# With the release of dropped outputs (on, as by default), a loop that writes
+# `output <- net(x)` each step holds none of an earlier step's outputs; an output
+# that R's garbage still references (`held <- list(output)`, rebound each step) is
+# left to the watch's collections.
 
 sim_py <- "
 import weakref
-live = {'n': 0, 'bytes': 0, 'max_n': 0}
+outs = []
+stats = {'max_n': 0}
+def holding():
+    return [t for t in (r() for r in outs) if t is not None and t.untyped_storage().nbytes() > 0]
 def track(module, inputs, out):
-    n = out.numel() * out.element_size()
-    live['n'] += 1
-    live['bytes'] += n
-    live['max_n'] = max(live['max_n'], live['n'])
-    def gone(n=n):
-        live['n'] -= 1
-        live['bytes'] -= n
-    weakref.finalize(out, gone)
+    outs.append(weakref.ref(out))
+    stats['max_n'] = max(stats['max_n'], len(holding()))
+def live():
+    return {'n': len(holding()), 'max_n': stats['max_n']}
 def reading():
-    return live['bytes'] + 3 * 2**30  # past 2^31, as on a GPU: reticulate wraps such ints
+    # past 2^31, as on a GPU: reticulate wraps such ints
+    return sum(t.untyped_storage().nbytes() for t in holding()) + 3 * 2**30
 "
 
 out_mb <- 16 * 256 * 4 / 2^20  # one fp32 output
 
-# The simulation's namespace (functions defined there see its globals).
-py_ns <- function(code) {
-  ns <- reticulate::py_dict(list(), list(), convert = FALSE)
-  reticulate::import_builtins(convert = FALSE)$exec(code, ns)
-  ns
-}
-
-# The seed's hand-written loop (fp32, or AMP with a scaler), `steps` steps.
-run_loop <- function(steps, threshold_mb, amp = FALSE, full_mb = 3 * out_mb) {
+# The seed's hand-written loop (fp32, or AMP with a scaler), `steps` steps; with `hold`,
+# each step's output is also put in a list that the next step replaces, which R
+# frees only when it collects (so its output too).
+run_loop <- function(steps, threshold_mb, amp = FALSE, full_mb = 3 * out_mb, hold = FALSE) {
   sim <- py_ns(sim_py)
   torch_manual_seed(3)
   net <- nn_sequential(nn_linear(64, 256), nn_relu(), nn_linear(256, 256))  # output: 16 x 256 x 4 = 16 KiB
@@ -44,10 +43,12 @@ run_loop <- function(steps, threshold_mb, amp = FALSE, full_mb = 3 * out_mb) {
   withr::local_options(ampkit.gc_threshold_mb = threshold_mb, ampkit.gc_full_threshold_mb = full_mb)
   amp_gc()  # a fresh start: nothing of earlier tests in the reading
   before <- amp_gc()$collections
+  held <- NULL
   for (i in seq_len(steps)) {
     if (amp) {
       with_autocast(device_type = "cpu", {
         output <- net(x)
+        if (hold) held <- list(output)
         loss <- loss_fn(output, y)
       })
       scaler$scale(loss)$backward()
@@ -55,38 +56,56 @@ run_loop <- function(steps, threshold_mb, amp = FALSE, full_mb = 3 * out_mb) {
       scaler$update()
     } else {
       output <- net(x)
+      if (hold) held <- list(output)
       loss <- loss_fn(output, y)
       loss$backward()
       opt$step()
     }
     opt$zero_grad()
   }
-  live <- reticulate::py_to_r(sim$live)
+  live <- reticulate::py_to_r(sim$live())
   list(max_live = live$max_n, live = live$n,
        collections = amp_gc()$collections - before)
 }
 
 
-test_that("a loop that drops its outputs keeps at most a threshold of them alive", {
+test_that("a loop that drops its outputs holds none of an earlier step's, with no collection", {
+  skip_if_no_ampkit()
+  for (amp in c(FALSE, TRUE)) {
+    # The watch off: the release alone frees each output once `output` is rebound (at
+    # the loss call), so the hook of a forward sees the previous output still bound,
+    # as in Python, where `output = net(x)` rebinds after the call; at the end, only
+    # the last output holds memory.
+    res <- run_loop(40, threshold_mb = Inf, amp = amp)
+    expect_equal(res$collections, 0L)
+    expect_lte(res$max_live, 2)
+    expect_equal(res$live, 1)
+  }
+  # Control: without the release, every output holds its memory until R collects.
+  withr::local_options(ampkit.release_outputs = FALSE)
+  expect_gt(run_loop(40, threshold_mb = Inf)$max_live, 30)
+})
+
+test_that("outputs that R's garbage holds are freed by the watch, at most a threshold of them alive", {
   skip_if_no_ampkit()
   # Control: with the watch off, every output of the loop is still alive.
-  off <- run_loop(40, threshold_mb = Inf)
+  off <- run_loop(40, threshold_mb = Inf, hold = TRUE)
   expect_equal(off$collections, 0L)
   expect_gt(off$max_live, 30)
   # A young-generation gc() after 4.5 outputs of growth, a full one after 3
   # outputs of leftovers (each collection leaves the output live at it).
-  on <- run_loop(40, threshold_mb = 4.5 * out_mb)
+  on <- run_loop(40, threshold_mb = 4.5 * out_mb, hold = TRUE)
   expect_gte(on$collections, 5L)
   expect_lte(on$max_live, 10)
   # Without the full collections, the leftovers pile up.
-  young <- run_loop(80, threshold_mb = 4.5 * out_mb, full_mb = Inf)
+  young <- run_loop(80, threshold_mb = 4.5 * out_mb, full_mb = Inf, hold = TRUE)
   expect_gt(young$max_live, 10)
 })
 
 test_that("scaler$update() watches memory in an AMP loop too", {
   skip_if_no_ampkit()
   # bfloat16 outputs: 8 KiB each; zero_grad and update both read each step.
-  on <- run_loop(30, threshold_mb = 4.5 * out_mb / 2, amp = TRUE, full_mb = 3 * out_mb / 2)
+  on <- run_loop(30, threshold_mb = 4.5 * out_mb / 2, amp = TRUE, full_mb = 3 * out_mb / 2, hold = TRUE)
   expect_gte(on$collections, 4L)
   expect_lte(on$max_live, 10)
 })
@@ -136,14 +155,14 @@ def oom(x):
   withr::defer(ampkit:::.h$set_memory_reader(NULL))
   withr::local_options(ampkit.gc_threshold_mb = Inf)
   x <- torch_randn(4, 64)
-  for (i in 1:5) output <- net(x)
-  output <- NULL
-  expect_equal(reticulate::py_to_r(sim$live)$n, 5)  # held by R garbage
+  for (i in 1:5) held <- list(net(x))  # each output held by a list R frees when it collects
+  held <- NULL
+  expect_equal(reticulate::py_to_r(sim$live())$n, 5)
   oom <- sim$oom
   err <- expect_error(with_autocast(device_type = "cpu", oom(x)),
                       class = "ampkit_py_OutOfMemoryError")
   expect_s3_class(err, "ampkit_out_of_memory")
   expect_match(conditionMessage(err), "collected garbage.*not retried: R code ran in it")
-  expect_equal(reticulate::py_to_r(sim$live)$n, 0)
+  expect_equal(reticulate::py_to_r(sim$live())$n, 0)
   expect_false(is_autocast_enabled("cpu"))
 })

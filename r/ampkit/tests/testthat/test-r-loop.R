@@ -137,6 +137,139 @@ test_that("a step of the R loop frees the earlier steps' outputs without any col
   expect_gt(off$live[[20]] - off$live[[3]], 15 * out_bytes)
 })
 
+# How the outputs of a module's earlier calls stand when it is called again, recorded by
+# a forward pre-hook (in Python, so that R holds no reference): "dead" (Python freed the
+# tensor), "empty" (its memory freed, the object alive until R collects its wrapper) or
+# "live" (its memory held). The same loop in Python is the oracle.
+outputs_watch_py <- "
+import weakref, torch, ampkit
+def state(r):
+    t = r()
+    return 'dead' if t is None else 'empty' if t.untyped_storage().nbytes() == 0 else 'live'
+def watch(net):
+    outs, seen = [], []
+    net.register_forward_pre_hook(lambda m, i: seen.append([state(r) for r in outs]))
+    net.register_forward_hook(lambda m, i, out: outs.append(weakref.ref(out)))
+    return seen
+def build(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
+def loop(xs, ys, steps, amp, seed=9):
+    net = build(seed)
+    seen = watch(net)
+    loss_fn = torch.nn.MSELoss()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    scaler = ampkit.GradScaler('cpu', init_scale=2.0**10)
+    def step(x, y):
+        with ampkit.autocast('cpu', enabled=amp):
+            output = net(x)
+            loss = loss_fn(output, y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        return loss
+    losses = [step(xs[s % 4], ys[s % 4]) for s in range(steps)]
+    return [l.item() for l in losses], seen
+"
+
+test_that("a step written as a function frees its output before the next step's forward, as Python does", {
+  skip_if_no_ampkit()
+  ns <- py_ns(outputs_watch_py)
+  withr::local_options(ampkit.gc_threshold_mb = Inf)  # the garbage watch off: no collection
+  torch_manual_seed(4)
+  xs <- lapply(1:4, function(i) torch_randn(8, 16))
+  ys <- lapply(1:4, function(i) torch_randn(8, 32))
+  r_loop <- function(steps, amp) {
+    torch_manual_seed(9)  # the oracle's build(9)
+    net <- nn_sequential(nn_linear(16, 64), nn_relu(), nn_linear(64, 32))
+    seen <- ns$watch(net)
+    loss_fn <- nn_mse_loss()
+    opt <- optim_sgd(net$parameters, lr = 0.01)
+    scaler <- amp_grad_scaler("cpu", init_scale = 2^10)
+    # as benchmarks/run.R writes the step: `output` goes when the step returns
+    step <- function(x, y) {
+      with_autocast(device_type = "cpu", enabled = amp, {
+        output <- net(x)
+        loss <- loss_fn(output, y)
+      })
+      scaler$scale(loss)$backward()
+      scaler$step(opt)
+      scaler$update()
+      opt$zero_grad()
+      loss
+    }
+    losses <- vector("list", steps)
+    for (s in seq_len(steps)) losses[[s]] <- step(xs[[(s - 1L) %% 4L + 1L]], ys[[(s - 1L) %% 4L + 1L]])
+    list(losses = vapply(losses, function(l) l$item(), numeric(1)),
+         seen = reticulate::py_to_r(seen))
+  }
+  crossings <- if (ampkit:::crossing_status()$on) c(TRUE, FALSE) else FALSE
+  withr::defer(ampkit:::use_crossing(crossings[[1]]))
+  for (amp in c(TRUE, FALSE)) {
+    py <- reticulate::py_to_r(ns$loop(xs, ys, 8L, amp))
+    py_seen <- py[[2]]
+    # the oracle: Python has freed every earlier output when the next forward starts
+    expect_identical(unique(unlist(py_seen)), "dead")
+    for (compiled in crossings) {
+      ampkit:::use_crossing(compiled)
+      r <- r_loop(8L, amp)
+      expect_identical(r$losses, unlist(py[[1]]))
+      expect_identical(lengths(r$seen), lengths(py_seen))
+      if (compiled) {
+        # the compiled crossing lets go of R's reference: Python frees the tensor itself
+        expect_identical(r$seen, py_seen)
+      } else {
+        # reticulate's path empties it (its wrapper goes when R collects)
+        expect_true(all(unlist(r$seen) %in% c("dead", "empty")))
+      }
+    }
+  }
+  # Control: without the release, the earlier outputs are live until R collects.
+  withr::local_options(ampkit.release_outputs = FALSE)
+  ampkit:::use_crossing(crossings[[1]])
+  off <- r_loop(8L, TRUE)
+  expect_true("live" %in% unlist(off$seen))
+})
+
+test_that("a collection of the garbage watch at every step leaves the release to free each output", {
+  skip_if_no_ampkit()
+  skip_if_not(ampkit:::crossing_status()$on, "the compiled crossing is not in use (reticulate's rings forget at a collection)")
+  ns <- py_ns(paste(outputs_watch_py, "
+import itertools
+ticks = itertools.count()
+def growing():  # 2 GiB more at every reading: the watch collects at each
+    return float(next(ticks) * 2**31)
+", sep = "\n"))
+  ampkit:::.h$set_memory_reader(ns$growing)
+  withr::defer(ampkit:::.h$set_memory_reader(NULL))
+  withr::local_options(ampkit.gc_threshold_mb = 1, ampkit.gc_full_threshold_mb = 1e9)
+  torch_manual_seed(4)
+  xs <- lapply(1:4, function(i) torch_randn(8, 16))
+  ys <- lapply(1:4, function(i) torch_randn(8, 32))
+  net <- nn_sequential(nn_linear(16, 64), nn_relu(), nn_linear(64, 32))
+  seen <- ns$watch(net)
+  loss_fn <- nn_mse_loss()
+  opt <- optim_sgd(net$parameters, lr = 0.01)
+  scaler <- amp_grad_scaler("cpu", init_scale = 2^10)
+  step <- function(x, y) {
+    with_autocast(device_type = "cpu", {
+      output <- net(x)
+      loss <- loss_fn(output, y)
+    })
+    scaler$scale(loss)$backward()
+    scaler$step(opt)
+    scaler$update()
+    opt$zero_grad()  # collects while `output` is still bound
+    loss
+  }
+  before <- amp_gc()$collections
+  losses <- vector("list", 8)
+  for (s in 1:8) losses[[s]] <- step(xs[[(s - 1L) %% 4L + 1L]], ys[[(s - 1L) %% 4L + 1L]])
+  expect_gte(amp_gc()$collections - before, 8L)
+  expect_identical(unique(unlist(reticulate::py_to_r(seen))), "dead")
+})
+
 oom_py <- "
 import torch
 calls = {'n': 0}
@@ -281,22 +414,14 @@ test_that("$update() and the next call into Python share one crossing", {
   net <- nn_linear(4, 2)
   opt <- optim_sgd(net$parameters, lr = 0.1)
   scaler <- amp_grad_scaler("cpu", init_scale = 2^8, growth_interval = 1)
-  h <- ampkit:::.h
-  raw <- h$call_raw
-  withr::defer(h$call_raw <- raw)
-  calls <- 0L
-  h$call_raw <- function(f, args, kwargs) {
-    calls <<- calls + 1L
-    raw(f, args, kwargs)
-  }
   count <- function(defer) {
     withr::local_options(ampkit.defer_update = defer)
     scaler$scale(net(torch_randn(3, 4))$sum())$backward()
     scaler$step(opt)
-    calls <<- 0L
-    scaler$update()
-    opt$zero_grad()
-    calls
+    crossings({
+      scaler$update()
+      opt$zero_grad()
+    })
   }
   expect_identical(count(TRUE), 1L)
   expect_identical(count(FALSE), 2L)  # the control
@@ -305,9 +430,8 @@ test_that("$update() and the next call into Python share one crossing", {
   scaler$scale(net(torch_randn(3, 4))$sum())$backward()
   scaler$step(opt)
   scaler$update()
-  calls <- 0L
-  expect_identical(scaler$get_scale(), 2^11)
-  expect_identical(calls, 1L)  # the flush (get_scale() itself is reticulate's call)
+  n <- crossings(expect_identical(scaler$get_scale(), 2^11))
+  expect_identical(n, 1L)  # the flush (get_scale() itself is reticulate's call)
   opt$zero_grad()
 })
 
