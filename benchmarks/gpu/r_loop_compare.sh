@@ -75,7 +75,7 @@ for r in $(seq "$rounds"); do
       lib=/tmp/rlib-${t/nodefer/new}
       (export PYTHONPATH=${tree[${t/nodefer/new}]}/python R_LIBS=$lib
        [ "$t" = nodefer ] && export R_PROFILE_USER=$nodefer_profile
-       runr "$root/benchmarks/run.R" --profile full --device cuda --seed 0 --cases "$c" --variants "$variants" \
+       runr "${tree[${t/nodefer/new}]}/benchmarks/run.R" --profile full --device cuda --seed 0 --cases "$c" --variants "$variants" \
          --repeats "$repeats" --out "$dest/raw-r-$t-$c-r$r.json") > "$dest/log-r-$t-$c-r$r.txt" 2>&1
     done
     echo "round $r $c: $(grep -h 'ampkit_amp:' "$dest"/log-*-"$c"-r"$r".txt | tr '\n' ' ')"
