@@ -101,7 +101,7 @@ class ModelBuffers:
     children and buffers, and the buffers' dtypes and shapes), which catch a module or
     buffer added, removed or reassigned by any route (``setattr``, ``ModuleList.insert``,
     ``model.half()`` replacing buffers, ``.data =`` changing one in place), and finds
-    them again when one differs. The copy is one ``torch._foreach_copy_`` into tensors
+    them again when one differs. The copy is one ``torch._foreach_copy_`` per device and dtype into tensors
     kept from the last call (a clone per buffer cost ~10 us of host time each on CUDA);
     a tensor subclass, which has no foreach copy, is cloned. What was found is held
     until the next ``save()`` finds it changed: a module taken out of the model between
@@ -131,8 +131,16 @@ class ModelBuffers:
         self._found = self._look()
         # (the buffers themselves, not detached aliases, which would keep the storage they
         # had when found if a buffer's .data were replaced since)
-        self._plain = [b for b in buffers if type(b) in PLAIN]
-        self._copies = [torch.empty_like(b, memory_format=torch.preserve_format) for b in self._plain]
+        # One foreach copy per (device, dtype): CUDA's foreach copy takes its fused path
+        # only when every source shares one dtype; a BatchNorm's int64 num_batches_tracked
+        # beside its float statistics sent all of a convnet's buffers to one memcpy each
+        # (60 a step on convnet, measured on an H200).
+        groups: dict = {}
+        for b in buffers:
+            if type(b) in PLAIN:
+                groups.setdefault((b.device, b.dtype), []).append(b)
+        self._plain = [(group, [torch.empty_like(b, memory_format=torch.preserve_format) for b in group])
+                       for group in groups.values()]
         self._others = [b for b in buffers if type(b) not in PLAIN]
 
     def _current(self):
@@ -142,14 +150,14 @@ class ModelBuffers:
     def save(self):
         self._current()
         with torch.no_grad():
-            if self._plain:
-                torch._foreach_copy_(self._copies, self._plain)
+            for group, copies in self._plain:
+                torch._foreach_copy_(copies, group)
             self._other_copies = [b.detach().clone() for b in self._others]
 
     def restore(self):
         with torch.no_grad():
-            if self._plain:
-                torch._foreach_copy_(self._plain, self._copies)
+            for group, copies in self._plain:
+                torch._foreach_copy_(group, copies)
             for b, v in zip(self._others, self._other_copies):
                 b.copy_(v)
 

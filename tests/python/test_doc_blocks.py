@@ -11,7 +11,7 @@ string starts with ``python`` or ``r``; words after the language mark how it run
 
 Any other word fails the inventory test, so a typo cannot hide a block. Every block runs on
 its own: a Python block in a fresh process forked from one that has imported torch and
-ampkit, an R block in a fresh process forked from an R that has loaded (not attached) this
+ampkit (a ``cuda`` block in a new interpreter: CUDA cannot start in a forked child), an R block in a fresh process forked from an R that has loaded (not attached) this
 worktree's R package, installed in a temporary library, and started its Python. Forking
 keeps the whole file fast: the blocks pay for their own work, not for starting torch. Shell, YAML and plain fences are
 not run. R blocks are skipped (saying so) only where R is not installed.
@@ -170,6 +170,15 @@ def run_python(server, block: Block, tmp_path: Path) -> tuple[int, str]:
     if "torchrun" in block.marks:
         env |= {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": free_port()}
+    if "cuda" in block.marks:  # CUDA cannot start in a child forked after its parent started it
+        script = tmp_path / "block.py"
+        script.write_text(block.code)
+        try:
+            done = subprocess.run([sys.executable, str(script)], env=child_env() | env, cwd=tmp_path,
+                                  capture_output=True, text=True, timeout=BLOCK_SECONDS)
+        except subprocess.TimeoutExpired as e:
+            return 124, f"{e.stdout or ''}{e.stderr or ''}\n(killed after {BLOCK_SECONDS} s)"
+        return done.returncode, done.stdout + done.stderr
     request = {"code": block.code, "id": block.id, "env": env, "cwd": str(tmp_path)}
     server.stdin.write(json.dumps(request) + "\n")
     server.stdin.flush()

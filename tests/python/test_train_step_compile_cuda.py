@@ -86,8 +86,13 @@ def test_the_compiled_captured_step_equals_the_compiled_eager_step_bitwise(mode)
     assert step.compiled and step.captures == 1 and step.reason is None
     assert eager["step"].compiled
     assert eager["skipped"] == captured["skipped"] == sorted(INF_STEPS | NAN_STEPS)
-    torch.testing.assert_close(captured["losses"], eager["losses"], rtol=0, atol=0, equal_nan=True)
-    torch.testing.assert_close(captured["tensors"], eager["tensors"], rtol=0, atol=0)
+    # The default mode compiles the same kernels twice: bitwise. max-autotune picks each
+    # GEMM's kernel by timing the candidates, once per compilation, so the two steps may
+    # run different kernels, which differ in the last bits (H200: 1 element of 128 in one
+    # tensor, 7.6e-8 relative): there, equal to float32 rounding of a few ulps.
+    tol = dict(rtol=0, atol=0) if mode is None else dict(rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(captured["losses"], eager["losses"], equal_nan=True, **tol)
+    torch.testing.assert_close(captured["tensors"], eager["tensors"], **tol)
     se, sc = eager["step"].scaler.stats(), step.scaler.stats()
     assert (sc.steps, sc.skipped, sc.history_scales) == (se.steps, se.skipped, se.history_scales)
 
