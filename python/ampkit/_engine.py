@@ -10,8 +10,6 @@ set there, not here.
 
 from __future__ import annotations
 
-import threading
-
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -19,6 +17,7 @@ from ampkit import _kernel_bridge, _kernels, _ops
 from ampkit._bounded import BoundedCache
 from ampkit._cast_tables import DELTA, KERNELS, REFERENCE, TRACE, Table, compile_table
 from ampkit._checkpoint_guard import checkpoint_token
+from ampkit._per_thread import per_thread
 
 _is_compiling = torch.compiler.is_compiling
 # The frozen table of the region last entered or left eagerly in any thread: what traced
@@ -254,16 +253,8 @@ class Engine:
         return self.levels[-1].frame.devs
 
 
-_tls = threading.local()
-
-
-def thread_engine() -> Engine:
-    """This thread's engine: its stack of regions, its trace and its cast cache."""
-    try:
-        return _tls.engine
-    except AttributeError:
-        e = _tls.engine = Engine()
-        return e
+thread_engine = per_thread(
+    Engine, "This thread's engine: its stack of regions, its trace and its cast cache.")
 
 
 class Mode(TorchFunctionMode):

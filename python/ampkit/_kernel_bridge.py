@@ -8,11 +8,10 @@ module; this module knows no engine.
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from ampkit import _cast_rules, _kernels, _narrow_casts, _native
+from ampkit._per_thread import per_thread
 
 Tensor = torch.Tensor
 NO_KERNELS: dict = {}  # the acts of a region that runs no kernel
@@ -28,16 +27,8 @@ class InnermostKernels:
         self.acts = NO_KERNELS
 
 
-_tls = threading.local()
-
-
-def innermost() -> InnermostKernels:
-    """This thread's :class:`InnermostKernels` (the engine sets its ``acts``; kernels read it)."""
-    try:
-        return _tls.innermost
-    except AttributeError:
-        view = _tls.innermost = InnermostKernels()
-        return view
+innermost = per_thread(
+    InnermostKernels, "This thread's :class:`InnermostKernels` (the engine sets its ``acts``; kernels read it).")
 
 
 def kernel_ops(name, category, device_type) -> tuple:
