@@ -266,20 +266,12 @@ _SAMPLES = {
     "scatter_add": lambda m: _m(torch.scatter_add, m.t(3, 4), 1, m.i(4, 3, 2), m.t(3, 2)),
     # ---- spectral
     "stft": lambda m: _m(torch.stft, m.t(32), 8, window=m.f32(8).abs() + 0.5, return_complex=True),
-    "fft.fft": lambda m: _m(torch.fft.fft, m.t(8)),
-    "fft.ifft": lambda m: _m(torch.fft.ifft, m.t(8)),
-    "fft.fft2": lambda m: _m(torch.fft.fft2, m.t(4, 4)),
-    "fft.ifft2": lambda m: _m(torch.fft.ifft2, m.t(4, 4)),
-    "fft.fftn": lambda m: _m(torch.fft.fftn, m.t(2, 4, 4)),
-    "fft.ifftn": lambda m: _m(torch.fft.ifftn, m.t(2, 4, 4)),
-    "fft.rfft": lambda m: _m(torch.fft.rfft, m.t(8)),
-    "fft.irfft": lambda m: _m(torch.fft.irfft, m.t(5)),
-    "fft.rfft2": lambda m: _m(torch.fft.rfft2, m.t(4, 4)),
-    "fft.irfft2": lambda m: _m(torch.fft.irfft2, m.t(4, 3)),
-    "fft.rfftn": lambda m: _m(torch.fft.rfftn, m.t(2, 4, 4)),
-    "fft.irfftn": lambda m: _m(torch.fft.irfftn, m.t(2, 4, 3)),
-    "fft.hfft": lambda m: _m(torch.fft.hfft, m.t(5)),
-    "fft.ihfft": lambda m: _m(torch.fft.ihfft, m.t(8)),
+    # (torch.fft's functions, each on one input of the shape named)
+    **{f"fft.{name}": (lambda m, fn=getattr(torch.fft, name), shape=shape: _m(fn, m.t(*shape)))
+       for name, shape in (("fft", (8,)), ("ifft", (8,)), ("fft2", (4, 4)), ("ifft2", (4, 4)),
+                           ("fftn", (2, 4, 4)), ("ifftn", (2, 4, 4)), ("rfft", (8,)), ("irfft", (5,)),
+                           ("rfft2", (4, 4)), ("irfft2", (4, 3)), ("rfftn", (2, 4, 4)),
+                           ("irfftn", (2, 4, 3)), ("hfft", (5,)), ("ihfft", (8,)))},
     # ---- linear algebra
     "cholesky": lambda m: _m(torch.cholesky, m.spd(3)),
     "cholesky_inverse": lambda m: _m(torch.cholesky_inverse, torch.linalg.cholesky(m.spd(3).float()).to(m.dtype)),
