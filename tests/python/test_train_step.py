@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import ampkit
+from traps import Boom, Once, UpdateFailsOnce
 from ampkit._train_step import _optimizer_refusals
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -339,30 +340,6 @@ FP16 = dict(device_type="cpu", dtype=torch.float16)  # the scaler is on for floa
 FAIL_AT = 4  # the call that raises once (after warm optimizer state and a grown scale)
 
 
-class _Boom(Exception):
-    pass
-
-
-class _Once:
-    """Raise _Boom the first time ``armed`` is set and ``where`` is reached."""
-
-    def __init__(self):
-        self.armed = False
-
-    def fire(self):
-        if self.armed:
-            self.armed = False
-            raise _Boom("injected")
-
-
-class _UpdateFailsOnce(ampkit.GradScaler):
-    trap = None
-
-    def update(self, new_scale=None):
-        self.trap.fire()
-        return super().update(new_scale)
-
-
 def _bn_model(seed=0):
     torch.manual_seed(seed)
     # BatchNorm: the forward changes buffers, which a failed call must put back too.
@@ -374,7 +351,7 @@ def _failing_step(where, opt_name, trap):
     model = _bn_model()
     opt = OPTIMIZERS[opt_name](model.parameters())
     if where == "scaler_update":
-        scaler = _UpdateFailsOnce("cpu", init_scale=2.0**10, growth_interval=3)
+        scaler = UpdateFailsOnce("cpu", init_scale=2.0**10, growth_interval=3)
         scaler.trap = trap
     else:  # ampkit's own: the step checks the optimizer instead of copying (rollback_copy)
         scaler = ampkit.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
@@ -446,18 +423,18 @@ def test_a_call_that_raises_changes_nothing_and_the_run_goes_on_as_a_clean_one(w
     after the optimizer may have written (a replaced step, a hook, a scaler subclass), the
     step copied what it writes; elsewhere it checked the optimizer and copied nothing."""
     batches = make_batches(n=8)  # infs at 3 and 7: skips and back-offs around the fault
-    clean_trap = _Once()
+    clean_trap = Once()
     ref_model, ref_opt, ref_step = _failing_step(where, opt_name, clean_trap)
     ref_losses = [ref_step(x, y) for x, y in batches]
 
-    trap = _Once()
+    trap = Once()
     model, opt, step = _failing_step(where, opt_name, trap)
     losses = []
     for i, (x, y) in enumerate(batches):
         if i == FAIL_AT:
             before = _everything(model, opt, step)
             trap.armed = True
-            with pytest.raises(_Boom):
+            with pytest.raises(Boom):
                 step(x, y)
             assert not trap.armed  # the fault did fire inside the call
             _assert_same(_everything(model, opt, step), before)
@@ -595,7 +572,7 @@ COPY_OR_CHECK = {
     "adam_foreach": (lambda m: torch.optim.Adam(m.parameters(), foreach=True), ampkit.GradScaler, None),
     "lr_scheduler": (_scheduled, ampkit.GradScaler, None),
     "scaler_checks_only": (lambda m: torch.optim.SGD(m.parameters(), lr=0.05), _CheckOnly, None),
-    "scaler_updates": (lambda m: torch.optim.SGD(m.parameters(), lr=0.05), _UpdateFailsOnce,
+    "scaler_updates": (lambda m: torch.optim.SGD(m.parameters(), lr=0.05), UpdateFailsOnce,
                        "overrides more than found_inf"),
     "adagrad": (lambda m: torch.optim.Adagrad(m.parameters()), ampkit.GradScaler, "is not torch's SGD"),
     "sgd_subclass": (lambda m: _SGDPlus(m.parameters(), lr=0.05), ampkit.GradScaler, "is not torch's SGD"),
@@ -620,8 +597,8 @@ def test_the_step_copies_only_where_the_optimizer_step_could_fail_half_way(name)
     step = ampkit.make_train_step(model, torch.nn.functional.mse_loss, opt,
                                   scaler=scaler_cls("cpu", init_scale=2.0**10), autocast=FP16,
                                   capture=False)
-    if scaler_cls is _UpdateFailsOnce:
-        step.scaler.trap = _Once()
+    if scaler_cls is UpdateFailsOnce:
+        step.scaler.trap = Once()
     assert step.rollback_copy is None
     got = []
     for i, (x, y) in enumerate(batches):
@@ -667,10 +644,10 @@ def test_a_ctrl_c_while_the_optimizer_writes_is_raised_once_the_step_is_whole(mo
     the interrupt raised where it came, the optimizer would have stepped while the scaler's
     update and the step's count were undone.)"""
     batches = make_batches(n=8)
-    _, _, ref_step = _failing_step("none", "sgd_fused", _Once())
+    _, _, ref_step = _failing_step("none", "sgd_fused", Once())
     ref_losses = [ref_step(x, y) for x, y in batches]
 
-    model, opt, step = _failing_step("none", "sgd_fused", _Once())
+    model, opt, step = _failing_step("none", "sgd_fused", Once())
     real, armed = torch._fused_sgd_, [False]
 
     def kernel_then_sigint(*a, **k):
@@ -746,10 +723,10 @@ def test_the_eager_rollback_copy_keeps_no_tensor_the_optimizer_dropped():
 
     def half_then_boom(*a, **k):
         real_step(*a, **k)
-        raise _Boom()
+        raise Boom()
 
     opt.step = half_then_boom
-    with pytest.raises(_Boom):
+    with pytest.raises(Boom):
         step(x, y)
     after = [t for s in opt.state.values() for t in s.values()] + list(model.parameters())
     assert_bitwise(after, before)
@@ -786,8 +763,8 @@ def test_the_fallback_beside_a_graph_gives_the_graph_its_gradients_only_once_it_
 
     kept = [g.clone() for g in owned]
     buffers = [b.clone() for b in model.buffers()]
-    step.loss_fn = lambda out, y: (_ for _ in ()).throw(_Boom())  # after the forward
-    with pytest.raises(_Boom):
+    step.loss_fn = lambda out, y: (_ for _ in ()).throw(Boom())  # after the forward
+    with pytest.raises(Boom):
         step._eager([batches[3][0]], [batches[3][1]], keep_grads=True)
     assert_bitwise(owned, kept)  # the graph's tensors, untouched
     assert_bitwise(list(model.buffers()), buffers)  # the forward's statistics, put back
@@ -921,8 +898,8 @@ def test_buffers_changed_between_calls_are_put_back_by_a_failed_call(change):
     held = list(model.buffers())
     before = [b.clone() for b in held]
     loss_fn = step.loss_fn
-    step.loss_fn = lambda out, y: (_ for _ in ()).throw(_Boom())  # after the forward
-    with pytest.raises(_Boom):
+    step.loss_fn = lambda out, y: (_ for _ in ()).throw(Boom())  # after the forward
+    with pytest.raises(Boom):
         step(*batches[2])
     assert all(a is b for a, b in zip(model.buffers(), held))
     assert_bitwise(held, before)

@@ -16,6 +16,7 @@ import torch
 import torch._dynamo
 
 import ampkit
+from traps import Boom, Once, UpdateFailsOnce
 from conftest import compiles_correctly_here
 
 AC = dict(device_type="cpu", dtype=torch.float16)  # float16: the scaler is on
@@ -102,28 +103,6 @@ def test_the_compiled_eager_step_equals_the_hand_loop_over_the_compiled_model_bi
     assert stats == ref_scaler.stats() and stats.skipped == len(INF_STEPS | NAN_STEPS)
 
 
-class _Boom(Exception):
-    pass
-
-
-class _Once:
-    def __init__(self):
-        self.armed = False
-
-    def fire(self):
-        if self.armed:
-            self.armed = False
-            raise _Boom("injected")
-
-
-class _UpdateFailsOnce(ampkit.GradScaler):
-    trap = None
-
-    def update(self, new_scale=None):
-        self.trap.fire()
-        return super().update(new_scale)
-
-
 def _everything(model, opt, step):
     return dict(params=params_and_state(model, opt),
                 grads=[None if p.grad is None else p.grad.clone() for p in model.parameters()],
@@ -149,10 +128,10 @@ def test_a_compiled_call_that_raises_changes_nothing_and_the_run_goes_on():
     batches = make_batches()
 
     def build():
-        traps = dict(backward=_Once(), scaler_update=_Once())
+        traps = dict(backward=Once(), scaler_update=Once())
         model = make_model()
         model[0].weight.register_hook(lambda g: traps["backward"].fire())
-        scaler = _UpdateFailsOnce("cpu", init_scale=2.0**10, growth_interval=2)
+        scaler = UpdateFailsOnce("cpu", init_scale=2.0**10, growth_interval=2)
         scaler.trap = traps["scaler_update"]
         opt = make_opt(model)
         step = ampkit.make_train_step(model, torch.nn.functional.mse_loss, opt, scaler=scaler,
@@ -170,7 +149,7 @@ def test_a_compiled_call_that_raises_changes_nothing_and_the_run_goes_on():
             before = _everything(model, opt, step)
             trap = traps[fail_at[i]]
             trap.armed = True
-            with pytest.raises(_Boom):
+            with pytest.raises(Boom):
                 step(x, y)
             assert not trap.armed  # the fault did fire inside the call
             _assert_same(_everything(model, opt, step), before)
