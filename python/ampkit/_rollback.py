@@ -48,7 +48,7 @@ except ImportError:  # (not CPython)
 from ampkit._scaler import GradScaler
 
 __all__ = ["HeldSignals", "KeptCopies", "ModelBuffers", "OptimizerCopy", "PLAIN",
-           "give_back_grads", "plain_value", "why_copy", "zero_grads_the_graph_had"]
+           "plain_value", "why_copy", "zero_grads_the_graph_had"]
 
 PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensors with a foreach copy (KeptCopies)
 _META = operator.attrgetter("dtype", "shape")
@@ -205,16 +205,6 @@ def zero_grads_the_graph_had(params, owned):
     for p, g in zip(params, owned):
         if g is not None and p.grad is None:
             p.grad = torch.zeros_like(g)
-
-
-def give_back_grads(params, owned):
-    # The graph writes the .grad tensors it owns by address: this step's gradients go into
-    # them, and they become .grad again.
-    pairs = [(p, g) for p, g in zip(params, owned) if g is not None]
-    with torch.no_grad():
-        torch._foreach_copy_([g for _, g in pairs], [p.grad for p, _ in pairs])
-    for p, g in pairs:
-        p.grad = g
 
 
 class OptimizerCopy:

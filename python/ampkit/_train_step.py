@@ -59,8 +59,8 @@ from ampkit._capture import (CAPTURE_ERROR_MODE, AccumulationStreams, collector_
 from ampkit._compile import cache_off_for_capture, compile_failure, compile_model, no_compiling
 from ampkit._kernels import expect_compile
 from ampkit._policy import load_policy
-from ampkit._rollback import (HeldSignals, ModelBuffers, OptimizerCopy, give_back_grads,
-                              plain_value, why_copy, zero_grads_the_graph_had)
+from ampkit._rollback import (HeldSignals, ModelBuffers, OptimizerCopy, plain_value, why_copy,
+                              zero_grads_the_graph_had)
 from ampkit._scaler import GradScaler
 
 __all__ = ["TrainStep", "make_train_step"]
@@ -323,7 +323,7 @@ class TrainStep:
                     raise RuntimeError(f"make_train_step(capture=True): {why}")
                 self.reason = why
                 self._warn(why)
-                return self._eager(flat_in, flat_tg, keep_grads=True)
+                return self._eager(flat_in, flat_tg, beside_graph=True)
             if not self._same_state():
                 self._drop_graph()
                 if self.captures > _MAX_RECAPTURES:
@@ -390,20 +390,21 @@ class TrainStep:
             except BaseException:
                 before.restore()
                 raise
-        if owned_grads is not None:
-            give_back_grads(self._params, owned_grads)
+        if owned_grads is not None:  # .grad: this step's; the graph's again at its next replay
+            self._grads_beside_graph = True
         return loss.detach()
 
-    def _eager(self, flat_in, flat_tg, keep_grads=False) -> torch.Tensor:
+    def _eager(self, flat_in, flat_tg, beside_graph=False) -> torch.Tensor:
         # A failure puts back what this eager step writes in place before its optimizer
         # step: the model's buffers (BatchNorm statistics, in the forward). The gradients
         # need no copy: the step starts from none (set_to_none), and _rollback puts the
-        # old .grad references back. keep_grads: a graph exists and owns the .grad tensors
-        # (it writes them by address); this step computes its own and copies them into the
-        # graph's once it has succeeded, so that a failure leaves the graph's untouched.
+        # old .grad references back. beside_graph: a graph exists and owns gradient tensors
+        # (it writes them by address, and overwrites them whole at each replay); this step
+        # computes its own and leaves them as .grad, the graph's untouched; the next replay
+        # makes the graph's .grad again (_replay). No copy either way.
         buffers = self._kept_buffers
         buffers.save()
-        owned = [p.grad for p in self._params] if keep_grads else None
+        owned = self._graph_grads if beside_graph else None
         try:
             self.optimizer.zero_grad(set_to_none=True)
             return self._body(flat_in, flat_tg, owned_grads=owned)
@@ -500,6 +501,7 @@ class TrainStep:
                 raise RuntimeError(f"make_train_step(capture=True): {why}")
             return self._give_up(why, flat_in, flat_tg)
         self._graph = graph
+        self._graph_grads = [p.grad for p in self._params]  # (the capture's: in its pool)
         self._static_loss = static_loss
         self._sig = _signature(flat_in, flat_tg)
         self._key = self._state_key()
@@ -511,6 +513,8 @@ class TrainStep:
         return self._replay(flat_in, flat_tg)
 
     def _replay(self, flat_in, flat_tg) -> torch.Tensor:
+        if self._grads_beside_graph:  # an eager fallback's gradients were .grad until now
+            self._give_graph_its_grads()
         for buf, t in zip(self._static_in, flat_in):
             buf.copy_(t, non_blocking=True)
         for buf, t in zip(self._static_tg, flat_tg):
@@ -520,6 +524,11 @@ class TrainStep:
         self._last_replayed = True
         # A fresh tensor: the static one is overwritten by the next replay.
         return self._static_loss.clone()
+
+    def _give_graph_its_grads(self):
+        for p, g in zip(self._params, self._graph_grads):
+            p.grad = g
+        self._grads_beside_graph = False
 
     # -- bookkeeping --------------------------------------------------------------------
     def _give_up(self, why, flat_in, flat_tg):
@@ -550,7 +559,8 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=True)  # grads lived in the graph's pool
 
     def _reset_static(self):
-        self._static_in = self._static_tg = self._static_loss = None
+        self._static_in = self._static_tg = self._static_loss = self._graph_grads = None
+        self._grads_beside_graph = False
         self._sig = self._key = self._opt_objs = self._other_sig = self._other_why = None
 
     def _same_state(self):

@@ -87,7 +87,9 @@ ALLOWED = {
     ("tests/python/test_train_step.py", "_after_failed_capture"):
         "the step's recovery after a failed capture, driven directly (no CUDA graph on the CPU)",
     ("tests/python/test_train_step.py", "_eager"):
-        "the eager fallback beside a captured graph (keep_grads), driven directly (no CUDA graph on the CPU)",
+        "the eager fallback beside a captured graph (beside_graph), driven directly (no CUDA graph on the CPU)",
+    ("tests/python/test_train_step.py", "_give_graph_its_grads"):
+        "what a replay does first after an eager fallback, driven directly (no CUDA graph on the CPU)",
 }
 
 

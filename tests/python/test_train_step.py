@@ -732,12 +732,13 @@ def test_the_eager_rollback_copy_keeps_no_tensor_the_optimizer_dropped():
     assert_bitwise(after, before)
 
 
-def test_the_fallback_beside_a_graph_gives_the_graph_its_gradients_only_once_it_succeeded():
+def test_the_fallback_beside_a_graph_leaves_the_graphs_gradients_and_gives_them_back_at_the_next_replay():
     """The eager fallback next to a captured graph (driven directly: no graph on the CPU)
-    keeps the .grad tensors the graph owns and writes by address: they hold, once the call
-    succeeded, bitwise the gradients of the hand-written step from the same state, and
-    the parameters and optimizer state are that step's; a call that fails leaves the
-    graph's tensors untouched (no copy is needed: the step computes its own)."""
+    computes its own gradients and leaves the .grad tensors the graph owns (and overwrites
+    whole at each replay) untouched, succeeding or failing: once the call succeeded, .grad
+    holds bitwise the gradients of the hand-written step from the same state, and the
+    parameters, optimizer state and buffers are that step's; the next replay makes the
+    graph's tensors .grad again."""
     model = _bn_model()
     opt = OPTIMIZERS["sgd_fused"](model.parameters())
     scaler = make_scaler()
@@ -747,27 +748,35 @@ def test_the_fallback_beside_a_graph_gives_the_graph_its_gradients_only_once_it_
     for x, y in batches[:2]:
         step(x, y)
     owned = [p.grad for p in model.parameters()]
+    step._graph_grads = owned  # (as a capture leaves them)
+    kept = [g.clone() for g in owned]
     ref_model, ref_opt = copy.deepcopy((model, opt))
     ref_scaler = make_scaler()
     ref_scaler.load_state_dict(scaler.state_dict())
     x, y = batches[2]
     ref_loss = hand_step(ref_model, ref_opt, ref_scaler, x, y, ac=FP16)
 
-    loss = step._eager([x], [y], keep_grads=True)
-    assert all(p.grad is g for p, g in zip(model.parameters(), owned))
+    loss = step._eager([x], [y], beside_graph=True)
+    assert not any(p.grad is g for p, g in zip(model.parameters(), owned))
+    assert_bitwise(owned, kept)  # the graph's tensors, untouched
     assert_bitwise(loss, ref_loss)
     assert_bitwise([p.grad for p in model.parameters()], [p.grad for p in ref_model.parameters()])
     assert_bitwise(list(model.parameters()), list(ref_model.parameters()))
     assert_bitwise(optimizer_state_tensors(opt), optimizer_state_tensors(ref_opt))
     assert_bitwise(list(model.buffers()), list(ref_model.buffers()))
 
-    kept = [g.clone() for g in owned]
+    grads = [p.grad for p in model.parameters()]
     buffers = [b.clone() for b in model.buffers()]
     step.loss_fn = lambda out, y: (_ for _ in ()).throw(Boom())  # after the forward
     with pytest.raises(Boom):
-        step._eager([batches[3][0]], [batches[3][1]], keep_grads=True)
+        step(*batches[3])  # (no graph on the CPU: the call runs eagerly, and fails)
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads))  # (put back by the call)
+    with pytest.raises(Boom):
+        step._eager([batches[3][0]], [batches[3][1]], beside_graph=True)
     assert_bitwise(owned, kept)  # the graph's tensors, untouched
     assert_bitwise(list(model.buffers()), buffers)  # the forward's statistics, put back
+    step._give_graph_its_grads()  # what the next replay does first
+    assert all(p.grad is g for p, g in zip(model.parameters(), owned))
 
 
 def _lin_then_emb_adam(model):

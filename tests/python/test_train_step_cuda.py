@@ -392,10 +392,11 @@ def test_an_eager_cuda_call_that_raises_changes_nothing(where, opt_name):
     same(state(model, opt, step), state(ref_model, ref_opt, ref_step))
 
 
-def test_the_eager_fallback_gives_the_graph_its_gradients():
-    """A smaller batch beside a captured graph runs eagerly: afterwards .grad are still the
-    tensors the graph writes by address, holding bitwise the gradients of the hand-written
-    step from the same state, and parameters, optimizer state and scale are that step's."""
+def test_the_eager_fallback_leaves_the_graph_its_gradients_and_the_next_replay_takes_them_back():
+    """A smaller batch beside a captured graph runs eagerly: afterwards .grad holds bitwise
+    the gradients of the hand-written step from the same state (the graph's own gradient
+    tensors untouched, no copy), and parameters, optimizer state and scale are that step's;
+    the next replay makes the graph's tensors .grad again, as the hand-written step's."""
     import copy
 
     batches = make_batches(n=8)
@@ -406,6 +407,7 @@ def test_the_eager_fallback_gives_the_graph_its_gradients():
         step(x, y)
     assert step.captured
     owned = [p.grad for p in model.parameters()]
+    kept = [g.clone() for g in owned]
     ref_model, ref_opt = copy.deepcopy((model, opt))
     ref_scaler = scaler()
     ref_scaler.load_state_dict(step.scaler.state_dict())
@@ -421,7 +423,8 @@ def test_the_eager_fallback_gives_the_graph_its_gradients():
         loss = step(x, y)
     assert not step.captured and step.rollback_copy is None
     torch.cuda.synchronize()
-    assert all(p.grad is g for p, g in zip(model.parameters(), owned))
+    assert not any(p.grad is g for p, g in zip(model.parameters(), owned))
+    assert all(torch.equal(g, k) for g, k in zip(owned, kept))  # the graph's, untouched
     assert torch.equal(loss, ref_loss.detach())
     for i, (p, q) in enumerate(zip(model.parameters(), ref_model.parameters())):
         assert torch.equal(p.grad, q.grad), (
@@ -433,6 +436,17 @@ def test_the_eager_fallback_gives_the_graph_its_gradients():
         torch.testing.assert_close(p, q, rtol=3e-7, atol=0, msg=f"param {i}")
     assert all(torch.equal(s, t) for s, t in zip(state_tensors(opt), state_tensors(ref_opt)))
     assert step.scaler.get_scale() == ref_scaler.get_scale()
+    x, y = batches[0]  # a batch of the captured shape: a replay, whose gradients are .grad
+    step(x, y)
+    assert step.captured
+    torch.cuda.synchronize()
+    assert all(p.grad is g for p, g in zip(model.parameters(), owned))
+    ref_opt.zero_grad()
+    with ampkit.autocast(**AC):
+        ref_loss = torch.nn.functional.mse_loss(ref_model(x), y)
+    ref_scaler.scale(ref_loss).backward()
+    for i, (p, q) in enumerate(zip(model.parameters(), ref_model.parameters())):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-5, msg=f"replay grad {i}")
 
 
 def test_the_garbage_collector_is_paused_inside_the_capture_and_restored_after():
