@@ -29,6 +29,7 @@ import gc
 import math
 import sys
 import time
+import warnings
 
 import torch
 
@@ -169,10 +170,15 @@ def make_step(variant: Variant, built: BuiltCase, model, opt, scaler):
     dtype = getattr(torch, dtype) if dtype else None
     if variant.runner == "train_step":  # ampkit's graph-captured step (eager with capture: false)
         import ampkit
-        # make_train_step's defaults, on every engine (it warms a DDP model up for 11 steps)
-        return ampkit.make_train_step(model, loss_fn, opt, scaler=scaler,
-                                      autocast=dict(device_type=device, dtype=dtype),
-                                      capture=variant.capture, compile=step_compile(variant))
+        # make_train_step's defaults, on every engine (it warms a DDP model up for 11 steps).
+        # Its warning that it runs eagerly (on the CPU: always) is not printed: the record
+        # carries the same reason (step.reason, train_step_note).
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="ampkit.make_train_step: running eagerly",
+                                    category=UserWarning)
+            return ampkit.make_train_step(model, loss_fn, opt, scaler=scaler,
+                                          autocast=dict(device_type=device, dtype=dtype),
+                                          capture=variant.capture, compile=step_compile(variant))
     model = compile_model(variant, model)
     if variant.autocast == "torch":
         region = lambda: torch.autocast(device_type=device, dtype=dtype)  # noqa: E731
