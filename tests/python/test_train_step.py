@@ -7,7 +7,6 @@ skipped steps, with infs and NaNs injected at known steps through the targets.
 
 import copy
 import gc
-import math
 import signal
 import warnings
 
@@ -15,7 +14,7 @@ import pytest
 import torch
 
 import ampkit
-from traps import Boom, Once, UpdateFailsOnce
+from traps import Boom, Once, UpdateFailsOnce, poisoned_batches
 from ampkit._train_step import _optimizer_refusals
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -31,16 +30,7 @@ def make_model(seed=0):
 
 
 def make_batches(n=N_STEPS, poison=True, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        x, y = torch.randn(12, 16, generator=g), torch.randn(12, 8, generator=g)
-        if poison and i in INF_STEPS:
-            y[0, 0] = math.inf
-        if poison and i in NAN_STEPS:
-            y[1, 1] = math.nan
-        out.append((x, y))
-    return out
+    return poisoned_batches(n, 12, 16, 8, INF_STEPS if poison else (), NAN_STEPS if poison else (), seed)
 
 
 OPTIMIZERS = {

@@ -8,7 +8,6 @@ three tests compile with inductor (the others use backends that fail at once or
 aot_eager, which compiles nothing).
 """
 
-import math
 import warnings
 
 import pytest
@@ -16,7 +15,7 @@ import torch
 import torch._dynamo
 
 import ampkit
-from traps import Boom, Once, UpdateFailsOnce
+from traps import Boom, Once, UpdateFailsOnce, poisoned_batches
 from conftest import compiles_correctly_here
 
 AC = dict(device_type="cpu", dtype=torch.float16)  # float16: the scaler is on
@@ -37,17 +36,8 @@ def make_model(seed=0):
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
 
 
-def make_batches(n=N_STEPS, seed=1, poison=True):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        x, y = torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
-        if poison and i in INF_STEPS:
-            y[0, 0] = math.inf
-        if poison and i in NAN_STEPS:
-            y[1, 1] = math.nan
-        out.append((x, y))
-    return out
+def make_batches(n=N_STEPS, poison=True, seed=1):
+    return poisoned_batches(n, 6, 8, 4, INF_STEPS if poison else (), NAN_STEPS if poison else (), seed)
 
 
 def make_scaler():
