@@ -3,7 +3,7 @@
 # same line in Python, in one process, interleaved. CPU time (user + system) per call;
 # the 2-core VM is shared, so the minimum over the rounds is the steadier figure.
 #
-#   RETICULATE_PYTHON=<repo>/.venv/bin/python R_LIBS=<lib> OMP_NUM_THREADS=1 \
+#   RETICULATE_PYTHON=<repo>/.venv/bin/python R_LIBS=<lib> OMP_NUM_THREADS=1 AMPKIT_REPO=<repo> \
 #     Rscript benchmarks/r/crossing.R [calls=3000] [repeats=5]
 #
 # Each line is timed alone, repeated on the same inputs (a region with an empty block,
@@ -20,23 +20,7 @@ torch$set_num_threads(1L)
 status <- ampkit:::crossing_status()
 if (!status$on) stop("the compiled crossing is not in use: ", status$why)
 
-torch_manual_seed(1)
-data <- lapply(1:10, function(i) torch_randn(8, 16))
-targets <- lapply(1:10, function(i) torch_randn(8, 16))
-net <- nn_sequential(nn_linear(16, 16), nn_relu(), nn_linear(16, 16), nn_relu(), nn_linear(16, 16))
-loss_fn <- nn_mse_loss()
-opt <- optim_sgd(net$parameters, lr = 0.1)
-scaler <- amp_grad_scaler("cpu", init_scale = 2^10)
-step <- function(i) {
-  with_autocast(device_type = "cpu", {
-    output <- net(data[[i]])
-    loss <- loss_fn(output, targets[[i]])
-  })
-  scaler$scale(loss)$backward()
-  scaler$step(opt)
-  scaler$update()
-  opt$zero_grad()
-}
+source(file.path(Sys.getenv("AMPKIT_REPO", "."), "benchmarks", "r", "small_step.R"))  # data ... scaler, step(i)
 epoch <- function(n) for (s in seq_len(n)) step((s - 1L) %% 10L + 1L)
 py <- reticulate::py_run_string("
 import time, torch, ampkit

@@ -51,13 +51,7 @@ torch$set_num_threads(1L)
 mode <- Sys.getenv("MODE", "r")
 n <- as.integer(Sys.getenv("N", "100"))
 if (mode == "reticulate") ampkit:::use_crossing(FALSE)
-torch_manual_seed(1)
-data <- lapply(1:10, function(i) torch_randn(8, 16))
-targets <- lapply(1:10, function(i) torch_randn(8, 16))
-net <- nn_sequential(nn_linear(16, 16), nn_relu(), nn_linear(16, 16), nn_relu(), nn_linear(16, 16))
-loss_fn <- nn_mse_loss()
-opt <- optim_sgd(net$parameters, lr = 0.1)
-scaler <- amp_grad_scaler("cpu", init_scale = 2^10)
+source(file.path(Sys.getenv("AMPKIT_REPO", "."), "benchmarks", "r", "small_step.R"))  # data ... scaler, step(i); r_loop below runs step()'s body inline
 r_loop <- function(n) for (s in seq_len(n)) {
   i <- (s - 1L) %% 10L + 1L
   with_autocast(device_type = "cpu", {

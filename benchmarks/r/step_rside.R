@@ -5,7 +5,7 @@
 # where end-to-end timings of the real step vary by 2x from run to run. The release of
 # dropped outputs is off (a canned output is never dropped).
 #
-#   RETICULATE_PYTHON=<repo>/.venv/bin/python R_LIBS=<lib> OMP_NUM_THREADS=1 \
+#   RETICULATE_PYTHON=<repo>/.venv/bin/python R_LIBS=<lib> OMP_NUM_THREADS=1 AMPKIT_REPO=<repo> \
 #     Rscript benchmarks/r/step_rside.R [steps=20000]
 library(ampkit)
 stopifnot(ampkit_available())
@@ -13,24 +13,9 @@ steps <- as.integer(commandArgs(trailingOnly = TRUE)[1])
 if (is.na(steps)) steps <- 20000L
 torch <- reticulate::import("torch")
 torch$set_num_threads(1L)
+ampkit:::use_crossing(FALSE)  # the R path: the compiled crossing would call Python past the canned results
 h <- ampkit:::.h
-torch_manual_seed(1)
-data <- lapply(1:10, function(i) torch_randn(8, 16))
-targets <- lapply(1:10, function(i) torch_randn(8, 16))
-net <- nn_sequential(nn_linear(16, 16), nn_relu(), nn_linear(16, 16), nn_relu(), nn_linear(16, 16))
-loss_fn <- nn_mse_loss()
-opt <- optim_sgd(net$parameters, lr = 0.1)
-scaler <- amp_grad_scaler("cpu", init_scale = 2^10)
-step <- function(i) {
-  with_autocast(device_type = "cpu", {
-    output <- net(data[[i]])
-    loss <- loss_fn(output, targets[[i]])
-  })
-  scaler$scale(loss)$backward()
-  scaler$step(opt)
-  scaler$update()
-  opt$zero_grad()
-}
+source(file.path(Sys.getenv("AMPKIT_REPO", "."), "benchmarks", "r", "small_step.R"))  # data ... scaler, step(i)
 for (i in 1:20) step((i - 1L) %% 10L + 1L)  # real steps first: caches and lookups made
 
 call_of <- function(code) ampkit:::py_fn(reticulate::py_eval(code, convert = FALSE))
