@@ -33,6 +33,7 @@ import copy
 import functools
 import operator
 import signal
+import _thread
 import threading
 import weakref
 from itertools import chain
@@ -56,6 +57,7 @@ _PARAM_META = operator.attrgetter("dtype", "shape", "device")  # (model.to(devic
 _GRAD = operator.attrgetter("grad")
 _LAYOUT = operator.attrgetter("layout")
 _is_not_none = functools.partial(operator.is_not, None)
+_MAIN_THREAD = threading.main_thread().ident  # (Python runs signal handlers there only)
 
 
 class KeptCopies:
@@ -110,21 +112,19 @@ class ModelBuffers:
 
     def __init__(self, model):
         self.model = model
-        self._found = None  # (the ids of every module's children, of every module's buffers)
-        self._child_dicts = self._buffer_dicts = self._tensors = []
+        self._found = None  # (the ids of every module's children, then of every module's buffers)
+        self._dicts = self._tensors = []
         self._others = self._other_copies = []
 
     def _look(self):
-        # C-level walks of the kept modules' dicts (the objects they name are kept alive
-        # by self, and by the model: no identity is reused while compared)
-        children = list(map(id, chain.from_iterable(map(dict.values, self._child_dicts))))
-        buffers = list(map(id, chain.from_iterable(map(dict.values, self._buffer_dicts))))
-        return children, buffers
+        # One C-level walk of the kept modules' dicts, children's then buffers' (the objects
+        # they name are kept alive by self, and by the model: no identity is reused while
+        # compared; a None, a removed buffer's slot, is named too)
+        return list(map(id, chain.from_iterable(map(dict.values, self._dicts))))
 
     def _find(self):
         modules = list(self.model.modules())
-        self._child_dicts = [m._modules for m in modules]
-        self._buffer_dicts = [m._buffers for m in modules]
+        self._dicts = [m._modules for m in modules] + [m._buffers for m in modules]
         self._kept = modules
         buffers = [b for m in modules for b in m._buffers.values() if b is not None]
         self._tensors, self._metas = buffers, list(map(_META, buffers))
@@ -149,6 +149,8 @@ class ModelBuffers:
 
     def save(self):
         self._current()
+        if not self._tensors:  # (no buffers: nothing to copy, no grad mode to enter)
+            return
         with torch.no_grad():
             for group, copies in self._plain:
                 torch._foreach_copy_(copies, group)
@@ -172,6 +174,7 @@ class HeldSignals:
     cost of holding.)"""
 
     SIGNALS = (int(signal.SIGINT), int(signal.SIGTERM))
+    __slots__ = ("saved", "came")
 
     def __init__(self):
         self.saved, self.came = {}, []
@@ -180,7 +183,7 @@ class HeldSignals:
         self.came.append((signum, frame))
 
     def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
+        if _thread.get_ident() == _MAIN_THREAD:
             for s in self.SIGNALS:
                 handler = _signal.getsignal(s)
                 if callable(handler):

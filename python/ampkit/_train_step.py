@@ -418,14 +418,14 @@ class TrainStep:
 
     def _save_for_rollback(self):
         # Host objects only (no tensor work: a replay must stay one launch); what an eager
-        # step writes in place is kept by _eager and _body.
-        attrs = vars(self).copy()
-        for k in _NOT_ROLLED_BACK:
-            attrs.pop(k, None)
-        return attrs, list(map(_GRAD_OF, self._params))  # (a C-level walk: every call)
+        # step writes in place is kept by _eager and _body. (The attributes that are not
+        # rolled back are left out when a rollback runs, not on every call.)
+        return vars(self).copy(), list(map(_GRAD_OF, self._params))  # (C-level: every call)
 
     def _rollback(self, saved):
         attrs, grads = saved
+        for k in _NOT_ROLLED_BACK:
+            attrs.pop(k, None)
         vars(self).update(attrs)
         for p, g in zip(self._params, grads):
             p.grad = g

@@ -28,6 +28,12 @@ PACKAGE = "ampkit"
 WHITE_BOX = "a white-box test of this private module's internals, which have no public face"
 # (file, name read) -> why it stays.
 ALLOWED = {
+    ("benchmarks/eager_step_parts.py", "ampkit._train_step"):
+        "a measurement that switches the eager step's safety parts off one at a time (why_copy, "
+        "HeldSignals, the kept buffers, the attribute copy) to see what each costs: internals by "
+        "purpose, never in a shipped path",
+    ("benchmarks/eager_step_parts.py", "_kept_buffers"):
+        "the same measurement: it switches the kept buffers' copy off on the step object",
     ("tests/python/conftest.py", "ampkit._kernels"):
         "each test starts with torch's own autocast kernels (drop_idle()): the kernel route's "
         "registrations have no public face",
