@@ -87,7 +87,7 @@ def main(argv=None):
         if args.device == "cpu":
             batches = (batches * 20)[:20]
         eager = steps["eager"]
-        step = eager.__closure__[0].cell_contents if args.setting == "fallback" else eager
+        step = eager
         originals = {"why_copy": _train_step.why_copy, "held": _train_step.HeldSignals}
         times = {v: [] for v in VARIANTS}
         try:
