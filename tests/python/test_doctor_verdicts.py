@@ -13,12 +13,14 @@ import ampkit
 HANDLED, HARMFUL = "handled", "harmful"
 
 
-def _run(init_scale, xs, **scaler_kw):
+def _run(init_scale, xs, prepare=None, **scaler_kw):
     """Train a 2-layer model in float16 on batches ``xs``, with ampkit's scaler (doctor
     armed) and, on a copy, torch's scaler. Returns the doctor, ampkit's scaler and torch's
     per-step (skipped, scale before the step)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    if prepare is not None:
+        prepare(model)
     twin = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     topt = torch.optim.SGD(twin.parameters(), lr=1e-3)
@@ -101,6 +103,26 @@ def test_a_backward_overflow_past_the_backoffs_the_rule_allows_is_harmful():
     want = _expected(oracle, {f.step: f.phase for f in found})
     assert {f.step: f.verdict for f in found} == want
     assert want[15] == HANDLED and want[16] == HARMFUL  # the 17th consecutive skip: 16 backoffs did not fix it
+    doc.close()
+
+
+def test_a_sampled_finding_the_scaler_never_saw_is_harmful_and_the_first_bad_step_follows():
+    def mask(model):  # row 0 of layer 0 overflows to -inf in float16 each step; the ReLU masks it
+        with torch.no_grad():
+            model[0].weight[0].fill_(-3e4)
+            model[0].bias[0] = 0.0
+
+    g = torch.Generator().manual_seed(4)
+    xs = [torch.rand(16, 8, generator=g) + 1.0 for _ in range(6)]
+    xs[3][1, 2] = 1e6
+    doc, scaler, oracle = _run(1.0, xs, prepare=mask)
+    assert [s for s, (skipped, _) in enumerate(oracle) if skipped] == [3]
+    found = doc.findings(scaler)
+    # step 0 was sampled (every=100): its masked -inf is a finding of a step no one skipped
+    assert [(f.op, f.module, f.phase, f.step) for f in found] == [("addmm", "0", "forward", 0),
+                                                                 ("_to_copy", "0", "forward", 3)]
+    assert {f.step: f.verdict for f in found} == _expected(oracle, {f.step: f.phase for f in found})
+    assert [f.verdict for f in found] == [HARMFUL, HARMFUL]
     doc.close()
 
 

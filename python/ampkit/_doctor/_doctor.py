@@ -393,7 +393,13 @@ class doctor(OpWatch, Replay):
             return []
         bad, found = set(), [first]
         for dev, w in self._watches.items():
-            bad.update(w.known_bad_steps())
+            steps = w.known_bad_steps()
+            bad.update(steps)
+            k = w.bad()  # the frozen first bad step: later than a sampled step's finding
+            if k is not None and k > first.step:
+                if k not in self._replayed:
+                    self._replayed[k] = self._replay(k, dev)
+                found.append(self._replayed[k])
             for k in sorted(w.later):
                 if k > first.step and k not in self._replayed:
                     with w.later_frozen(k):

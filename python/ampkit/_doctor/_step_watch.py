@@ -478,7 +478,7 @@ class StepWatch:
                     # read, at a bad verdict only) rather than overwrite it
                     self._device_records = False
                     s = int(self.bad_step.item())
-                    self._first = s if s >= 0 else None
+                    self._first = s if 0 <= s < step else None  # (a later one: this step's bytes go first)
                 if self._first is None:
                     self._first = step
                     self._freeze(step, *data)
