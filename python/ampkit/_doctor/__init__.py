@@ -21,7 +21,8 @@ range (inf); ``heatmap()`` draws them (``_plot``).
 
 The modules, bottom up: ``_finding`` (what it reports), ``_replaying`` (which step is being
 replayed), ``_step_watch`` (every step's check and the frozen bad step), ``_op_watch``,
-``_replay``, ``_plot``, and ``_doctor`` (the class that arms them).
+``_replay``, ``_plot``, ``_verdict`` (which findings the loss scaler handled: ``findings(scaler)``,
+``first_harmful(scaler)``), and ``_doctor`` (the class that arms them).
 
 >>> import torch, ampkit
 >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))

@@ -21,12 +21,14 @@ from torch.utils._pytree import tree_leaves
 from ampkit import _ops
 from ampkit._listeners import about_to_capture, gradients_checked
 from ampkit._policy import load_policy
+from ampkit._scaler import GradScaler
 from ampkit._doctor._finding import OUTSIDE, Finding
 from ampkit._doctor._op_watch import OpWatch
 from ampkit._doctor._plot import heatmap
 from ampkit._doctor._replay import Replay, cuda_generator, region_config
 from ampkit._doctor._replaying import replaying
 from ampkit._doctor._step_watch import StepWatch, capturing, state_of
+from ampkit._doctor._verdict import HANDLED, HARMFUL, classify
 
 # The armed doctors (at most one a model), held weakly: a doctor collected with its model,
 # never closed, leaves by itself.
@@ -124,6 +126,7 @@ class doctor(OpWatch, Replay):
         self._rng_seeds: dict = {}  # host step -> the generator's seed, where it changes
         self._rng_seed = None  # the last seed logged
         self._replayed: dict = {}  # step -> Finding
+        self._split = None  # (handled, harmful) counts of the last findings() read
         # the op-level watch's mode goes where the stack ends now: above the modes entered
         # before arming (a fault injector), below those entered later
         self._depth = len(_get_current_dispatch_mode_stack())
@@ -371,6 +374,47 @@ class doctor(OpWatch, Replay):
         return Finding(op=op, module=module, phase=phase, dtype=dtype, step=int(r[2]),
                        input_absmax=float(r[3]), output_absmax=float(r[4]))
 
+    def findings(self, scaler):
+        """Every bad step's finding, by step, each with its ``verdict``: ``"handled"`` (a
+        backward overflow that ``scaler`` skipped and could still back off from) or
+        ``"harmful"`` (a forward one, one the scaler did not skip, one that recurs where the
+        scaler cannot lower the scale); the rule is ``ampkit._doctor._verdict``'s.
+
+        ``scaler`` is the ``ampkit.GradScaler`` that steps the model's optimizer (its record
+        of scales is read once; its latest update is taken as this doctor's latest step).
+        The first finding is ``first_nonfinite()``'s; each later bad step whose verdict the
+        host read (the usual eager loop: not a step the device records, as inside a CUDA
+        graph) is replayed once, with the weights of the time of reading (up to 32 of them)."""
+        if not isinstance(scaler, GradScaler):
+            raise TypeError(f"ampkit.doctor.findings: scaler must be the ampkit.GradScaler that steps "
+                            f"the model's optimizer, got {type(scaler).__name__}")
+        first = self.first_nonfinite()
+        if first is None:
+            return []
+        bad, found = set(), [first]
+        for dev, w in self._watches.items():
+            steps = w.known_bad_steps()
+            bad.update(steps)
+            k = w.bad()  # the frozen first bad step: later than a sampled step's finding
+            if k is not None and k > first.step:
+                if k not in self._replayed:
+                    self._replayed[k] = self._replay(k, dev)
+                found.append(self._replayed[k])
+            for k in sorted(w.later):
+                if k > first.step and k not in self._replayed:
+                    with w.later_frozen(k):
+                        self._replayed[k] = self._replay(k, dev)
+                if k > first.step:
+                    found.append(self._replayed[k])
+        found = sorted({f.step: f for f in reversed(found)}.values(), key=lambda f: f.step)
+        judged = classify(found, bad, self._scaler_seen, scaler, self._step)
+        self._split = (sum(f.verdict == HANDLED for f in judged), sum(f.verdict == HARMFUL for f in judged))
+        return judged
+
+    def first_harmful(self, scaler):
+        """The first finding ``scaler`` did not handle (see :meth:`findings`), or None."""
+        return next((f for f in self.findings(scaler) if f.verdict == HARMFUL), None)
+
     def on_skip(self, scaler):
         """The finding when ``scaler`` (an ``ampkit.GradScaler``) skipped a step, else None."""
         stats = scaler.stats()
@@ -402,22 +446,29 @@ class doctor(OpWatch, Replay):
         for w in self._watches.values():
             w.reset()
         self._replayed = {}
+        self._split = None
         self._rows = []
 
-    def suggest(self, *, underflow: float = 0.01, policy=None):
+    def suggest(self, *, underflow: float = 0.01, policy=None, scaler=None):
         """The smallest change to the policy that stops what the doctor saw: each module where
         a forward value overflowed (the first non-finite value, or a sampled step's inf), or
         where more than ``underflow`` of the cast values underflowed, is pinned to float32
         (``policy.with_module(name, pin="float32")``). A forward finding outside every module
-        moves its op to ``fp32`` instead. Backward overflows are left to the loss scaler
-        (``ampkit.GradScaler`` backs off on them): no rule is suggested for them. Returns an
+        moves its op to ``fp32`` instead. With ``scaler`` (the ``ampkit.GradScaler`` of the
+        run) it acts on the first *harmful* finding (:meth:`findings`), a backward one the
+        scaler could not handle included (its module pinned); without, on the first finding
+        if it is a forward one (backward overflows are left to the loss scaler). Returns an
         ``ampkit.Policy`` (``.to_yaml()`` writes it)."""
         from ampkit import _ops
         base = self.policy if policy is None else load_policy(policy)
         bad = []
-        f = self.first_nonfinite()
+        if scaler is None:
+            f = self.first_nonfinite()
+            f = f if f is not None and f.phase == "forward" else None
+        else:
+            f = self.first_harmful(scaler)
         global_ops = []
-        if f is not None and f.phase == "forward":
+        if f is not None:
             if f.module in ("", OUTSIDE):
                 try:
                     _ops.check_name(f.op, "suggest")
@@ -452,4 +503,5 @@ class doctor(OpWatch, Replay):
 
     def __repr__(self):
         state = "armed" if self.armed else "closed"
-        return f"<ampkit.doctor on {type(self.model).__name__}, every={self.every}, {state}>"
+        split = "" if self._split is None else f", findings: {self._split[0]} handled, {self._split[1]} harmful"
+        return f"<ampkit.doctor on {type(self.model).__name__}, every={self.every}, {state}{split}>"

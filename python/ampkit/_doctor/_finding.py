@@ -21,6 +21,8 @@ class Finding:
     output_absmax: float  # inf or nan
     weights: str = "step"  # the weights the op ran with: "step" (that step's), or "current"
     # (a replay with the weights at the time of reading, see ampkit.doctor's keep_weights)
+    verdict: str = ""  # "handled" (the scaler skipped it and backed off), "harmful", or ""
+    # (not judged: first_nonfinite() does not read a scaler; see ampkit.doctor.findings)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

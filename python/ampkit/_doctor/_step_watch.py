@@ -29,6 +29,11 @@ eagerly). So the doctor splits the work:
   (and with ``keep_weights`` the step's own weights), the forward, then the backward from
   the frozen output gradient; then everything is put back.
 
+The host also notes every later bad step whose verdict it read, and keeps what the first
+``_LATER`` of them hold (their tensors, no copy, as the pending queue held them): a later bad
+step may be the first harmful one (``_verdict``); a step the device records (a capture, a
+refilled buffer, ``keep_weights``) is known only when it is the first bad one.
+
 Memory: the frozen inputs and output gradients (one step's), and with ``keep_weights``
 one copy of the weights; a step's inputs and output gradient are held until its verdict
 (up to about 34 steps later; at most 64), or, for a step the device copies, until the next
@@ -39,6 +44,7 @@ from __future__ import annotations
 
 import array
 import collections
+import contextlib
 import ctypes
 import dataclasses
 import time
@@ -134,6 +140,7 @@ _BATCH = 32  # steps whose flags go to the host in one copy (two launches)
 _BATCH_BYTES = 256 << 20  # ... or fewer, once the steps not sent hold this much
 _RING = 2048  # host slots for the flags on their way (pinned on CUDA)
 _FLAGS = 8  # flags a step sends at most (more checks in a step are folded into its last)
+_LATER = 32  # bad steps after the first whose held tensors are kept for a replay (no copy)
 _PENDING = 64  # eager steps whose verdicts the host may wait for, holding their tensors
 
 
@@ -188,6 +195,11 @@ class StepWatch:
         self._made = self._sent = 0
         self._pending = collections.deque()  # [host step, its first flag's number, its flag count, held]
         self._first = None  # the first bad step the host has seen the verdict of
+        # the later bad steps the host saw the verdict of, and (for the first _LATER of them)
+        # what they hold, as it is (no copy): a later bad step may be the first harmful one
+        self.bad_steps: list = []
+        self._device_records = False  # a step the device records came since the last bad verdict
+        self.later: dict = {}  # step -> its held data, as _freeze takes it
         # a step's bytes placed by the host after its verdict (off: by the device at once,
         # as with keep_weights, whose weights change before a verdict arrives)
         self.host_verdicts = not keep_weights
@@ -363,6 +375,7 @@ class StepWatch:
         the first bad one (what such a step holds is let go of when the next step begins:
         each check of the step may be the bad one). Idempotent within a step."""
         if not self.host_mode:
+            self._device_records = True
             # what the step holds stays held until the next step begins: a second check in
             # this step (a second optimizer's) may be the bad one and copies it then
             with torch.no_grad():  # (a held input may require grad; where's out= refuses those)
@@ -458,9 +471,19 @@ class StepWatch:
             p.popleft()
             for i in slots:
                 mv[i] = -1.0
-            if self._first is None and max(vals) > 0:
-                self._first = step
-                self._freeze(step, *data)
+            if max(vals) > 0:
+                self.bad_steps.append(step)
+                if self._first is None and self._device_records:
+                    # a step the device recorded may come first: read its record (one host
+                    # read, at a bad verdict only) rather than overwrite it
+                    self._device_records = False
+                    s = int(self.bad_step.item())
+                    self._first = s if 0 <= s < step else None  # (a later one: this step's bytes go first)
+                if self._first is None:
+                    self._first = step
+                    self._freeze(step, *data)
+                elif len(self.later) < _LATER:
+                    self.later[step] = data
 
     def _freeze(self, step, args, ins, grads, rng, cfg, vers):
         """Place step ``step``'s inputs (and CPU generator bytes) and output gradients in the
@@ -522,6 +545,8 @@ class StepWatch:
         self.poll(wait=True)
         self.bad_step.fill_(-1.0)
         self._first = None
+        self.bad_steps, self.later = [], {}
+        self._device_records = False
         self.stale = self.frozen_meta = None
 
     def release(self):
@@ -543,6 +568,28 @@ class StepWatch:
         self.poll(wait=True)
         s = int(self.bad_step.item())
         return None if s < 0 else s
+
+    def known_bad_steps(self):
+        """Every bad step whose verdict the host read (the usual eager loop), with the first
+        one the device recorded; sorted. One host read."""
+        first = self.bad()
+        return sorted(set(self.bad_steps) | ({first} if first is not None else set()))
+
+    @contextlib.contextmanager
+    def later_frozen(self, step):
+        """Place later bad step ``step``'s held tensors in frozen bytes of their own for a
+        replay, and put the first bad step's frozen bytes and record back afterwards."""
+        saved = (self.io_frozen, self.g_frozen, self.frozen_meta, self.stale, self._key, self.layout,
+                 self.grad_layout, self._grad_dst, self.bad_step.clone())
+        self.io_frozen = torch.zeros(0, dtype=_U8, device=self.dev)
+        self.g_frozen = torch.zeros(0, dtype=_U8, device=self.dev)
+        try:
+            self._freeze(step, *self.later[step])
+            yield
+        finally:
+            (self.io_frozen, self.g_frozen, self.frozen_meta, self.stale, self._key, self.layout,
+             self.grad_layout, self._grad_dst, bad_step) = saved
+            self.bad_step.copy_(bad_step)
 
     def frozen_state(self):
         """The frozen parameters and buffers, as tensors shaped like ``state``."""

@@ -26,12 +26,20 @@
 #'   * `$first_nonfinite()`: `NULL`, or a one-row data.frame with columns
 #'     `op`, `module`, `phase`, `dtype`, `step`, `input_absmax`,
 #'     `output_absmax`, `weights` (`"step"` or `"current"`: the weights
-#'     the replay ran);
+#'     the replay ran), `verdict` (`""`: not judged, see `$findings()`);
+#'   * `$findings(scaler)`: a data.frame, one row per bad step (the columns of
+#'     `$first_nonfinite()`), its `verdict` column `"handled"` (a backward
+#'     overflow the scaler skipped and could still back off from) or `"harmful"`
+#'     (a forward one, one not skipped, one that recurs where the scaler cannot
+#'     lower the scale); `scaler` is the [amp_grad_scaler()] of the run;
+#'   * `$first_harmful(scaler)`: `NULL`, or the first harmful row of
+#'     `$findings(scaler)`;
 #'   * `$stats()`: a data.frame, one row per module and sampled step
 #'     (`step`, `module`, `absmax`, `grad_absmax`, `underflow`, `overflow`,
 #'     `cast_elements`, `low_elements`);
-#'   * `$suggest()`: an [amp_policy()] with module scopes that stop what the
-#'     doctor saw (write it with `$py$to_yaml()`);
+#'   * `$suggest(scaler = NULL)`: an [amp_policy()] with module scopes that stop
+#'     what the doctor saw (write it with `$py$to_yaml()`); with the run's
+#'     `scaler` it acts on the first harmful finding only;
 #'   * `$heatmap(path)`: writes a PNG of per-module underflow and overflow
 #'     over the sampled steps and returns `path`;
 #'   * `$close()`: disarms the doctor.
@@ -67,12 +75,24 @@ amp_doctor <- function(model, every = 100, ..., policy = NULL, keep_weights = FA
       if (is.null(f)) return(NULL)
       as.data.frame(f$to_dict(), stringsAsFactors = FALSE)
     },
+    findings = function(scaler) {
+      rows <- py_try(doc$findings(doctor_scaler(scaler)), "findings()")
+      records_to_df(lapply(rows, function(f) f$to_dict()), finding_columns)
+    },
+    first_harmful = function(scaler) {
+      f <- py_try(doc$first_harmful(doctor_scaler(scaler)), "first_harmful()")
+      if (is.null(f)) return(NULL)
+      as.data.frame(f$to_dict(), stringsAsFactors = FALSE)
+    },
     stats = function() {
       rows <- py_try(doc$stats(), "stats()")
       records_to_df(rows, c("step", "module", "absmax", "grad_absmax", "underflow", "overflow",
                             "cast_elements", "low_elements"))
     },
-    suggest = function() new_policy(py_try(doc$suggest(), "suggest()")),
+    suggest = function(scaler = NULL) {
+      py_scaler <- if (is.null(scaler)) NULL else doctor_scaler(scaler)
+      new_policy(py_try(doc$suggest(scaler = py_scaler), "suggest()"))
+    },
     heatmap = function(path) {
       if (!is.character(path) || length(path) != 1 || is.na(path)) {
         abort(sprintf("`path` must be a file path (a string), not %s.", describe(path)),
@@ -83,6 +103,20 @@ amp_doctor <- function(model, every = 100, ..., policy = NULL, keep_weights = FA
     },
     close = function() invisible(py_try(doc$close(), "close()"))
   ), class = "ampkit_doctor")
+}
+
+finding_columns <- c("op", "module", "phase", "dtype", "step", "input_absmax", "output_absmax",
+                     "weights", "verdict")
+
+# The doctor judges findings by the run's scaler: an amp_grad_scaler(), whose Python
+# scaler it reads (the rule itself is the core's).
+doctor_scaler <- function(scaler) {
+  if (!inherits(scaler, "ampkit_grad_scaler")) {
+    abort(sprintf("`scaler` must be the amp_grad_scaler() that steps the model's optimizer, not %s.",
+                  describe(scaler)),
+          class = "ampkit_bad_argument", call = sys.call(-1))
+  }
+  scaler$py
 }
 
 #' @export

@@ -147,3 +147,79 @@ test_that("scopes from R give torch.autocast's dtypes with the hand-written fp32
   expect_true(pt()$equal(got, want))
   expect_equal(dtype_name(with_autocast(device_type = "cpu", net(x))), "bfloat16")
 })
+
+# A float16 run whose scale starts too high (its first steps back off) with an outlier batch at
+# step 8, trained beside a copy stepped by torch.amp.GradScaler: the oracle's skips and scales.
+verdict_run <- function() {
+  torch_manual_seed(0)
+  net <- nn_sequential(nn_linear(8, 8), nn_relu(), nn_linear(8, 1))
+  twin <- reticulate::import("copy")$deepcopy(net)
+  opt <- optim_sgd(net$parameters, lr = 1e-3)
+  topt <- optim_sgd(twin$parameters, lr = 1e-3)
+  scaler <- amp_grad_scaler("cpu", init_scale = 2^40)
+  ref <- pt()$amp$GradScaler("cpu", init_scale = 2^40)
+  g <- pt()$Generator()$manual_seed(1L)
+  xs <- lapply(1:12, function(i) pt()$randn(16L, 8L, generator = g))
+  reticulate::py_set_item(xs[[9]], reticulate::tuple(1L, 2L), 1e6)  # step 8: its cast to float16 in layer 0 overflows
+  y <- pt()$randn(16L, 1L)
+  doc <- amp_doctor(net)
+  skipped <- logical(0)
+  for (x in xs) {
+    opt$zero_grad()
+    with_autocast(device_type = "cpu", dtype = torch_float16(), loss <- nn_mse_loss()(net(x)$float(), y))
+    scaler$scale(loss)$backward()
+    scaler$step(opt)
+    scaler$update()
+    topt$zero_grad()
+    with(pt()$autocast("cpu", dtype = torch_float16()),
+         tloss <- pt()$nn$functional$mse_loss(twin(x)$float(), y))
+    ref$scale(tloss)$backward()
+    before <- ref$get_scale()
+    ref$step(topt)
+    ref$update()
+    skipped <- c(skipped, ref$get_scale() < before)  # (hysteresis 1: a skip is a backoff)
+  }
+  list(doc = doc, scaler = scaler, skipped = skipped)
+}
+
+test_that("$findings() tells the scaler's backoffs (handled) from the outlier batch (harmful)", {
+  skip_if_no_ampkit()
+  run <- verdict_run()
+  doc <- run$doc
+  first <- doc$first_nonfinite()
+  expect_equal(first$step, 0)
+  expect_equal(first$phase, "backward")
+  found <- doc$findings(run$scaler)
+  doc$close()
+  expect_equal(found$step, which(run$skipped) - 1)  # every step the oracle skipped
+  # the documented rule from the oracle: a forward finding is harmful; a skipped backward one
+  # is handled within 16 consecutive skips (no min_scale)
+  runs <- ave(as.integer(run$skipped), cumsum(!run$skipped), FUN = cumsum)
+  want <- ifelse(found$phase == "backward" & runs[found$step + 1] <= 16, "handled", "harmful")
+  expect_equal(found$verdict, want)
+  harmful <- found[found$verdict == "harmful", ]
+  expect_equal(harmful$step[1], 8)
+  expect_equal(harmful$phase[1], "forward")
+  expect_equal(harmful$module[1], "0")
+})
+
+test_that("$first_harmful() is the outlier batch, and $suggest(scaler) pins its module", {
+  skip_if_no_ampkit()
+  run <- verdict_run()
+  f <- run$doc$first_harmful(run$scaler)
+  expect_equal(c(f$op, f$module, f$phase, f$dtype, f$verdict), c("_to_copy", "0", "forward", "float16", "harmful"))
+  expect_equal(f$step, 8)
+  expect_equal(amp_scopes(run$doc$suggest(run$scaler))$scope, "0")
+  expect_equal(nrow(amp_scopes(run$doc$suggest())), 0)  # without the scaler: the first finding is backward
+  expect_match(reticulate::py_str(run$doc$py), "handled, 1 harmful")
+  run$doc$close()
+})
+
+test_that("$findings() and $first_harmful() want the run's amp_grad_scaler()", {
+  skip_if_no_ampkit()
+  doc <- amp_doctor(nn_linear(2, 2))
+  expect_error(doc$findings(pt()$amp$GradScaler("cpu")), class = "ampkit_bad_argument")
+  expect_error(doc$first_harmful(NULL), class = "ampkit_bad_argument")
+  expect_error(doc$suggest("scaler"), "amp_grad_scaler", class = "ampkit_bad_argument")
+  doc$close()
+})
