@@ -231,7 +231,7 @@ class Progress:
     """One line per finished curve with the time left at the pace so far, on stderr:
     '[fidelity 7/60, ~1 min 10 s left] seed_mlp / torch_amp seed 1'."""
 
-    def __init__(self, total: int, file=sys.stderr):
+    def __init__(self, total: int, file=None):
         self.total, self.done, self.t0, self.file = total, 0, time.perf_counter(), file
 
     def __call__(self, case: str, variant: Variant, seed: int) -> None:
@@ -240,4 +240,4 @@ class Progress:
         eta = "" if self.done >= self.total else ", ~%s left" % (
             "%d min %02d s" % divmod(int(left), 60) if left >= 60 else "%d s" % int(left))
         print("[fidelity %d/%d%s] %s / %s seed %d" % (self.done, self.total, eta, case, variant.name, seed),
-              file=self.file, flush=True)
+              file=self.file or sys.stderr, flush=True)
