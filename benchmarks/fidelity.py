@@ -61,7 +61,7 @@ def main(argv=None) -> int:
         if a.seeds < 2 or a.steps < 1:
             raise ValueError("--seeds must be >= 2 (the reference's spread) and --steps >= 1; got %d and %d"
                              % (a.seeds, a.steps))
-        window = a.window or bench.default_window(a.steps)
+        window = bench.default_window(a.steps) if a.window is None else a.window
         if window < 1:
             raise ValueError("--window must be >= 1, got %d" % window)
     except ValueError as e:
