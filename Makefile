@@ -26,8 +26,16 @@ BUDGET ?=
 GPUS ?=
 ENGINES ?=
 BENCH_OUT ?= benchmarks/results
+# Fidelity (make fidelity; docs/bench.md, "Fidelity"): every variant's loss curve against REFERENCE's,
+# SEEDS seeds x STEPS steps at FIDELITY_PROFILE's sizes; CASES and VARIANTS as for bench.
+# On a GPU: make fidelity FIDELITY_PROFILE=full STEPS=500 SEEDS=5 [REFERENCE=ampkit_bf16]
+FIDELITY_PROFILE ?= tiny
+STEPS ?= 40
+SEEDS ?= 3
+REFERENCE ?= fp32
+FIDELITY_OUT ?= benchmarks/results/fidelity
 
-.PHONY: setup setup-python setup-r test test-python test-r check-r bench clean
+.PHONY: setup setup-python setup-r test test-python test-r check-r bench fidelity clean
 
 setup: setup-python setup-r
 
@@ -75,6 +83,10 @@ bench: setup
 	  $(if $(GPUS),--gpus $(GPUS) $(if $(ENGINES),--engines $(ENGINES)),--langs $(LANGS)) \
 	  $(if $(CASES),--cases $(CASES)) $(if $(VARIANTS),--variants $(VARIANTS)) $(if $(REPEATS),--repeats $(REPEATS)) \
 	  $(if $(BUDGET),--budget $(BUDGET))
+
+fidelity: setup-python
+	$(VPY) benchmarks/fidelity.py --profile $(FIDELITY_PROFILE) --steps $(STEPS) --seeds $(SEEDS) \
+	  --reference $(REFERENCE) --out $(FIDELITY_OUT) $(if $(CASES),--cases $(CASES)) $(if $(VARIANTS),--variants $(VARIANTS))
 
 clean:
 	rm -rf $(VENV) $(RLIB) build *.egg-info python/*.egg-info

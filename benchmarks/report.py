@@ -393,21 +393,120 @@ def across_goals(doc: dict) -> list:
 def markdown(doc: dict) -> str:
     against_compile = compiled(doc)
     spread = across(doc)
-    head = [
-        "# ampkit benchmark report (%s profile)" % doc["context"]["profile"],
-        context_lines(doc),
+    fid = fidelity(doc)
+    head = ["# ampkit benchmark report (%s profile)" % doc["context"]["profile"], context_lines(doc)]
+    if not doc["records"]:  # a fidelity run alone: no timings, no goals on them
+        return "\n\n".join(head + ["## Fidelity", fid]) + "\n"
+    head.append(
         "ms/step: median over the timed repeats (one epoch each, after warm-up) with the "
         "fastest and slowest repeat. Ratios: median [low, high] from the samples' extremes; "
         "'faster'/'slower' when the whole range lies past 1 +/- 5%. Speedup vs fp32 > 1 is "
         "faster; time vs torch_amp and R / Python time < 1 are faster. Final loss: mean "
-        "training loss over the last repeat.",
-    ]
+        "training loss over the last repeat.")
     return "\n\n".join(head + ([table(doc)] if single(doc["records"]) else []) + (
         ["## ampkit against torch.compile", against_compile] if against_compile else []) + (
-        ["## Across GPUs", spread] if spread else []) + [
+        ["## Across GPUs", spread] if spread else []) + (["## Fidelity", fid] if fid else []) + [
         "## Goals (they are set for the GPU)",
         goals(doc),
     ]) + "\n"
+
+
+FIDELITY_COLUMNS = ("variant", "lang", "dtype", "final loss", "seed spread", "rel gap at %s of the steps",
+                    "gap in ref std: final (max)", "verdict")
+
+
+def _signed_pct(x) -> str:
+    return "-" if x is None else "%+.3f%%" % (100.0 * x)
+
+
+def _std(x) -> str:
+    return "-" if x is None else "%.2f" % x
+
+
+def fidelity(doc: dict) -> str:
+    """The fidelity block as text: how the curves were compared, then one table per case (''
+    when the document has no fidelity block)."""
+    f = doc.get("fidelity")
+    if not f:
+        return ""
+    cols = list(FIDELITY_COLUMNS)
+    cols[5] = cols[5] % "/".join("%d%%" % round(100 * c) for c in f["checkpoints"])
+    out = ["Every variant trained from %d seeds (model init and data; seed s of every variant on the same "
+           "batches in the same order), %d steps, %s profile, on %s; each seed's loss curve smoothed by a "
+           "trailing mean over %d steps. Gaps are the variant's mean curve minus the reference's (%s): "
+           "relative (signed, of the reference's mean) and in units of the reference's seed-to-seed std "
+           "(absolute); verdict 'same' when the final gap is at most %g std. Seed spread: the variant's own "
+           "seed-to-seed std at the last step, relative to its mean."
+           % (f["seeds"], f["steps"], f["profile"], f["device"], f["window"], f["reference"], f["threshold_std"])]
+    cases = list(dict.fromkeys(r["case"] for r in f["records"]))
+    for case in cases:
+        out += ["### %s" % case, "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        for r in (x for x in f["records"] if x["case"] == case):
+            if r["status"] != "ok":
+                detail = r["reason"] if r["status"] == "skipped" else r["error"]
+                cells = [r["variant"], r["language"], r["dtype"] or "float32", "%s: %s" % (r["status"], detail),
+                         "", "", "", ""]
+            else:
+                cells = [r["variant"], r["language"], r["dtype"] or "float32",
+                         "-" if r["final_loss"] is None else "%.5g" % r["final_loss"],
+                         "-" if r["final_spread"] is None else "%.3f%%" % (100.0 * r["final_spread"]),
+                         " / ".join(_signed_pct(c["rel_gap"]) for c in r["checkpoints"]) or "-",
+                         "%s (%s)" % (_std(r["final_gap_std"]), _std(r["max_gap_std"])),
+                         r["verdict"] or (r["reason"] or "-")]
+            out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def fidelity_chart(doc: dict, path) -> bool:
+    """One panel per case: the smoothed mean loss curve of each variant over the reference's
+    mean +/- threshold x its seed-to-seed std (the band), and below it each variant's gap in
+    reference std with the threshold; False without matplotlib or a fidelity block."""
+    f = doc.get("fidelity")
+    ok = [r for r in (f or {}).get("records", []) if r["status"] == "ok"]
+    if not ok:
+        return False
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("report: matplotlib is not installed; no fidelity chart written", file=sys.stderr)
+        return False
+    from ampkit.bench import fidelity_compare
+    cases = list(dict.fromkeys(r["case"] for r in ok))
+    fig, axes = plt.subplots(2, len(cases), figsize=(4.6 * len(cases), 6.4), squeeze=False,
+                             gridspec_kw=dict(height_ratios=[2, 1]))
+    k = f["threshold_std"]
+    for j, case in enumerate(cases):
+        recs = [r for r in ok if r["case"] == case]
+        ref = next((r for r in recs if r["verdict"] == "reference"), None)
+        top, bottom = axes[0][j], axes[1][j]
+        if ref is None:
+            top.set_title("%s: the reference %s did not run" % (case, f["reference"]), fontsize=9)
+            continue
+        steps = range(1, f["steps"] + 1)
+        for i, r in enumerate(recs):
+            gap = fidelity_compare(r["losses"], ref["losses"], f["window"])
+            if r is ref:
+                lo = [m - k * sd for m, sd in zip(gap.ref_mean, gap.ref_std)]
+                hi = [m + k * sd for m, sd in zip(gap.ref_mean, gap.ref_std)]
+                top.fill_between(steps, lo, hi, color="0.8", label="%s +/- %g std" % (r["variant"], k))
+                top.plot(steps, gap.ref_mean, color="k", lw=1.2, label=r["variant"])
+                continue
+            top.plot(steps, gap.mean, color="C%d" % i, lw=0.9, label=r["variant"])
+            bottom.plot(steps, [float("nan") if g is None else g for g in gap.gap_std], color="C%d" % i, lw=0.9)
+        bottom.axhline(k, color="gray", ls="--", lw=0.8)
+        top.set_title("%s (%s profile, %d seeds)" % (case, f["profile"], f["seeds"]), fontsize=9)
+        top.set_ylabel("loss (mean of seeds, %d-step mean)" % f["window"], fontsize=8)
+        bottom.set_ylabel("gap in %s std" % f["reference"], fontsize=8)
+        bottom.set_xlabel("step", fontsize=8)
+        top.legend(fontsize=6)
+    c = doc["context"]
+    fig.suptitle("fidelity against %s on %s (%s)" % (f["reference"], c["card"] or c["cpu"], c["device"]), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 def _ms(value) -> str:
@@ -474,6 +573,7 @@ def write(doc: dict, out_dir) -> Path:
     md = out_dir / "report.md"
     md.write_text(markdown(doc))
     chart(doc, out_dir / "report.png")
+    fidelity_chart(doc, out_dir / "fidelity.png")
     return md
 
 
@@ -491,10 +591,13 @@ def main(argv=None) -> int:
         print("error: %s" % e, file=sys.stderr)
         return 2
     if len(docs) > 1:
-        write_document(out_dir / "results.json", doc["context"], doc["records"])
+        write_document(out_dir / "results.json", doc["context"], doc["records"], doc.get("fidelity"))
     md = write(doc, out_dir)
-    print(table(doc) if single(doc["records"]) else across(doc))
-    print("\n" + goals(doc))
+    if doc["records"]:
+        print(table(doc) if single(doc["records"]) else across(doc))
+        print("\n" + goals(doc))
+    if doc.get("fidelity"):
+        print("\n" + fidelity(doc))
     print("\nreport: %s" % md)
     return 0
 

@@ -35,6 +35,7 @@ from ampkit.bench._results import derive
 from ampkit.bench._results import finalize_json
 from ampkit.bench._results import make_record
 from ampkit.bench._results import merge
+from ampkit.bench._results import merge_fidelity
 from ampkit.bench._results import read_document
 from ampkit.bench._results import time_ratio
 from ampkit.bench._results import validate
@@ -82,6 +83,18 @@ from ampkit.bench._runner import skipped_from_scale
 from ampkit.bench._runner import step_compile
 from ampkit.bench._runner import synchronize
 from ampkit.bench._runner import train_step_note
+from ampkit.bench._fidelity import CHECKPOINTS
+from ampkit.bench._fidelity import THRESHOLD_STD
+from ampkit.bench._fidelity import Gap
+from ampkit.bench._fidelity import Progress as FidelityProgress
+from ampkit.bench._fidelity import batch_order
+from ampkit.bench._fidelity import checkpoint_steps
+from ampkit.bench._fidelity import compare as fidelity_compare
+from ampkit.bench._fidelity import default_window
+from ampkit.bench._fidelity import fidelity_records
+from ampkit.bench._fidelity import fidelity_section
+from ampkit.bench._fidelity import smooth
+from ampkit.bench._fidelity import train_curve
 
 __all__ = [
     "BenchSpecError",
@@ -154,4 +167,17 @@ __all__ = [
     "validate",
     "write_document",
     "write_sized_cases",
+    "CHECKPOINTS",
+    "FidelityProgress",
+    "Gap",
+    "THRESHOLD_STD",
+    "batch_order",
+    "checkpoint_steps",
+    "default_window",
+    "fidelity_compare",
+    "fidelity_records",
+    "fidelity_section",
+    "merge_fidelity",
+    "smooth",
+    "train_curve",
 ]

@@ -318,9 +318,33 @@ def derive(records: list) -> list:
     return records
 
 
+def merge_fidelity(sections: list):
+    """One ``fidelity`` block from several documents' (None where none has one): the records
+    of all, when the settings agree; a case x variant x language twice is an error."""
+    sections = [s for s in sections if s]
+    if not sections:
+        return None
+    keys = ("reference", "profile", "device", "seeds", "steps", "window", "threshold_std", "checkpoints")
+    first = sections[0]
+    for s in sections[1:]:
+        diff = [k for k in keys if s[k] != first[k]]
+        if diff:
+            raise ValueError("cannot merge fidelity runs made with different %s: %s" % (
+                ", ".join(diff), "; ".join("%r and %r" % (first[k], s[k]) for k in diff)))
+    records = [r for s in sections for r in s["records"]]
+    seen = set()
+    for r in records:
+        key = (r["case"], r["variant"], r["language"])
+        if key in seen:
+            raise ValueError("fidelity record %s / %s / %s is in two of the merged documents" % key)
+        seen.add(key)
+    return dict(first, records=records)
+
+
 def merge(documents: list) -> dict:
     """One document from several (one per language): the first context, with the others'
-    R/reticulate versions and languages added, and all records, compared with `derive`."""
+    R/reticulate versions and languages added, and all records, compared with `derive`;
+    their ``fidelity`` blocks merged (``merge_fidelity``)."""
     if not documents:
         raise ValueError("nothing to merge")
     ctx = dict(documents[0]["context"])
@@ -337,7 +361,11 @@ def merge(documents: list) -> dict:
     records = [dict(r) for d in documents for r in d["records"]]
     cases = list(dict.fromkeys(r["case"] for r in records))
     records.sort(key=lambda r: (cases.index(r["case"]), r["language"] != "python"))  # stable: variants keep their order
-    return check({"context": ctx, "records": derive(records)})
+    doc = {"context": ctx, "records": derive(records)}
+    fidelity = merge_fidelity([d.get("fidelity") for d in documents])
+    if fidelity is not None:
+        doc["fidelity"] = fidelity
+    return check(doc)
 
 
 def finalize_json(text: str) -> str:
@@ -347,9 +375,12 @@ def finalize_json(text: str) -> str:
     return json.dumps(check(doc), indent=1)
 
 
-def write_document(path, ctx: dict, records: list) -> dict:
-    """Derive, check and write a results document; returns it."""
-    doc = check({"context": dict(ctx), "records": derive([dict(r) for r in records])})
+def write_document(path, ctx: dict, records: list, fidelity=None) -> dict:
+    """Derive, check and write a results document (with its ``fidelity`` block when given); returns it."""
+    doc = {"context": dict(ctx), "records": derive([dict(r) for r in records])}
+    if fidelity is not None:
+        doc["fidelity"] = fidelity
+    doc = check(doc)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)

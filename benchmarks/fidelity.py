@@ -1,0 +1,90 @@
+"""Fidelity: every variant's loss curve against the reference precision's, in the reference's own noise.
+
+    python benchmarks/fidelity.py --profile tiny --steps 40 --seeds 3 --out benchmarks/results/fidelity
+    python benchmarks/fidelity.py --profile full --steps 500 --seeds 5 --device cuda \
+        [--cases seed_mlp,transformer] [--variants fp32,ampkit_amp] [--reference ampkit_bf16] --out DIR
+
+For each case and variant, seeds 0..N-1 (the model's init and the data's; seed s of every
+variant trains on the same batches in the same order), `--steps` steps each, every step's
+loss kept. Each variant's smoothed mean curve is compared with the reference's (fp32 by
+default; `--reference` takes any variant) in units of the reference's seed-to-seed std, and
+as a relative gap at 25/50/75/100% of the steps; verdict "same" when the final gap is inside
+2 std (ampkit.bench's _fidelity module says how, step by step). Compiled variants are left
+out unless named in --variants or --compiled is given (each seed compiles again). Writes
+DIR/results.json (no timing records, a `fidelity` block), DIR/report.md and
+DIR/fidelity.png; prints the tables. `make fidelity` runs the short CPU pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "python"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--profile", default="tiny", help="the cases' sizes and batches: tiny, cpu or full")
+    p.add_argument("--cases", default="", help="comma-separated case names (default: all)")
+    p.add_argument("--variants", default="", help="comma-separated variant names (default: every one not compiled)")
+    p.add_argument("--compiled", action="store_true", help="with the default variants: the compiled ones too")
+    p.add_argument("--reference", default="fp32", help="the variant the others are compared with (default fp32)")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per variant (at least 2)")
+    p.add_argument("--window", type=int, default=None,
+                   help="trailing mean over this many steps before comparing (default: steps / 20, at least 1)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: 1 on the CPU)")
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "fidelity"), help="output folder")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    import torch
+
+    from ampkit import bench
+    import report
+
+    try:
+        device = bench.resolve_device(a.device)
+        cases, variants = bench.plan(a.profile, a.cases, a.variants)
+        all_variants = bench.load_variants()
+        if a.reference not in all_variants:
+            raise ValueError("unknown --reference %r; valid variants: %s" % (a.reference, ", ".join(all_variants)))
+        if not a.variants and not a.compiled:
+            variants = [v for v in variants if v.compile == "none"]
+        if a.seeds < 2 or a.steps < 1:
+            raise ValueError("--seeds must be >= 2 (the reference's spread) and --steps >= 1; got %d and %d"
+                             % (a.seeds, a.steps))
+        window = bench.default_window(a.steps) if a.window is None else a.window
+        if window < 1:
+            raise ValueError("--window must be >= 1, got %d" % window)
+    except ValueError as e:
+        print("error: %s" % e, file=sys.stderr)
+        return 2
+    reference = all_variants[a.reference]
+    torch.set_num_threads(a.threads or (1 if device == "cpu" else torch.get_num_threads()))
+    runnable = [v for v in [reference] + [v for v in variants if v.name != reference.name]
+                if not v.skip_reason(device)]
+    tick = bench.FidelityProgress(len(cases) * len(runnable) * a.seeds)
+    records = []
+    for case in cases:
+        records += bench.fidelity_records(case.name, variants, reference, a.profile, a.seeds, a.steps, device,
+                                          window, on_curve=lambda v, s, c=case.name: tick(c, v, s))
+    out = Path(a.out)
+    section = bench.fidelity_section(records, reference=reference.name, profile=a.profile, device=device,
+                                     seeds=a.seeds, steps=a.steps, window=window)
+    doc = bench.write_document(out / "results.json", bench.context(a.profile, device, "python"), [], section)
+    md = report.write(doc, out)
+    print(report.fidelity(doc))
+    print("\nreport: %s" % md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

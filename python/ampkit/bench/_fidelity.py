@@ -1,0 +1,243 @@
+"""Fidelity: does a variant train like the reference precision, within the reference's own noise?
+
+For each case, every variant trains from N seeds (model init seed s = 0..N-1) for a fixed
+number of steps, and each step's loss is kept. The data are paired: seed s of every variant
+trains on the same batches in the same order (``batch_order``), so that two variants of one
+seed differ only in their arithmetic. Then, per variant, against the reference (fp32 by
+default; any variant, e.g. a bfloat16 one for an fp8 comparison):
+
+    smooth each seed's curve:   S[s, t] = mean(loss[s, max(1, t-w+1) .. t])    (trailing, w steps)
+    mean curve:                 M[t]    = mean over seeds of S[s, t]
+    reference spread:           sd[t]   = std over the reference's seeds of S_ref[s, t]  (n-1)
+    gap in std:                 g[t]    = |M[t] - M_ref[t]| / sd[t]
+    relative gap:               r[t]    = (M[t] - M_ref[t]) / |M_ref[t]|
+    verdict:                    "same" when g[T] <= 2 (the final step's gap is inside the
+                                reference's own seed-to-seed noise), else "different"
+
+The checkpoints are the steps at 25, 50, 75 and 100% of the run (rounded up). DeepSeek-V3's
+"fp8 within 0.25% relative loss of bf16" is r[T]; a gap inside the reference's own noise is
+the honest "same".
+
+>>> ref = [[1.0, 0.8, 0.6], [1.2, 1.0, 0.8]]         # two seeds, three steps
+>>> var = [[1.2, 1.0, 0.8], [1.2, 1.0, 0.8]]         # 0.1 above the reference's mean
+>>> gap = compare(var, ref, window=1)
+>>> round(gap.final_rel_gap, 4), round(gap.final_gap_std, 4), gap.verdict   # 0.1 / 0.7, 0.1 / 0.1414
+(0.1429, 0.7071, 'same')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import time
+
+import torch
+
+from ampkit.bench._build import build_case
+from ampkit.bench._runner import VariantRun, precision_flags
+from ampkit.bench._spec import Variant
+
+CHECKPOINTS = (0.25, 0.5, 0.75, 1.0)
+THRESHOLD_STD = 2.0
+
+
+def default_window(steps: int) -> int:
+    """The smoothing window: a twentieth of the steps, at least 1 (25 steps of 500).
+
+    >>> default_window(500), default_window(40), default_window(5)
+    (25, 2, 1)
+    """
+    return max(1, int(steps) // 20)
+
+
+def checkpoint_steps(steps: int, fractions=CHECKPOINTS) -> list:
+    """The 1-based steps at each fraction of the run, rounded up.
+
+    >>> checkpoint_steps(500), checkpoint_steps(10)
+    ([125, 250, 375, 500], [3, 5, 8, 10])
+    """
+    return [max(1, math.ceil(f * steps - 1e-9)) for f in fractions]
+
+
+def batch_order(num_batches: int, steps: int, seed: int) -> list:
+    """The index of the batch each step of seed ``seed`` trains on: one random permutation of
+    the batches per epoch, from a generator of its own seeded with ``seed``. Every variant of
+    a seed gets the same order (paired data); another seed another one.
+
+    >>> batch_order(4, 6, 0) == batch_order(4, 6, 0), sorted(batch_order(4, 8, 1)[:4])
+    (True, [0, 1, 2, 3])
+    """
+    gen = torch.Generator().manual_seed(int(seed))
+    order = []
+    while len(order) < steps:
+        order += torch.randperm(num_batches, generator=gen).tolist()
+    return order[:steps]
+
+
+def smooth(curve, window: int) -> list:
+    """Trailing mean over ``window`` steps (fewer at the start).
+
+    >>> smooth([1.0, 3.0, 5.0, 7.0], 2)
+    [1.0, 2.0, 4.0, 6.0]
+    """
+    out, total = [], 0.0
+    for t, x in enumerate(curve):
+        total += x
+        if t >= window:
+            total -= curve[t - window]
+        out.append(total / min(t + 1, window))
+    return out
+
+
+def _mean_std(columns):
+    n = len(columns)
+    mean = sum(columns) / n
+    std = math.sqrt(sum((x - mean) ** 2 for x in columns) / (n - 1)) if n > 1 else 0.0
+    return mean, std
+
+
+@dataclasses.dataclass(frozen=True)
+class Gap:
+    """A variant's curves against the reference's (see the module's docstring), per step
+    (0-based lists) and at the checkpoints. ``gap_std`` (``rel_gap``) is None where the
+    reference's spread (mean loss) is 0 and the means differ."""
+
+    mean: list
+    ref_mean: list
+    ref_std: list
+    gap_std: list
+    rel_gap: list
+    checkpoints: list
+    final_rel_gap: float
+    final_gap_std: float | None
+    max_gap_std: float | None
+    verdict: str
+
+
+def compare(losses, ref_losses, window: int, fractions=CHECKPOINTS, threshold: float = THRESHOLD_STD) -> Gap:
+    """``losses`` and ``ref_losses``: one list of per-step losses per seed (same steps)."""
+    steps = len(ref_losses[0])
+    if len(ref_losses) < 2:
+        raise ValueError("fidelity needs at least 2 seeds of the reference for its spread, got %d; "
+                         "pass --seeds 2 or more" % len(ref_losses))
+    if any(len(c) != steps for c in list(losses) + list(ref_losses)):
+        raise ValueError("every curve must have the reference's %d steps" % steps)
+    sm = [smooth(c, window) for c in losses]
+    ref_sm = [smooth(c, window) for c in ref_losses]
+    mean = [_mean_std([c[t] for c in sm])[0] for t in range(steps)]
+    ref = [_mean_std([c[t] for c in ref_sm]) for t in range(steps)]
+    gap_std, rel_gap = [], []
+    for m, (rm, sd) in zip(mean, ref):
+        diff = m - rm
+        gap_std.append(abs(diff) / sd if sd > 0 else (0.0 if diff == 0 else None))
+        rel_gap.append(diff / abs(rm) if rm != 0 else (0.0 if diff == 0 else None))
+    points = [dict(step=s, rel_gap=rel_gap[s - 1], gap_std=gap_std[s - 1]) for s in checkpoint_steps(steps, fractions)]
+    final = gap_std[-1]
+    defined = [g for g in gap_std if g is not None]
+    max_gap = None if len(defined) < steps else max(defined)
+    return Gap(mean=mean, ref_mean=[m for m, _ in ref], ref_std=[sd for _, sd in ref], gap_std=gap_std,
+               rel_gap=rel_gap, checkpoints=points, final_rel_gap=rel_gap[-1], final_gap_std=final,
+               max_gap_std=max_gap, verdict="same" if final is not None and final <= threshold else "different")
+
+
+def train_curve(case, variant: Variant, profile: str, seed: int, steps: int, device: str) -> list:
+    """The per-step training losses of one variant from one seed: the case's model built from
+    ``seed``, its batches drawn from ``seed`` (``build_case``) and taken in ``batch_order``.
+    The losses stay on the device until the end (one copy a step, no host sync)."""
+    built = build_case(case, profile, seed=seed, device=device)
+    run = VariantRun(built, variant, "python", None, 0)
+    run.build()
+    curve = torch.empty(steps, dtype=torch.float64, device=device)
+    with precision_flags(variant, device):
+        for t, i in enumerate(batch_order(built.num_batches, steps, seed)):
+            curve[t] = run.step(*built.batches[i]).detach()  # a copy: a captured step reuses its output
+    out = curve.tolist()
+    run.close()
+    bad = next((t for t, x in enumerate(out) if not math.isfinite(x)), None)
+    if bad is not None:
+        raise FloatingPointError("loss not finite (%r) at step %d of seed %d" % (out[bad], bad + 1, seed))
+    return out
+
+
+def _record(case: str, variant: Variant, device: str, reference: str, seeds: list, status: str, **kw) -> dict:
+    rec = dict(case=case, variant=variant.name, language="python", dtype=variant.resolved_dtype(device),
+               reference=reference, status=status, reason=None, error=None, seeds=list(seeds), losses=[],
+               checkpoints=[], final_loss=None, final_spread=None, final_rel_gap=None, final_gap_std=None,
+               max_gap_std=None, verdict=None)
+    rec.update(kw)
+    return rec
+
+
+def fidelity_records(case: str, variants: list, reference: Variant, profile: str, seeds: int, steps: int,
+                     device: str, window: int, on_curve=None) -> list:
+    """Train every variant (the reference first) from ``seeds`` seeds for ``steps`` steps and
+    compare each with the reference; one record per variant, the reference's included
+    (verdict "reference"). A variant that cannot run on the device is skipped, one whose
+    loss is not finite or that raises is failed, with the error. ``on_curve(variant, seed)``
+    is called after each curve (progress)."""
+    if seeds < 2:
+        raise ValueError("fidelity needs --seeds 2 or more (the reference's spread), got %d" % seeds)
+    if steps < 1:
+        raise ValueError("--steps must be >= 1, got %d" % steps)
+    order = [reference] + [v for v in variants if v.name != reference.name]
+    curves, records = {}, []
+    for v in order:
+        skip = v.skip_reason(device)
+        if skip:
+            records.append(_record(case, v, device, reference.name, [], "skipped", reason=skip))
+            continue
+        try:
+            curves[v.name] = []
+            for s in range(seeds):
+                curves[v.name].append(train_curve(case, v, profile, s, steps, device))
+                if on_curve:
+                    on_curve(v, s)
+        except Exception as e:  # noqa: BLE001 - a failure is a result, recorded with the error
+            curves.pop(v.name, None)
+            records.append(_record(case, v, device, reference.name, [], "failed",
+                                   error=("%s: %s" % (type(e).__name__, e)).replace("\n", " ")[:600]))
+    ref = curves.get(reference.name)
+    out = []
+    for rec_v in order:
+        done = next((r for r in records if r["variant"] == rec_v.name), None)
+        if done is not None:
+            out.append(done)
+            continue
+        losses = curves[rec_v.name]
+        if ref is None:
+            out.append(_record(case, rec_v, device, reference.name, range(seeds), "ok", losses=losses,
+                               reason="the reference %s did not run: no comparison" % reference.name))
+            continue
+        gap = compare(losses, ref, window)
+        own_mean, own_sd = _mean_std([smooth(c, window)[-1] for c in losses])
+        out.append(_record(
+            case, rec_v, device, reference.name, range(seeds), "ok", losses=losses, checkpoints=gap.checkpoints,
+            final_loss=gap.mean[-1], final_spread=own_sd / abs(own_mean) if own_mean else None,
+            final_rel_gap=gap.final_rel_gap, final_gap_std=gap.final_gap_std, max_gap_std=gap.max_gap_std,
+            verdict="reference" if rec_v.name == reference.name else gap.verdict))
+    return out
+
+
+def fidelity_section(records: list, *, reference: str, profile: str, device: str, seeds: int, steps: int,
+                     window: int) -> dict:
+    """The results document's ``fidelity`` block: how the curves were made and compared, and the records."""
+    return dict(reference=reference, profile=profile, device=device, seeds=int(seeds), steps=int(steps),
+                window=int(window), threshold_std=THRESHOLD_STD, checkpoints=list(CHECKPOINTS),
+                records=list(records))
+
+
+class Progress:
+    """One line per finished curve with the time left at the pace so far, on stderr:
+    '[fidelity 7/60, ~1 min 10 s left] seed_mlp / torch_amp seed 1'."""
+
+    def __init__(self, total: int, file=None):
+        self.total, self.done, self.t0, self.file = total, 0, time.perf_counter(), file
+
+    def __call__(self, case: str, variant: Variant, seed: int) -> None:
+        self.done += 1
+        left = (time.perf_counter() - self.t0) / self.done * (self.total - self.done)
+        eta = "" if self.done >= self.total else ", ~%s left" % (
+            "%d min %02d s" % divmod(int(left), 60) if left >= 60 else "%d s" % int(left))
+        print("[fidelity %d/%d%s] %s / %s seed %d" % (self.done, self.total, eta, case, variant.name, seed),
+              file=self.file or sys.stderr, flush=True)

@@ -1,0 +1,204 @@
+"""The fidelity harness: its statistics against a hand computation, the paired data, the
+schema block and the report. CPU only, tiny profile."""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ampkit
+from ampkit import bench
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+import fidelity as fidelity_py  # noqa: E402  (benchmarks/fidelity.py)
+import report  # noqa: E402
+
+
+def synthetic(seeds: int, steps: int, offset: float, rng: random.Random) -> list:
+    """Decaying noisy loss curves, one per seed, ``offset`` added to every step."""
+    return [[2.0 * math.exp(-t / 7.0) + 0.5 + offset + rng.gauss(0.0, 0.05) for t in range(steps)]
+            for _ in range(seeds)]
+
+
+def hand_gap(losses, ref, window):
+    """The module docstring's formulas, written out step by step with the statistics module."""
+    def smoothed(c, t):
+        part = c[max(0, t - window + 1): t + 1]
+        return sum(part) / len(part)
+    out = []
+    for t in range(len(ref[0])):
+        m = statistics.mean(smoothed(c, t) for c in losses)
+        rm = statistics.mean(smoothed(c, t) for c in ref)
+        sd = statistics.stdev(smoothed(c, t) for c in ref)
+        out.append((abs(m - rm) / sd, (m - rm) / abs(rm), m, rm, sd))
+    return out
+
+
+@pytest.mark.parametrize("window", [1, 3, 8])
+def test_compare_matches_the_hand_computation_at_every_step(window):
+    rng = random.Random(window)
+    ref, var = synthetic(4, 30, 0.0, rng), synthetic(3, 30, 0.01, rng)
+    gap = bench.fidelity_compare(var, ref, window)
+    hand = hand_gap(var, ref, window)
+    assert gap.gap_std == pytest.approx([h[0] for h in hand], rel=1e-12)
+    assert gap.rel_gap == pytest.approx([h[1] for h in hand], rel=1e-12)
+    assert gap.mean == pytest.approx([h[2] for h in hand], rel=1e-12)
+    assert gap.ref_std == pytest.approx([h[4] for h in hand], rel=1e-12)
+    assert gap.final_gap_std == pytest.approx(hand[-1][0]) and gap.final_rel_gap == pytest.approx(hand[-1][1])
+    assert gap.max_gap_std == pytest.approx(max(h[0] for h in hand))
+    steps = [math.ceil(f * 30) for f in bench.CHECKPOINTS]
+    assert [c["step"] for c in gap.checkpoints] == steps
+    assert [c["gap_std"] for c in gap.checkpoints] == pytest.approx([hand[s - 1][0] for s in steps])
+    assert [c["rel_gap"] for c in gap.checkpoints] == pytest.approx([hand[s - 1][1] for s in steps])
+
+
+@pytest.mark.parametrize("k, verdict", [(1.5, "same"), (1.99, "same"), (2.01, "different"), (2.5, "different")])
+def test_the_verdict_is_same_inside_two_reference_std_at_the_last_step(k, verdict):
+    rng = random.Random(7)
+    ref = synthetic(5, 20, 0.0, rng)
+    window = 4
+    sd = hand_gap(ref, ref, window)[-1][4]
+    var = [[x + k * sd for x in c] for c in ref]  # the same curves, shifted by k final std
+    gap = bench.fidelity_compare(var, ref, window)
+    assert gap.final_gap_std == pytest.approx(k, rel=1e-9)
+    assert gap.verdict == verdict
+
+
+def test_smooth_is_a_trailing_mean_and_the_window_defaults_to_a_twentieth():
+    curve = [float(x * x) for x in range(9)]
+    assert bench.smooth(curve, 3) == pytest.approx([statistics.mean(curve[max(0, t - 2): t + 1]) for t in range(9)])
+    assert bench.smooth(curve, 1) == curve
+    assert [bench.default_window(n) for n in (500, 40, 19)] == [500 // 20, 40 // 20, 1]
+
+
+def test_one_reference_seed_is_refused_naming_the_fix():
+    with pytest.raises(ValueError, match="--seeds 2 or more"):
+        bench.fidelity_compare([[1.0, 2.0]], [[1.0, 2.0]], 1)
+
+
+def test_batch_order_is_one_permutation_an_epoch_the_same_for_a_seed_different_across_seeds():
+    a0, b0, a1 = bench.batch_order(5, 23, 0), bench.batch_order(5, 23, 0), bench.batch_order(5, 23, 1)
+    assert a0 == b0 and a0 != a1
+    for order in (a0, a1):
+        assert all(sorted(order[e: e + 5]) == list(range(5)) for e in range(0, 20, 5))
+
+
+def hand_curve(seed: int, steps: int, dtype):
+    """The oracle: seed_mlp's tiny model and batches built from ``seed``, trained by hand in the
+    batch order of that seed, under ampkit.autocast when ``dtype`` is given."""
+    built = bench.build_case("seed_mlp", "tiny", seed=seed, device="cpu")
+    model = built.new_model()
+    opt = built.new_optimizer(model)
+    out = []
+    for i in bench.batch_order(built.num_batches, steps, seed):
+        x, y = built.batches[i]
+        if dtype is None:
+            loss = built.loss_fn(model(x), y)
+        else:
+            with ampkit.autocast("cpu", dtype=dtype):
+                loss = built.loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out.append(float(loss.detach().double()))
+    return out
+
+
+def test_every_variant_of_a_seed_trains_on_that_seeds_batches_in_its_order():
+    variants = bench.load_variants()
+    recs = bench.fidelity_records("seed_mlp", [variants["ampkit_bf16"]], variants["fp32"], "tiny", seeds=2,
+                                  steps=6, device="cpu", window=2)
+    by = {r["variant"]: r for r in recs}
+    assert [r["variant"] for r in recs] == ["fp32", "ampkit_bf16"] and by["fp32"]["verdict"] == "reference"
+    for s in range(2):
+        assert by["fp32"]["losses"][s] == hand_curve(s, 6, None)  # bitwise: the same kernels run
+        assert by["ampkit_bf16"]["losses"][s] == hand_curve(s, 6, torch.bfloat16)
+    assert by["fp32"]["losses"][0] != by["fp32"]["losses"][1]  # another seed: other weights and data
+    b0 = bench.build_case("seed_mlp", "tiny", seed=0, device="cpu").batches
+    b1 = bench.build_case("seed_mlp", "tiny", seed=1, device="cpu").batches
+    assert not torch.equal(b0[0][0], b1[0][0])
+
+
+def test_a_variant_that_cannot_run_here_is_skipped_and_the_document_validates(tmp_path):
+    variants = bench.load_variants()
+    recs = bench.fidelity_records("seed_mlp", [variants["fp32_tf32"], variants["torch_amp"]], variants["fp32"],
+                                  "tiny", seeds=2, steps=4, device="cpu", window=1)
+    assert [(r["variant"], r["status"]) for r in recs] == [("fp32", "ok"), ("fp32_tf32", "skipped"),
+                                                           ("torch_amp", "ok")]
+    assert "cuda" in recs[1]["reason"] and recs[2]["verdict"] in ("same", "different")
+    section = bench.fidelity_section(recs, reference="fp32", profile="tiny", device="cpu", seeds=2, steps=4,
+                                     window=1)
+    doc = bench.write_document(tmp_path / "r.json", bench.context("tiny", "cpu"), [], section)
+    assert bench.read_document(tmp_path / "r.json") == doc
+    bad = copy.deepcopy(doc)
+    del bad["fidelity"]["records"][0]["verdict"]
+    assert any("verdict" in e for e in bench.validate(bad))
+    bad = copy.deepcopy(doc)
+    bad["fidelity"]["seeds"] = 1
+    assert any("minimum" in e for e in bench.validate(bad))
+    assert bench.validate({"context": doc["context"], "records": []}) == []  # without the block: valid
+
+
+def fake_section(case: str, steps: int = 8, seeds: int = 3):
+    rng = random.Random(case)
+    ref, var = synthetic(seeds, steps, 0.0, rng), synthetic(seeds, steps, 0.02, rng)
+    recs = []
+    for name, losses in (("fp32", ref), ("ampkit_amp", var)):
+        gap = bench.fidelity_compare(losses, ref, 2)
+        recs.append(dict(case=case, variant=name, language="python", dtype=None if name == "fp32" else "bfloat16",
+                         reference="fp32", status="ok", reason=None, error=None, seeds=list(range(seeds)),
+                         losses=losses, checkpoints=gap.checkpoints, final_loss=gap.mean[-1], final_spread=0.01,
+                         final_rel_gap=gap.final_rel_gap, final_gap_std=gap.final_gap_std,
+                         max_gap_std=gap.max_gap_std, verdict="reference" if name == "fp32" else gap.verdict))
+    return bench.fidelity_section(recs, reference="fp32", profile="tiny", device="cpu", seeds=seeds, steps=steps,
+                                  window=2), recs[1]
+
+
+def test_merge_keeps_both_fidelity_blocks_and_refuses_different_settings():
+    ctx = bench.context("tiny", "cpu")
+    a, _ = fake_section("seed_mlp")
+    b, _ = fake_section("convnet")
+    merged = bench.merge([{"context": ctx, "records": [], "fidelity": a}, {"context": ctx, "records": [], "fidelity": b}])
+    assert [r["case"] for r in merged["fidelity"]["records"]] == ["seed_mlp"] * 2 + ["convnet"] * 2
+    c, _ = fake_section("convnet", steps=9)
+    with pytest.raises(ValueError, match="different steps"):
+        bench.merge([{"context": ctx, "records": [], "fidelity": a}, {"context": ctx, "records": [], "fidelity": c}])
+    assert "fidelity" not in bench.merge([{"context": ctx, "records": []}])
+
+
+def test_the_report_has_a_table_per_case_with_the_gaps_and_verdict(tmp_path):
+    sec, var = fake_section("seed_mlp")
+    doc = bench.check({"context": bench.context("tiny", "cpu"), "records": [], "fidelity": sec})
+    text = report.fidelity(doc)
+    assert "### seed_mlp" in text
+    row = next(line for line in text.splitlines() if line.startswith("| ampkit_amp |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[5] == " / ".join("%+.3f%%" % (100 * c["rel_gap"]) for c in var["checkpoints"])
+    assert cells[6] == "%.2f (%.2f)" % (var["final_gap_std"], var["max_gap_std"]) and cells[7] == var["verdict"]
+    md = report.markdown(doc)
+    assert "## Fidelity" in md and "## Goals" not in md  # no timing records, no goals on them
+    pytest.importorskip("matplotlib")
+    assert report.fidelity_chart(doc, tmp_path / "f.png") and (tmp_path / "f.png").stat().st_size > 0
+
+
+def test_the_cli_writes_the_document_and_refuses_one_seed(tmp_path, capsys):
+    assert fidelity_py.main(["--cases", "seed_mlp", "--variants", "fp32,ampkit_amp", "--seeds", "1",
+                             "--out", str(tmp_path)]) == 2
+    assert "--seeds must be >= 2" in capsys.readouterr().err
+    assert fidelity_py.main(["--cases", "seed_mlp", "--variants", "ampkit_amp", "--reference", "ampkit_bf16",
+                             "--seeds", "2", "--steps", "5", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    doc = bench.read_document(tmp_path / "results.json")
+    f = doc["fidelity"]
+    assert (f["reference"], f["steps"], f["seeds"], f["window"]) == ("ampkit_bf16", 5, 2, 1)
+    assert [r["variant"] for r in f["records"]] == ["ampkit_bf16", "ampkit_amp"]
+    assert all(len(c) == 5 for r in f["records"] for c in r["losses"])
+    assert (tmp_path / "report.md").exists()
+    assert "[fidelity 4/4]" in capsys.readouterr().err
