@@ -230,7 +230,7 @@ CASES = [
     C("op-replace-str", "op", lambda w: ampkit.op(_second_function, name="misuse_catalogue_op", replace="yes"), TypeError, r"'yes'"),
     # policies
     C("load-policy-int", "load_policy", lambda w: ampkit.load_policy(5), ampkit.PolicyError, r"got 5"),
-    C("load-policy-unknown-name", "load_policy", lambda w: ampkit.load_policy("nope"), ampkit.PolicyError, r"'nope'.*shipped: torch_default"),
+    C("load-policy-unknown-name", "load_policy", lambda w: ampkit.load_policy("nope"), ampkit.PolicyError, r"'nope'.*shipped: fp8, torch_default"),
     C("load-policy-missing-file", "load_policy", lambda w: ampkit.load_policy("/no/such/policy.yaml"), ampkit.PolicyError, r"/no/such/policy.yaml"),
     C("load-policy-not-utf8", "load_policy", lambda w: ampkit.load_policy(w.extra["path"]), ampkit.PolicyError, r"latin1.yaml:1: .*not UTF-8", _non_utf8_policy),
     C("policy-name-int", "Policy", lambda w: ampkit.Policy(name=3, devices=()), ampkit.PolicyError, r"got 3"),
