@@ -75,10 +75,13 @@ def scale_from_history(history, dtype):
     return torch.where(hmax > 0, fp8_max(dtype) / hmax.clamp(min=AMAX_FLOOR), torch.ones_like(hmax))
 
 
-def push_amax(history, am) -> None:
-    """Roll the history by one and write ``am`` at [0], in place (no host sync)."""
-    history.copy_(history.roll(1))
-    history[0].copy_(am)
+def push_amax(histories, row: int, am) -> None:
+    """Roll ``histories[row]`` by one and write ``am`` at its [0], in place (no host sync).
+    One copy_ into the whole (3, n) tensor: torch.compile's functionalization takes a
+    whole-input mutation where a mutated row view breaks its partitioner."""
+    rolled = torch.cat([am.reshape(1), histories[row, :-1]])
+    mask = torch.arange(histories.shape[0], device=histories.device)[:, None] == row
+    histories.copy_(torch.where(mask, rolled, histories))
 
 
 def quantize(t, scale, dtype):
@@ -113,14 +116,17 @@ def _cast_of(operand, dtype, scale) -> Fp8Cast:
 
 # -- delayed scaling's histories --------------------------------------------------------
 class _Histories:
-    """{id(weight): (weakref to it, its (3, n) float32 history on its device)}."""
+    """{id(weight): (weakref to it, (its (2, n) input and weight history, its (1, n)
+    grad_output history), float32 on its device)}: two tensors, the first written by the
+    forward, the second by the backward (torch.compile's partitioner refuses one input
+    mutated in both)."""
 
     def __init__(self):
         self.by_id = {}
 
     def get(self, weight, n):
         hit = self.by_id.get(id(weight))
-        if hit is not None and hit[0]() is weight and hit[1].shape[1] == n:
+        if hit is not None and hit[0]() is weight and hit[1][0].shape[1] == n:
             return hit[1]
         if not weight.is_leaf:
             raise RuntimeError(
@@ -128,20 +134,13 @@ class _Histories:
                 "weight (second operand) is not a leaf tensor (a parameter), so it has no history "
                 "from one step to the next; give this op tensorwise or rowwise scaling (a module "
                 "scope can move it: policy.with_module(...)) or keep it out of the fp8 category")
-        h = torch.zeros(3, n, dtype=F32, device=weight.device)
+        h = (torch.zeros(2, n, dtype=F32, device=weight.device), torch.zeros(1, n, dtype=F32, device=weight.device))
         key = id(weight)
         self.by_id[key] = (weakref.ref(weight, lambda _, k=key: self.by_id.pop(k, None)), h)
         return h
 
 
 HISTORIES = _Histories()
-
-
-def history_of(weight):
-    """The delayed-scaling history of ``weight`` ((3, amax_history): input, weight,
-    grad_output), or None before its first fp8 call."""
-    hit = HISTORIES.by_id.get(id(weight))
-    return hit[1] if hit is not None and hit[0]() is weight else None
 
 
 # -- the Function ------------------------------------------------------------------------
@@ -154,7 +153,8 @@ class _Plan:
     dtype: torch.dtype  # the region's
     forward: torch.dtype
     backward: torch.dtype
-    history: object  # delayed: the weight's (3, n) history, else None
+    history: object  # delayed: the weight's (2, n) history of input and weight amaxes, else None
+    grad_history: object  # delayed: its (1, n) history of grad_output amaxes, else None
     sink: object  # the active trace (its note_fp8 / record_fp8_backward) or None
 
 
@@ -176,8 +176,8 @@ def _forward(ctx, scaling, x, w, b, plan):
     if scaling == "delayed":
         h = plan.history
         sx, sw = scale_from_history(h[0], plan.forward), scale_from_history(h[1], plan.forward)
-        push_amax(h[0], amax(x2, False))
-        push_amax(h[1], amax(w, False))
+        push_amax(h, 0, amax(x2, False))
+        push_amax(h, 1, amax(w, False))
     else:
         sx, sw = scale_of(amax(x2, rowwise), plan.forward), scale_of(amax(w, rowwise), plan.forward)
     xq, wq = quantize(x2, sx, plan.forward), quantize(w, sw, plan.forward)
@@ -206,8 +206,8 @@ def _backward(ctx, scaling, grad):
     with torch._C.DisableTorchFunction(), torch.autocast(plan.device_type, enabled=False):
         g2 = grad.reshape(-1, grad.shape[-1])
         if scaling == "delayed":
-            sg = scale_from_history(plan.history[2], plan.backward)
-            push_amax(plan.history[2], amax(g2, False))
+            sg = scale_from_history(plan.grad_history[0], plan.backward)
+            push_amax(plan.grad_history, 0, amax(g2, False))
         else:
             sg = scale_of(amax(g2, scaling == "rowwise"), plan.backward)
         dt = plan.dtype
@@ -240,6 +240,15 @@ def _function(scaling):
 
 
 FUNCTIONS = {s: _function(s) for s in ("tensorwise", "rowwise", "delayed")}
+
+
+@torch.compiler.disable
+def _apply_eagerly(Function, x, w, b, plan):
+    """Delayed scaling inside torch.compile: a graph break, the Function run eagerly. Its
+    backward writes the grad_output history in place, a mutation of a graph input in the
+    backward that the AOT partitioner refuses (torch 2.13: "Node ... was invalid, but is
+    output")."""
+    return Function.apply(x, w, b, plan)
 
 
 # -- the category's action ---------------------------------------------------------------
@@ -285,8 +294,10 @@ def runner(name, recipe, device_type, on):
         if ops is None or not all(on(t) for t in ops[:3] if t is not None):
             return _lower_precision(func, args, kwargs, dtype, on)
         x, w, b, key = ops
-        history = HISTORIES.get(key, recipe.amax_history) if delayed else None
-        plan = _Plan(name, device_type, dtype, fwd, bwd, history, sink)
+        history, grad_history = HISTORIES.get(key, recipe.amax_history) if delayed else (None, None)
+        plan = _Plan(name, device_type, dtype, fwd, bwd, history, grad_history, sink)
+        if delayed:
+            return _apply_eagerly(Function, x, w, b, plan)
         return Function.apply(x, w, b, plan)
 
     return run

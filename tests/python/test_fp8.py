@@ -301,19 +301,29 @@ def test_ops_outside_the_category_are_torch_autocast_bit_for_bit():
         assert_same(g, w)
 
 
-def test_compiled_region_runs_fp8_as_eager_does():
+@pytest.mark.parametrize("recipe", [{"scaling": "tensorwise"}, {"scaling": "rowwise"},
+                                    {"scaling": "delayed", "amax_history": 2}], ids=lambda r: r["scaling"])
+def test_compiled_region_runs_fp8_as_eager_does(recipe):
+    """Outputs and gradients over three steps (delayed: the histories of both copies advance)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-    x = torch.randn(8, 32)
+    twin = copy.deepcopy(model)
+    policy = FP8.with_fp8_recipe(**recipe)
 
-    def f(x):
-        with ampkit.autocast("cpu", policy=FP8):
-            return model(x)
+    def f(m, x):
+        with ampkit.autocast("cpu", policy=policy):
+            return m(x)
 
-    eager = f(x)
     torch._dynamo.reset()
-    compiled = torch.compile(f)(x)
-    assert_same(compiled, eager)
+    compiled = torch.compile(f)
+    for i in range(3):
+        x = torch.randn(8, 32) * (i + 1)
+        eager, got = f(model, x), compiled(twin, x)
+        assert_same(got, eager)
+        eager.float().sum().backward()
+        got.float().sum().backward()
+        for p, q in zip(model.parameters(), twin.parameters()):
+            assert_same(q.grad, p.grad)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert not torch.equal(model(x), eager)  # eager ran fp8: the comparison can fail
 
