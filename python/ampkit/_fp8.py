@@ -296,7 +296,7 @@ def runner(name, recipe, device_type, on):
         x, w, b, key = ops
         history, grad_history = HISTORIES.get(key, recipe.amax_history) if delayed else (None, None)
         plan = _Plan(name, device_type, dtype, fwd, bwd, history, grad_history, sink)
-        if delayed:
+        if delayed and torch.compiler.is_compiling():
             return _apply_eagerly(Function, x, w, b, plan)
         return Function.apply(x, w, b, plan)
 
