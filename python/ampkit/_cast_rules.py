@@ -9,6 +9,8 @@ autocast off for the device (the op runs as a leaf on the inputs cast here):
                          elements it reads, ampkit._narrow_casts)
     fp32_output        : call with dtype=float32 unless a dtype is given
     promote            : cast them to the widest floating input dtype
+    fp8                : input and weight cast to fp8 with a scale, as the device's recipe
+                         says (ampkit._fp8); the output in the region dtype
     banned             : raise RuntimeError(message)
     (None)             : an op torch lists but the policy removed: run as is
 
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ampkit import _narrow_casts, _ops
+from ampkit import _fp8, _narrow_casts, _ops
 from ampkit._errors import PolicyError
 
 Tensor = torch.Tensor
@@ -153,10 +155,11 @@ def native_off(device_type):
     return call
 
 
-def rule(cache, name, category, device_type, cache_enabled, message):
+def rule(cache, name, category, device_type, cache_enabled, message, recipe=None, tracer=None):
     """The cast of one listed op on one device: (func, args, kwargs, dtype) -> result,
     run with native autocast off. Calls without tensors on ``device_type`` run as is.
-    ``cache``: where casts of fp32 leaves are kept (see :func:`caster`)."""
+    ``cache``: where casts of fp32 leaves are kept (see :func:`caster`). For ``fp8``:
+    ``recipe``, the device's fp8 recipe, and ``tracer()``, the active trace or None."""
     on = on_device(device_type)
     call = native_off(device_type)
     if category == "lower_precision_fp" or category == "fp32":
@@ -215,6 +218,14 @@ def rule(cache, name, category, device_type, cache_enabled, message):
                 return func(*args, **kwargs)
             to = widest((*args, *kwargs.values()), on, dtype)
             return call(func, cast_all(args, to), dict(zip(kwargs, cast_all(kwargs.values(), to))))
+
+    elif category == "fp8":
+        run = _fp8.runner(name, recipe, device_type, on)
+
+        def act(func, args, kwargs, dtype):
+            if kwargs.get("out") is not None:
+                return func(*args, **kwargs)
+            return call(run, (func, args, kwargs, dtype, tracer() if tracer is not None else None), {})
 
     elif category == "banned":
 

@@ -47,13 +47,14 @@ class Table(dict):
         return act
 
 
-def _action(engine, name, category, device_type, cache_enabled, message, kind):
+def _action(engine, name, category, device_type, cache_enabled, message, kind, recipe=None):
     """The table entry of one op on one device: (func, args, kwargs) -> result."""
     on = on_device(device_type)
     if category == "decompose":
         act = _decomposer(engine, name, on)
     else:
-        cast = rule(engine.cache, name, category, device_type, cache_enabled, message)
+        cast = rule(engine.cache, name, category, device_type, cache_enabled, message,
+                    recipe, lambda: engine.trace)
         get_dtype = torch.get_autocast_dtype
         is_enabled = torch.is_autocast_enabled
         live = kind != REFERENCE  # native's switch is the region's (a nested torch.autocast counts)
@@ -150,7 +151,8 @@ def compile_table(engine, devs, kind, kernels=False) -> Table:
         for name, cat, changing in _entries(policy, device_type, kind):
             msg = rules.ban_message(name) if cat == "banned" else None
             # an entry that keeps native's result (a narrow cast) needs no checkpoint guard: as in a trace
-            act = _action(engine, name, cat, device_type, cache_enabled, msg, kind if changing else TRACE)
+            act = _action(engine, name, cat, device_type, cache_enabled, msg, kind if changing else TRACE,
+                          rules.fp8_recipe)
             ops = _kernel_bridge.kernel_ops(name, cat, device_type) if kernels and changing else ()
             if ops:
                 by_kernel.update(((op, device_type), act) for op in ops)

@@ -50,7 +50,7 @@ from ampkit import _ops
 from ampkit._errors import PolicyError
 
 PINS = ("float32",)
-SCOPE_CATEGORIES = ("lower_precision_fp", "fp32", "fp32_output", "promote")
+SCOPE_CATEGORIES = ("lower_precision_fp", "fp32", "fp32_output", "promote", "fp8")
 _SCOPE_KEYS = ("pin",) + SCOPE_CATEGORIES
 
 

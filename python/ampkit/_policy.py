@@ -43,6 +43,7 @@ from ampkit import _module_policy, _ops
 from ampkit._module_scopes import ModuleScopes
 from ampkit._bounded import BoundedCache
 from ampkit._errors import PolicyError
+from ampkit._fp8_recipe import parse_recipe
 from ampkit._rules import (CATEGORIES, DEFAULT_BAN_MESSAGE, DEVICES, DTYPE_NAMES, DeviceRules, check_category,
                            dtype_of, make_rules, parse_device)
 from ampkit._specs import SpecsNotFoundError, policy_dir
@@ -175,6 +176,8 @@ class Policy:
                 shown = ", ".join(names[:8]) + (f", ... ({len(names)} ops)" if len(names) > 8 else "")
                 lines.append(f"    {cat:<18} {shown or '-'}")
             lines.append(f"    {'decompose':<18} {', '.join(r.decompose) or '-'}")
+            if r.fp8:
+                lines.append(f"    {'fp8_recipe':<18} {r.fp8_recipe.to_dict()}")
         for m in self.modules:
             lines.append(f"  module {m.pattern}: {m.to_dict()}")
         return "\n".join(lines)
@@ -262,7 +265,7 @@ class Policy:
                         t.pop(n, None)
                     if cat is not None:
                         tables[cat][n] = (msg or DEFAULT_BAN_MESSAGE.format(op=n)) if cat == "banned" else None
-                r = make_rules(r.lower_precision_dtype, tables, d, "with_ops")
+                r = make_rules(r.lower_precision_dtype, tables, d, "with_ops", r.fp8_recipe)
             out.append((d, r))
         return self._derive(step, devices=tuple(out))
 
@@ -272,6 +275,22 @@ class Policy:
         out = tuple((d, dataclasses.replace(r, lower_precision_dtype=dt) if d == device else r) for d, r in self.devices)
         self.rules(device)
         return self._derive(f"with_dtype({device!r}, {DTYPE_NAMES[dt]!r})", devices=out)
+
+    def with_fp8_recipe(self, device=None, **recipe) -> "Policy":
+        """A copy whose ``fp8`` category is scaled as ``recipe`` says on ``device`` (a device
+        type, a list of them, or None for all): the keywords ``scaling``, ``forward_dtype``,
+        ``backward_dtype``, ``amax_history`` of the recipe (docs/autocast.md, "fp8"); the
+        keys not given keep their defaults.
+
+        >>> import ampkit
+        >>> p = ampkit.load_policy("fp8").with_fp8_recipe(scaling="delayed", amax_history=16)
+        >>> p.rules("cpu").fp8_recipe.scaling, p.rules("cpu").fp8_recipe.amax_history
+        ('delayed', 16)
+        """
+        value = parse_recipe(recipe, "with_fp8_recipe")
+        targets = self._targets(device)
+        out = tuple((d, dataclasses.replace(r, fp8_recipe=value) if d in targets else r) for d, r in self.devices)
+        return self._derive(_call("with_fp8_recipe", device, recipe), devices=out)
 
     # -- module scopes (ampkit._module_policy) -----------------------------------
     def with_module(self, pattern: str, *, pin: str | None = None, **categories) -> "Policy":

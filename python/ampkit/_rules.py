@@ -18,13 +18,15 @@ import torch
 
 from ampkit import _decompositions, _ops
 from ampkit._errors import PolicyError
+from ampkit._fp8_recipe import DEFAULT_RECIPE, Fp8Recipe, check_fp8_op, parse_recipe
 
-CATEGORIES = ("lower_precision_fp", "fp32", "fp32_output", "promote", "banned")
+CATEGORIES = ("lower_precision_fp", "fp32", "fp32_output", "promote", "fp8", "banned")
 DEVICES = ("cpu", "cuda")
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-DEVICE_KEYS = ("lower_precision_dtype",) + CATEGORIES  # required
-OPTIONAL_DEVICE_KEYS = ("decompose",)  # optional, [] when absent
+# required (fp8 is a category, optional so that files written before it still load)
+DEVICE_KEYS = ("lower_precision_dtype",) + tuple(c for c in CATEGORIES if c != "fp8")
+OPTIONAL_DEVICE_KEYS = ("fp8", "fp8_recipe", "decompose")  # [] / the default recipe / [] when absent
 DEFAULT_BAN_MESSAGE = "{op} is banned in ampkit autocast regions by the active policy."
 
 
@@ -45,8 +47,10 @@ class DeviceRules:
     fp32: tuple = ()
     fp32_output: tuple = ()
     promote: tuple = ()
+    fp8: tuple = ()  # ops run with fp8 operands (ampkit._fp8), scaled as fp8_recipe says
     banned: tuple = ()  # ((op, message), ...)
     decompose: tuple = ()  # ops run through their ATen decomposition (not a category)
+    fp8_recipe: Fp8Recipe = DEFAULT_RECIPE
 
     def ops(self, category: str) -> tuple:
         """Op names of ``category`` (sorted)."""
@@ -74,6 +78,8 @@ class DeviceRules:
             d[cat] = list(getattr(self, cat))
         d["banned"] = dict(self.banned)
         d["decompose"] = list(self.decompose)
+        if self.fp8 or self.fp8_recipe != DEFAULT_RECIPE:
+            d["fp8_recipe"] = self.fp8_recipe.to_dict()
         return d
 
 
@@ -82,13 +88,15 @@ def check_category(cat, where):
         raise PolicyError(f"{where}: unknown category {cat!r}; valid: {', '.join(CATEGORIES)}")
 
 
-def make_rules(dtype, tables, device, where) -> DeviceRules:
+def make_rules(dtype, tables, device, where, recipe=DEFAULT_RECIPE) -> DeviceRules:
     kw = {c: tuple(sorted(tables[c])) for c in CATEGORIES[:-1]}
+    for n in kw["fp8"]:
+        check_fp8_op(n, where)
     kw["banned"] = tuple(sorted(tables["banned"].items()))
     kw["decompose"] = tuple(sorted(tables.get("decompose", ())))
     for n in kw["decompose"]:
         check_decomposable(n, device, where)
-    return DeviceRules(lower_precision_dtype=dtype, **kw)
+    return DeviceRules(lower_precision_dtype=dtype, fp8_recipe=recipe, **kw)
 
 
 def check_decomposable(op, device, where):
@@ -117,7 +125,7 @@ def parse_device(dev, body, where) -> DeviceRules:
     dtype = dtype_of(body["lower_precision_dtype"], where("devices", dev, "lower_precision_dtype"))
     tables, seen = {}, {}
     for cat in CATEGORIES:
-        val = body[cat]
+        val = body.get(cat)  # (the required ones are there: checked above)
         if cat == "banned":
             if val is None:
                 val = {}
@@ -134,6 +142,8 @@ def parse_device(dev, body, where) -> DeviceRules:
         for n, msg in items:
             w = where("devices", dev, cat, n) if isinstance(n, str) else where("devices", dev, cat)
             _ops.check_name(n, w)
+            if cat == "fp8":
+                check_fp8_op(n, w)
             if n in seen:
                 raise PolicyError(f"{w}: op {n!r} is listed in both {seen[n]!r} and {cat!r}; an op belongs to one category")
             if cat == "banned" and not isinstance(msg, str):
@@ -155,4 +165,5 @@ def parse_device(dev, body, where) -> DeviceRules:
         seen[n] = "decompose"
         check_decomposable(n, dev, w)
         tables["decompose"][n] = None
-    return make_rules(dtype, tables, dev, where("devices", dev))
+    recipe = parse_recipe(body.get("fp8_recipe"), where("devices", dev, "fp8_recipe"))
+    return make_rules(dtype, tables, dev, where("devices", dev), recipe)

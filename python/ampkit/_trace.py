@@ -35,7 +35,7 @@ from ampkit._module_scopes import deciding_scope
 
 _SEQ = (list, tuple)
 #: What ``CastRecord.rule`` can be: a policy category, or how the call was handled.
-RULES = ("lower_precision_fp", "fp32", "fp32_output", "promote", "banned", "decompose",
+RULES = ("lower_precision_fp", "fp32", "fp32_output", "promote", "fp8", "banned", "decompose",
          "composite", "none")
 
 
@@ -61,9 +61,13 @@ class CastRecord:
     input_dtypes: tuple
     output_dtype: str
     scope: str = ""  # the module scope (policy.with_module glob) that decided it; "" none did
+    # rule "fp8": the casts it made (ampkit._fp8.Fp8Cast: operand, fp8 dtype, scale) and the
+    # path that ran the matmul ("scaled_mm" or "emulated")
+    fp8_casts: tuple = ()
+    fp8_path: str = ""
 
     def to_dict(self) -> dict:
-        """Plain values (strings and a list), e.g. for a data.frame in R."""
+        """Plain values (strings and lists), e.g. for a data.frame in R."""
         return {
             "op": self.op,
             "rule": self.rule,
@@ -71,6 +75,8 @@ class CastRecord:
             "input_dtypes": list(self.input_dtypes),
             "output_dtype": self.output_dtype,
             "scope": self.scope,
+            "fp8_casts": [str(c) for c in self.fp8_casts],
+            "fp8_path": self.fp8_path,
         }
 
 
@@ -79,6 +85,7 @@ class CastTrace:
 
     def __init__(self):
         self.records: list = []
+        self._fp8 = ((), "")  # the fp8 casts of the call being recorded (note_fp8)
 
     def __len__(self):
         return len(self.records)
@@ -92,6 +99,7 @@ class CastTrace:
         for r in self.records:
             d = r.to_dict()
             d["input_dtypes"] = ", ".join(r.input_dtypes)
+            d["fp8_casts"] = ", ".join(d["fp8_casts"])
             rows.append(d)
         return rows
 
@@ -112,6 +120,9 @@ class CastTrace:
         cols = ("op", "rule", "device", "input_dtypes", "output_dtype")
         if any(r["scope"] for r in rows):  # the column only where policy.apply(model) scoped casts
             cols += ("scope",)
+        head["fp8_casts"], head["fp8_path"] = "fp8 casts", "fp8 path"
+        if any(r["fp8_casts"] for r in rows):  # the columns only where an op ran in fp8
+            cols += ("fp8_casts", "fp8_path")
         width = {c: max([len(head[c])] + [len(str(r[c])) for r in rows]) for c in cols}
         lines = ["  ".join(head[c].ljust(width[c]) for c in cols).rstrip()]
         lines += ["  ".join(str(r[c]).ljust(width[c]) for c in cols).rstrip() for r in rows]
@@ -123,10 +134,24 @@ class CastTrace:
     def __repr__(self):
         return f"<CastTrace of {len(self.records)} records>"
 
+    def note_fp8(self, casts, path) -> None:
+        """Called by an fp8 op while it runs (ampkit._fp8): its casts go into its record."""
+        self._fp8 = (tuple(casts), path)
+
+    def record_fp8_backward(self, op, device, grad_dtype, casts, path) -> None:
+        """Called by an fp8 op's backward: a record ``<op>.backward`` with the cast of the
+        output's gradient, appended when backward runs (inside the block or after it)."""
+        dt = _dtype_name(grad_dtype)
+        self.records.append(CastRecord(op=f"{op}.backward", rule="fp8", device=device, input_dtypes=(dt,),
+                                       output_dtype=dt, fp8_casts=tuple(casts), fp8_path=path))
+
     def record_call(self, func, act, args, kwargs):
         """Run ``func`` (through ``act``, the engine's cast rule, when given) and record the
         cast it made; the engine calls this for each op while the trace is active."""
+        self._fp8 = ((), "")
         out = func(*args, **kwargs) if act is None else act(func, args, kwargs)
+        fp8_casts, fp8_path = self._fp8
+        self._fp8 = ((), "")
         outs = _tensors(out)
         if not outs:
             return out
@@ -144,6 +169,8 @@ class CastTrace:
                 input_dtypes=tuple(_dtype_name(t.dtype) for t in ins),
                 output_dtype=_dtype_name(outs[0].dtype),
                 scope=deciding_scope(op),
+                fp8_casts=fp8_casts,
+                fp8_path=fp8_path,
             )
         )
         return out

@@ -39,7 +39,7 @@ devices:
 
 # --------------------------------------------------------------------- values
 def test_categories_constant():
-    assert ampkit.CATEGORIES == ("lower_precision_fp", "fp32", "fp32_output", "promote", "banned")
+    assert ampkit.CATEGORIES == ("lower_precision_fp", "fp32", "fp32_output", "promote", "fp8", "banned")
 
 
 def test_shipped_spec_writes_every_category_for_both_devices():
@@ -209,7 +209,7 @@ def test_bad_policy_file(tmp_path, case):
 
 
 def test_bad_names_and_paths(tmp_path):
-    with pytest.raises(ampkit.PolicyError, match="no shipped policy named 'torch_defualt'; shipped: torch_default"):
+    with pytest.raises(ampkit.PolicyError, match="no shipped policy named 'torch_defualt'; shipped: fp8, torch_default"):
         ampkit.load_policy("torch_defualt")
     with pytest.raises(ampkit.PolicyError, match="cannot read the policy file"):
         ampkit.load_policy(tmp_path / "missing.yaml")

@@ -63,7 +63,7 @@ def test_table_and_rows():
     assert len({line.index("cpu") for line in lines[1:]}) == 1  # aligned columns
     assert str(tr) == tr.table()
     rows = tr.as_rows()
-    assert rows[0].keys() == {"op", "rule", "device", "input_dtypes", "output_dtype", "scope"}
+    assert rows[0].keys() == {"op", "rule", "device", "input_dtypes", "output_dtype", "scope", "fp8_casts", "fp8_path"}
     assert all(isinstance(v, str) for r in rows for v in r.values())
     d = tr.records[0].to_dict()
     assert isinstance(d["input_dtypes"], list)

@@ -70,7 +70,7 @@ as.data.frame.ampkit_policy <- function(x, row.names = NULL, optional = FALSE, .
   d <- x$py$to_dict()$devices
   rows <- list()
   for (dev in names(d)) {
-    for (cat in setdiff(names(d[[dev]]), "lower_precision_dtype")) {
+    for (cat in setdiff(names(d[[dev]]), c("lower_precision_dtype", "fp8_recipe"))) {
       ops <- d[[dev]][[cat]]
       ops <- if (cat == "banned") names(ops) else unlist(ops)
       if (length(ops)) rows[[length(rows) + 1]] <- data.frame(op = ops, device = dev,

@@ -107,3 +107,32 @@ test_that("a Python exception in amp_trace()'s code is an ampkit_error and ends 
   expect_false(is_autocast_enabled("cpu"))
   expect_equal(nrow(amp_trace(NULL)), 0)
 })
+
+test_that("the shipped fp8 policy runs linear in fp8 from R as it does from Python", {
+  skip_if_no_ampkit()
+  pt()$manual_seed(0L)
+  net <- nn_linear(32, 16)
+  x <- torch_randn(8, 32)
+  tr <- amp_trace(y <- with_autocast(device_type = "cpu", policy = "fp8", net(x)))
+  expect_equal(dtype_name(y), "bfloat16")
+  row <- tr[tr$op == "linear", ]
+  expect_equal(row$rule, "fp8")
+  expect_equal(row$fp8_path, "emulated")
+  expect_match(row$fp8_casts, "^input:float8_e4m3fn\\*.*, weight:float8_e4m3fn\\*")
+  # the control: the same call through the Python core, and torch's own bf16 linear
+  ns <- py_ns(paste(
+    "import torch, ampkit",
+    "def fp8(net, x):",
+    "    with ampkit.autocast('cpu', policy='fp8'):",
+    "        return net(x)",
+    "def bf16(net, x):",
+    "    with torch.autocast('cpu', dtype=torch.bfloat16):",
+    "        return net(x)", sep = "\n"))
+  expect_true(pt()$equal(y, ns$fp8(net, x)))
+  expect_false(pt()$equal(y, ns$bf16(net, x)))
+  tab <- as.data.frame(amp_policy("fp8"))
+  expect_equal(tab$category[tab$op == "linear"], c("fp8", "fp8"))
+  q <- amp_policy("torch_default", fp8 = "linear", device = "cpu")
+  expect_equal(dtype_name(with_autocast(device_type = "cpu", policy = q, net(x))), "bfloat16")
+  expect_true(pt()$equal(with_autocast(device_type = "cpu", policy = q, net(x)), y))
+})

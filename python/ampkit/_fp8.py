@@ -1,0 +1,310 @@
+"""The fp8 category: a matmul whose operands are cast to 8-bit floats with a scale.
+
+An op of a policy's ``fp8`` category (``linear``, ``mm``, ``matmul``; written as
+``input @ weight.T``) runs through one autograd Function per scaling recipe
+(ampkit._fp8_recipe):
+
+    forward   scale_x, scale_w = the recipe's scales (below), in float32
+              xq = (x * scale_x).clamp(-max, max).to(forward_dtype)   # max: the fp8 dtype's
+              wq = (w * scale_w).clamp(-max, max).to(forward_dtype)
+              CUDA, capability >= 8.9, shapes _scaled_mm takes:
+                  out = torch._scaled_mm(xq, wq.T, 1/scale_x, 1/scale_w, out_dtype=dtype) (+ bias)
+              elsewhere (the emulation, the same quantization):
+                  out = linear((xq.float() / scale_x).to(dtype), (wq.float() / scale_w).to(dtype),
+                               bias.to(dtype))
+              dtype: the region's lower-precision dtype; the output has it
+    backward  gq = grad_output quantized to backward_dtype (its own scale, same recipe)
+              gd, xd, wd = gq, xq, wq dequantized, to dtype
+              grad_x = gd @ wd, grad_w = gd.T @ xd, grad_bias = grad_output.sum(0),
+              each in its input's dtype (the emulation on every device)
+
+    scales    tensorwise : max / max(|t|)                 (amax floored at 1e-12)
+              rowwise    : max / max(|row|) per row along the contraction dim: the rows
+                           of x and of the weight (N, K), the rows of grad_output
+              delayed    : max / max(history) of the operand (1 while the history is all
+                           zero), then the history rolls by one and takes this call's
+                           amax at [0]: a device tensor updated in place, no host sync.
+                           One history (3 x amax_history: input, weight, grad_output) per
+                           weight tensor, which must be a leaf (a parameter)
+
+Calls the Function cannot take (a 1-D input or a batched second operand of matmul,
+non-floating or float64 operands) run as ``lower_precision_fp`` does.
+While ``ampkit.trace()`` records, each fp8 cast is noted with its dtype and scale
+(:class:`Fp8Cast`) and the path that ran (``scaled_mm`` or ``emulated``).
+
+>>> import torch, ampkit
+>>> lin = torch.nn.Linear(4, 3)
+>>> with ampkit.autocast("cpu", policy="fp8"):
+...     y = lin(torch.randn(2, 4))
+>>> y.dtype
+torch.bfloat16
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+
+import torch
+
+FP8_DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+AMAX_FLOOR = 1e-12  # an all-zero tensor gets a finite scale
+F32 = torch.float32
+_ELIGIBLE = (torch.float32, torch.bfloat16, torch.float16)
+_mm = torch.ops.aten.mm.default  # (backward: an ATen call, never re-cast by a policy)
+
+
+# -- the math (the tests' oracle writes it again from the docstring) ----------------
+def fp8_max(dtype) -> float:
+    return torch.finfo(dtype).max
+
+
+def amax(t, rowwise: bool):
+    a = t.detach().abs()
+    return (a.amax(dim=-1, keepdim=True) if rowwise else a.amax()).to(F32)
+
+
+def scale_of(am, dtype):
+    """``max / amax`` (amax floored), float32."""
+    return fp8_max(dtype) / am.clamp(min=AMAX_FLOOR)
+
+
+def scale_from_history(history, dtype):
+    """The delayed scale of one operand: ``max / max(history)``, 1 while it is all zero."""
+    hmax = history.amax()
+    return torch.where(hmax > 0, fp8_max(dtype) / hmax.clamp(min=AMAX_FLOOR), torch.ones_like(hmax))
+
+
+def push_amax(histories, row: int, am) -> None:
+    """Roll ``histories[row]`` by one and write ``am`` at its [0], in place (no host sync).
+    One copy_ into the whole (3, n) tensor: torch.compile's functionalization takes a
+    whole-input mutation where a mutated row view breaks its partitioner."""
+    rolled = torch.cat([am.reshape(1), histories[row, :-1]])
+    mask = torch.arange(histories.shape[0], device=histories.device)[:, None] == row
+    histories.copy_(torch.where(mask, rolled, histories))
+
+
+def quantize(t, scale, dtype):
+    m = fp8_max(dtype)
+    return (t.to(F32) * scale).clamp(-m, m).to(dtype)
+
+
+def dequantize(q, scale):
+    return q.to(F32) / scale
+
+
+# -- what the trace sees ----------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Fp8Cast:
+    """One fp8 cast: the operand (``input``, ``weight``, ``grad_output``), its fp8 dtype and
+    its scale (a float; a tuple of floats per row for rowwise scaling)."""
+
+    operand: str
+    dtype: str
+    scale: object
+
+    def __str__(self):
+        s = self.scale
+        shown = f"{s:.6g}" if isinstance(s, float) else f"[{min(s):.6g}..{max(s):.6g}] x{len(s)}"
+        return f"{self.operand}:{self.dtype}*{shown}"
+
+
+def _cast_of(operand, dtype, scale) -> Fp8Cast:
+    vals = scale.detach().flatten().tolist()
+    return Fp8Cast(operand, str(dtype).replace("torch.", ""), vals[0] if scale.dim() == 0 else tuple(vals))
+
+
+# -- delayed scaling's histories --------------------------------------------------------
+class _Histories:
+    """{id(weight): (weakref to it, (its (2, n) input and weight history, its (1, n)
+    grad_output history), float32 on its device)}: two tensors, the first written by the
+    forward, the second by the backward (torch.compile's partitioner refuses one input
+    mutated in both)."""
+
+    def __init__(self):
+        self.by_id = {}
+
+    def get(self, weight, n):
+        hit = self.by_id.get(id(weight))
+        if hit is not None and hit[0]() is weight and hit[1][0].shape[1] == n:
+            return hit[1]
+        if not weight.is_leaf:
+            raise RuntimeError(
+                "ampkit fp8: delayed scaling keeps one amax history per weight, and this call's "
+                "weight (second operand) is not a leaf tensor (a parameter), so it has no history "
+                "from one step to the next; give this op tensorwise or rowwise scaling (a module "
+                "scope can move it: policy.with_module(...)) or keep it out of the fp8 category")
+        h = (torch.zeros(2, n, dtype=F32, device=weight.device), torch.zeros(1, n, dtype=F32, device=weight.device))
+        key = id(weight)
+        self.by_id[key] = (weakref.ref(weight, lambda _, k=key: self.by_id.pop(k, None)), h)
+        return h
+
+
+HISTORIES = _Histories()
+
+
+# -- the Function ------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """A call's constants: what the Function needs besides its tensors."""
+
+    op: str
+    device_type: str
+    dtype: torch.dtype  # the region's
+    forward: torch.dtype
+    backward: torch.dtype
+    history: object  # delayed: the weight's (2, n) history of input and weight amaxes, else None
+    grad_history: object  # delayed: its (1, n) history of grad_output amaxes, else None
+    sink: object  # the active trace (its note_fp8 / record_fp8_backward) or None
+
+
+def _scaled_mm_fits(x2, w, plan, rowwise) -> bool:
+    if plan.device_type != "cuda" or not x2.is_cuda or not hasattr(torch, "_scaled_mm"):
+        return False
+    if torch.cuda.get_device_capability(x2.device) < (8, 9):
+        return False
+    m, k = x2.shape
+    n = w.shape[0]
+    if k % 16 or n % 16 or m % 16:
+        return False
+    return plan.dtype is torch.bfloat16 if rowwise else plan.dtype in (torch.bfloat16, torch.float16)
+
+
+def _forward(ctx, scaling, x, w, b, plan):
+    rowwise = scaling == "rowwise"
+    x2 = x.reshape(-1, x.shape[-1])
+    if scaling == "delayed":
+        h = plan.history
+        sx, sw = scale_from_history(h[0], plan.forward), scale_from_history(h[1], plan.forward)
+        push_amax(h, 0, amax(x2, False))
+        push_amax(h, 1, amax(w, False))
+    else:
+        sx, sw = scale_of(amax(x2, rowwise), plan.forward), scale_of(amax(w, rowwise), plan.forward)
+    xq, wq = quantize(x2, sx, plan.forward), quantize(w, sw, plan.forward)
+    dt = plan.dtype
+    if _scaled_mm_fits(x2, w, plan, rowwise):
+        path = "scaled_mm"
+        out = torch._scaled_mm(xq, wq.t(), scale_a=sx.reciprocal(), scale_b=sw.reciprocal().reshape(1, -1)
+                               if rowwise else sw.reciprocal(), out_dtype=dt)
+        if b is not None:
+            out = out + b.to(dt)
+    else:
+        path = "emulated"
+        out = torch.nn.functional.linear(dequantize(xq, sx).to(dt), dequantize(wq, sw).to(dt),
+                                         None if b is None else b.to(dt))
+    ctx.save_for_backward(xq, sx, wq, sw)
+    ctx.plan, ctx.x_shape = plan, x.shape
+    ctx.dtypes = (x.dtype, w.dtype, None if b is None else b.dtype)
+    if plan.sink is not None:
+        plan.sink.note_fp8((_cast_of("input", plan.forward, sx), _cast_of("weight", plan.forward, sw)), path)
+    return out.reshape(*x.shape[:-1], w.shape[0])
+
+
+def _backward(ctx, scaling, grad):
+    plan = ctx.plan
+    xq, sx, wq, sw = ctx.saved_tensors
+    with torch._C.DisableTorchFunction(), torch.autocast(plan.device_type, enabled=False):
+        g2 = grad.reshape(-1, grad.shape[-1])
+        if scaling == "delayed":
+            sg = scale_from_history(plan.grad_history[0], plan.backward)
+            push_amax(plan.grad_history, 0, amax(g2, False))
+        else:
+            sg = scale_of(amax(g2, scaling == "rowwise"), plan.backward)
+        dt = plan.dtype
+        gd = dequantize(quantize(g2, sg, plan.backward), sg).to(dt)
+        x_dt, w_dt, b_dt = ctx.dtypes
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = _mm(gd, dequantize(wq, sw).to(dt)).reshape(ctx.x_shape).to(x_dt)
+        if ctx.needs_input_grad[1]:
+            gw = _mm(gd.t(), dequantize(xq, sx).to(dt)).to(w_dt)
+        if b_dt is not None and ctx.needs_input_grad[2]:
+            gb = g2.sum(0).to(b_dt)
+        if plan.sink is not None:
+            plan.sink.record_fp8_backward(plan.op, plan.device_type, grad.dtype,
+                                          (_cast_of("grad_output", plan.backward, sg),), "emulated")
+    return gx, gw, gb, None
+
+
+def _function(scaling):
+    def forward(ctx, x, w, b, plan):
+        return _forward(ctx, scaling, x, w, b, plan)
+
+    def backward(ctx, grad):
+        return _backward(ctx, scaling, grad)
+
+    name = f"Fp8Linear{scaling.capitalize()}"
+    return type(name, (torch.autograd.Function,), {
+        "forward": staticmethod(forward), "backward": staticmethod(backward),
+        "__doc__": f"``input @ weight.T (+ bias)`` with fp8 operands, {scaling} scaling."})
+
+
+FUNCTIONS = {s: _function(s) for s in ("tensorwise", "rowwise", "delayed")}
+
+
+@torch.compiler.disable
+def _apply_eagerly(Function, x, w, b, plan):
+    """Delayed scaling inside torch.compile: a graph break, the Function run eagerly. Its
+    backward writes the grad_output history in place, a mutation of a graph input in the
+    backward that the AOT partitioner refuses (torch 2.13: "Node ... was invalid, but is
+    output")."""
+    return Function.apply(x, w, b, plan)
+
+
+# -- the category's action ---------------------------------------------------------------
+def _operands(name, func, args, kwargs):
+    """(x, w as (N, K), bias, the tensor that keys the history) of a call, or None when the
+    call is not one the Function takes."""
+    if name == "linear":
+        names = ("input", "weight", "bias")
+    else:  # mm, matmul: input @ other
+        names = ("input", "mat2" if name == "mm" else "other")
+    vals = list(args) + [None] * (len(names) - len(args))
+    for i, k in enumerate(names):
+        if k in kwargs:
+            vals[i] = kwargs[k]
+    if set(kwargs) - set(names) or len(args) > len(names):
+        return None
+    if name == "linear":
+        x, w, b = vals
+        key = w
+    else:
+        x, other = vals[:2]
+        if getattr(func, "__name__", "") == "__rmatmul__":  # other.__rmatmul__(x): x @ other
+            x, other = other, x
+        if not isinstance(other, torch.Tensor) or other.dim() != 2:
+            return None
+        w, b, key = other.t(), None, other
+    if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and x.dim() >= 2 and w.dim() == 2):
+        return None
+    if any(t is not None and (not isinstance(t, torch.Tensor) or t.dtype not in _ELIGIBLE) for t in (x, w, b)):
+        return None
+    return x, w, b, key
+
+
+def runner(name, recipe, device_type, on):
+    """The fp8 category's cast of op ``name``: ``run(func, args, kwargs, dtype, sink)``, called
+    with native autocast off; ``on(t)``: whether a tensor is on ``device_type``."""
+    Function = FUNCTIONS[recipe.scaling]
+    fwd, bwd = FP8_DTYPES[recipe.forward_dtype], FP8_DTYPES[recipe.backward_dtype]
+    delayed = recipe.scaling == "delayed"
+
+    def run(func, args, kwargs, dtype, sink):
+        ops = _operands(name, func, args, kwargs)
+        if ops is None or not all(on(t) for t in ops[:3] if t is not None):
+            return _lower_precision(func, args, kwargs, dtype, on)
+        x, w, b, key = ops
+        history, grad_history = HISTORIES.get(key, recipe.amax_history) if delayed else (None, None)
+        plan = _Plan(name, device_type, dtype, fwd, bwd, history, grad_history, sink)
+        if delayed and torch.compiler.is_compiling():
+            return _apply_eagerly(Function, x, w, b, plan)
+        return Function.apply(x, w, b, plan)
+
+    return run
+
+
+def _lower_precision(func, args, kwargs, dtype, on):
+    def cast(a):
+        return a.to(dtype) if isinstance(a, torch.Tensor) and a.dtype in _ELIGIBLE and on(a) else a
+
+    return func(*[cast(a) for a in args], **{k: cast(v) for k, v in kwargs.items()})
