@@ -1,83 +1,143 @@
-"""Probe (issue 26): how far is make_train_step over a torch.compile'd model from torch's best?
+"""The compiled captured step against torch's compiled rivals (issue 26), one process,
+variants timed interleaved. Never a test.
 
-    PYTHONPATH=$PWD/python python3 compiled_step_probe.py CASES ROUNDS
+    PYTHONPATH=$PWD/python python3 benchmarks/gpu/compiled_step_probe.py CASES ROUNDS [VARIANTS]
 
-Per case (full profile, fp16, fused optimizer), variants built one after another, then timed
-in interleaved rounds of one epoch each (device synced around each epoch):
+Per case (full profile, fp16, fused optimizer, the case's batches), every variant is built
+and warmed up one after another (its compile time: the build and warm-up's wall time, the
+device synced; its peak memory: the most allocated during build, warm-up (captures
+included) and its timed epochs, above what was allocated before its build), then
+``ROUNDS`` rounds of one epoch of each, the order rotating round by round, the device
+synced around each epoch. Variants (default all):
+
   ro        torch.compile(model, mode="reduce-overhead") under torch.autocast + torch.amp.GradScaler
-  co        torch.compile(model) (default mode) under torch.autocast + torch.amp.GradScaler
-  step      ampkit.make_train_step(model) (captured)
-  step_co   ampkit.make_train_step(torch.compile(model)) (compiled forward/backward, whole step captured)
+  mat       torch.compile(model, mode="max-autotune-no-cudagraphs"), same loop
+  co        torch.compile(model) (default mode), same loop
+  step      ampkit.make_train_step(model) (captured, uncompiled)
+  compiled  ampkit.make_train_step(model, compile=True) (ampkit_step_compiled)
+  compiled_mat  make_train_step(model, compile=dict(mode="max-autotune-no-cudagraphs"))
+
+Printed per variant: median ms/step, the fastest of torch's compiled rivals (ro, mat, co)
+over it, peak MiB, compile s. The floor (``--floor``, on by default): the device time of
+the step's GEMMs and optimizer kernels alone, from torch.profiler over 5 steps of ``co``
+(kernels whose names say gemm/gemv/cutlass/nvjet/xmma, and the optimizer's fused and
+multi-tensor kernels), printed with each variant's time over it.
 """
-import statistics, sys, time, traceback
+import collections, statistics, sys, time, traceback
 import torch, ampkit
 from ampkit.bench import build_case
 
 cases = sys.argv[1].split(",")
 rounds = int(sys.argv[2])
-variants_wanted = sys.argv[3].split(",") if len(sys.argv) > 3 else ["ro", "co", "step", "step_co"]
-dev = "cuda"
+wanted = sys.argv[3].split(",") if len(sys.argv) > 3 else ["ro", "mat", "co", "step", "compiled", "compiled_mat"]
+RIVALS = ("ro", "mat", "co")
+GEMM = ("gemm", "gemv", "cutlass", "nvjet", "xmma", "sm90_", "sm80_")
+OPTIMIZER = ("sgd", "adam", "multi_tensor_apply")
 print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+torch._dynamo.config.cache_size_limit = 64  # (one model class compiled by several variants)
 
 
 def torch_loop(model, b, mode):
     cm = torch.compile(model, mode=mode)
     opt = b.new_optimizer(model, fused=True)
     scaler = torch.amp.GradScaler("cuda")
+
     def step(x, y):
         with torch.autocast("cuda", dtype=torch.float16):
             loss = b.loss_fn(cm(x), y)
         scaler.scale(loss).backward()
-        scaler.step(opt); scaler.update(); opt.zero_grad(set_to_none=True)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
         return loss
     return step
 
 
-def ampkit_step(model, b, compiled):
-    m = torch.compile(model) if compiled else model
+def ampkit_step(model, b, compile):
     opt = b.new_optimizer(model, fused=True)
-    st = ampkit.make_train_step(m, b.loss_fn, opt, capture=True)
-    def step(x, y):
-        return st(x, y)
+    st = ampkit.make_train_step(model, b.loss_fn, opt, capture=True, compile=compile,
+                                autocast=dict(device_type="cuda", dtype=torch.float16))
+    step = lambda x, y: st(x, y)  # noqa: E731
     step.st = st
     return step
 
 
 builders = {"ro": lambda m, b: torch_loop(m, b, "reduce-overhead"),
+            "mat": lambda m, b: torch_loop(m, b, "max-autotune-no-cudagraphs"),
             "co": lambda m, b: torch_loop(m, b, None),
-            "step": lambda m, b: ampkit_step(m, b, False),
-            "step_co": lambda m, b: ampkit_step(m, b, True)}
+            "step": lambda m, b: ampkit_step(m, b, None),
+            "compiled": lambda m, b: ampkit_step(m, b, True),
+            "compiled_mat": lambda m, b: ampkit_step(m, b, dict(mode="max-autotune-no-cudagraphs"))}
+
+
+def floor_ms(fn, b, steps=5):
+    """Device ms per step of the GEMM and optimizer kernels (torch.profiler over ``steps``)."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            fn(*b.batches[i % len(b.batches)])
+        torch.cuda.synchronize()
+    kinds = collections.Counter()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            n = e.name.lower()
+            kind = "gemm" if any(k in n for k in GEMM) else "optimizer" if any(k in n for k in OPTIMIZER) else None
+            if kind:
+                kinds[kind] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+    return {k: v / 1e3 / steps for k, v in kinds.items()}
+
 
 for case in cases:
-    b = build_case(case, "full", device=dev)
-    steps, compile_s, peak = {}, {}, {}
-    for v in variants_wanted:
+    b = build_case(case, "full", device="cuda")
+    steps, compile_s, peak, base_mem = {}, {}, {}, {}
+    for v in wanted:
         try:
-            torch.cuda.synchronize(); t0 = time.perf_counter()
+            torch.cuda.synchronize()
+            base_mem[v] = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
             fn = builders[v](b.new_model(), b)
-            for i in range(max(4, b.warmup_steps)):
-                x, y = b.batches[i % len(b.batches)]
-                fn(x, y)
-            torch.cuda.synchronize(); compile_s[v] = time.perf_counter() - t0
+            for i in range(max(4, b.warmup_steps) + (11 if v.startswith("compiled") or v == "step" else 0)):
+                fn(*b.batches[i % len(b.batches)])
+            torch.cuda.synchronize()
+            compile_s[v] = time.perf_counter() - t0
+            peak[v] = (torch.cuda.max_memory_allocated() - base_mem[v]) / 2**20
             steps[v] = fn
         except Exception as e:
             print("%s %s FAILED: %s" % (case, v, "".join(traceback.format_exception_only(e)).strip()[:600]), flush=True)
+    floor = None
+    if "co" in steps and "--no-floor" not in sys.argv:
+        try:
+            floor = floor_ms(steps["co"], b)
+            print("%s floor (device ms a step, co's kernels): %s" % (
+                case, ", ".join("%s %.3f" % kv for kv in sorted(floor.items()))), flush=True)
+        except Exception as e:
+            print("%s floor FAILED: %s" % (case, e), flush=True)
     times = {v: [] for v in steps}
+    names = list(steps)
     for r in range(rounds):
-        order = list(steps)[r % len(steps):] + list(steps)[:r % len(steps)]
-        for v in order:
-            torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
+        for v in names[r % len(names):] + names[:r % len(names)]:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
             for x, y in b.batches:
                 steps[v](x, y)
             torch.cuda.synchronize()
             times[v].append((time.perf_counter() - t0) * 1e3 / len(b.batches))
-            peak[v] = max(peak.get(v, 0), torch.cuda.max_memory_allocated() / 2**20)
-    base = min(statistics.median(times[v]) for v in ("ro", "co") if v in times) if any(v in times for v in ("ro", "co")) else None
-    for v in times:
+            peak[v] = max(peak[v], (torch.cuda.max_memory_allocated() - base_mem[v]) / 2**20)
+    rivals = [statistics.median(times[v]) for v in RIVALS if v in times]
+    best = min(rivals) if rivals else None
+    total_floor = sum(floor.values()) if floor else None
+    for v in names:
         med = statistics.median(times[v])
         extra = ""
         if hasattr(steps[v], "st"):
-            extra = " captured=%s reason=%s" % (steps[v].st.captured, steps[v].st.reason)
-        print("%-16s %-8s %8.3f ms/step  best-torch/this %s  peak %7.0f MiB  build+warm %6.1f s%s" % (
-            case, v, med, "%.3f" % (base / med) if base else "-", peak[v], compile_s[v], extra), flush=True)
+            st = steps[v].st
+            extra = " captured=%s compiled=%s reason=%s" % (st.captured, st.compiled, st.reason or st.compile_reason)
+        print("%-16s %-13s %8.3f ms/step  [%.3f, %.3f]  best-torch/this %s  /floor %s  peak %7.0f MiB  compile %6.1f s%s" % (
+            case, v, med, min(times[v]), max(times[v]), "%.3f" % (best / med) if best else "-",
+            "%.2f" % (med / total_floor) if total_floor else "-", peak[v], compile_s[v], extra), flush=True)
+    del steps
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()
