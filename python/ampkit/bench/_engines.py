@@ -401,7 +401,10 @@ def run_items(items, start: int, *, profile: str, device: str, seed: int, repeat
     # The watchdog covers everything after the imports: the rendezvous and the teardown
     # (within max(run_timeout, START_S)) and each item, its case's build included.
     faulthandler.dump_traceback_later(max(run_timeout, START_S), exit=True, file=sys.stderr)
-    init_process_group(device, run_timeout)
+    # (the rendezvous gets the start-up's time, not one run's: a short --run-timeout gave
+    # gloo's store that timeout, and a loaded machine's rendezvous failed before any item;
+    # a collective that stalls inside an item is the watchdog's, at run_timeout)
+    init_process_group(device, max(run_timeout, START_S))
     rank, world = dist.get_rank(), dist.get_world_size()
     events = Events(out, rank)
     variants = bench.load_variants()
