@@ -457,6 +457,18 @@ def fidelity(doc: dict) -> str:
     return "\n".join(out)
 
 
+def _pyplot(what):
+    """matplotlib.pyplot on the Agg backend, or None (and a line saying so) without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"report: matplotlib is not installed; no {what} written", file=sys.stderr)
+        return None
+    return plt
+
+
 def fidelity_chart(doc: dict, path) -> bool:
     """One panel per case: the smoothed mean loss curve of each variant over the reference's
     mean +/- threshold x its seed-to-seed std (the band), and below it each variant's gap in
@@ -465,12 +477,8 @@ def fidelity_chart(doc: dict, path) -> bool:
     ok = [r for r in (f or {}).get("records", []) if r["status"] == "ok"]
     if not ok:
         return False
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("report: matplotlib is not installed; no fidelity chart written", file=sys.stderr)
+    plt = _pyplot("fidelity chart")
+    if plt is None:
         return False
     from ampkit.bench import fidelity_compare
     cases = list(dict.fromkeys(r["case"] for r in ok))
@@ -520,12 +528,8 @@ def chart(doc: dict, path) -> bool:
     recs = single(doc["records"])
     if not recs:  # across processes only: the tables say it all
         return False
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("report: matplotlib is not installed; no chart written", file=sys.stderr)
+    plt = _pyplot("chart")
+    if plt is None:
         return False
     cases = list(dict.fromkeys(r["case"] for r in recs))
     variants = list(dict.fromkeys(r["variant"] for r in recs if r["variant"] != "fp32"))
