@@ -29,11 +29,15 @@ region dtype, so it is never faster: there, ``auto`` keeps every module in the r
 
 >>> import torch, ampkit
 >>> model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
->>> result = ampkit.calibrate_fp8(model, torch.randn(8, 16), device_type="cpu", repeats=2)
+>>> def timer(name, precision, run):  # fp8 twice as fast in module "2" (a GPU might say so)
+...     return 1.0 if (name, precision) == ("2", "fp8") else 2.0
+>>> result = ampkit.calibrate_fp8(model, torch.randn(8, 16), device_type="cpu", timer=timer)
 >>> [(r.module, r.precision) for r in result.report]
-[('0', 'bfloat16'), ('2', 'bfloat16')]
->>> result.policy.modules
-()
+[('0', 'bfloat16'), ('2', 'fp8')]
+>>> result.report[0].reason
+'fp8 not fast enough (1.00x, needs > 1)'
+>>> [(m.pattern, m.ops) for m in result.policy.modules]
+[('2', (('linear', 'fp8'),))]
 """
 
 from __future__ import annotations
