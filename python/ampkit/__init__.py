@@ -36,6 +36,9 @@ from ampkit._doctor import Finding
 from ampkit._doctor import doctor
 from ampkit._module_policy import ModuleScope
 from ampkit._module_scopes import ModuleScopes
+from ampkit._fp8_calibrate import Fp8Calibration
+from ampkit._fp8_calibrate import Fp8Decision
+from ampkit._fp8_calibrate import calibrate_fp8
 
 __version__ = "0.1.0"
 
@@ -45,6 +48,8 @@ __all__ = [
     "CastTrace",
     "DeviceRules",
     "Finding",
+    "Fp8Calibration",
+    "Fp8Decision",
     "GradScaler",
     "ModuleScope",
     "ModuleScopes",
@@ -54,6 +59,7 @@ __all__ = [
     "ScalerStats",
     "TrainStep",
     "autocast",
+    "calibrate_fp8",
     "checkpoint",
     "cuda_amp_grad_scaler",
     "custom_bwd",

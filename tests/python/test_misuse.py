@@ -336,6 +336,13 @@ CASES = [
     C("scope-apply-no-match", "Policy.apply", lambda w: w.policy.with_module("encoder", pin="float32").apply(w.model), ampkit.PolicyError, r"'encoder' matches no module"),
     C("scope-apply-not-a-module", "Policy.apply", lambda w: w.policy.apply("model"), TypeError, r"got str"),
     # the numerics doctor
+    # fp8 auto
+    C("calibrate-not-a-module", "calibrate_fp8", lambda w: ampkit.calibrate_fp8(w.policy, torch.ones(2, 4)),
+      TypeError, r"model must be a torch.nn.Module, got Policy"),
+    C("calibrate-max-error", "calibrate_fp8", lambda w: ampkit.calibrate_fp8(w.model, torch.ones(2, 4), max_error=-0.1),
+      ValueError, r"max_error must be a finite number > 0, got -0.1"),
+    C("calibrate-no-linear", "calibrate_fp8", lambda w: ampkit.calibrate_fp8(torch.nn.ReLU(), torch.ones(2, 4)),
+      ValueError, r"the ReLU has no torch.nn.Linear"),
     C("doctor-every-0", "doctor", lambda w: ampkit.doctor(w.model, every=0), ValueError, r"every must be a positive integer.*got 0"),
     C("doctor-every-float", "doctor", lambda w: ampkit.doctor(w.model, every=2.5), ValueError, r"got 2.5"),
     C("doctor-every-bool", "doctor", lambda w: ampkit.doctor(w.model, every=True), ValueError, r"got True"),
@@ -350,6 +357,8 @@ NOTHING_TO_MISUSE = {
     "CastTrace": "built by trace(); its constructor takes no arguments",
     "trace": "takes no arguments (its __enter__/__exit__ have cases)",
     "CastTrace.as_rows": "takes no arguments and is valid in every state",
+    "Fp8Calibration": "a result value built by calibrate_fp8()",
+    "Fp8Decision": "a report row built by calibrate_fp8()",
     "Policy.device_types": "takes no arguments",
     "Policy.to_dict": "takes no arguments",
     "Policy.to_yaml": "takes no arguments",
