@@ -2,8 +2,9 @@
 #'
 #' `install_ampkit()` creates a Python virtual environment with reticulate's
 #' tools ([reticulate::virtualenv_create()]), or uses the one that exists, and
-#' installs into it the CPU build of torch, `numpy<2` (reticulate 1.28 needs
-#' it) and the ampkit Python package, from the repository (installed
+#' installs into it torch (the requirement `torch` names: from pip's index as
+#' configured, which on Linux is the CUDA build unless `pip_options` names the
+#' CPU index), `numpy<2` (reticulate 1.28 needs it) and the ampkit Python package, from the repository (installed
 #' editable, so that it reads the repository's `shared_specs/`) or from a wheel
 #' (with [reticulate::virtualenv_install()], which [reticulate::py_install()]
 #' uses for virtual environments). When the R package loads, it uses that
@@ -21,8 +22,9 @@
 #'   Default: the environment variable `AMPKIT_REPO`.
 #' @param envname The virtual environment: a name (default `"r-ampkit"`) or a
 #'   path.
-#' @param torch The pip requirement for torch (default `"torch==2.13.0"`, the
-#'   CPU build where pip is set up for it).
+#' @param torch The pip requirement for torch (default `"torch==2.13.0"`, from pip's
+#'   configured index: the CPU build only where that index serves it, e.g. with
+#'   `pip_options = c("--index-url", "https://download.pytorch.org/whl/cpu")`).
 #' @param extra_packages Further pip requirements.
 #' @param python The Python that creates a new environment (`NULL`: the one
 #'   reticulate finds, such as `python3` on the `PATH`).
