@@ -47,6 +47,8 @@ import weakref
 
 import torch
 
+from ampkit._listeners import fp8_quantized
+
 FP8_DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 AMAX_FLOOR = 1e-12  # an all-zero tensor gets a finite scale
 F32 = torch.float32
@@ -181,6 +183,9 @@ def _forward(ctx, scaling, x, w, b, plan):
     else:
         sx, sw = scale_of(amax(x2, rowwise), plan.forward), scale_of(amax(w, rowwise), plan.forward)
     xq, wq = quantize(x2, sx, plan.forward), quantize(w, sw, plan.forward)
+    if fp8_quantized.listeners:  # (a diagnostic watching the casts: ampkit.doctor)
+        fp8_quantized.notify(plan.op, "input", x2, xq, sx)
+        fp8_quantized.notify(plan.op, "weight", w, wq, sw)
     dt = plan.dtype
     if _scaled_mm_fits(x2, w, plan, rowwise):
         path = "scaled_mm"
@@ -211,7 +216,10 @@ def _backward(ctx, scaling, grad):
         else:
             sg = scale_of(amax(g2, scaling == "rowwise"), plan.backward)
         dt = plan.dtype
-        gd = dequantize(quantize(g2, sg, plan.backward), sg).to(dt)
+        gq = quantize(g2, sg, plan.backward)
+        if fp8_quantized.listeners:
+            fp8_quantized.notify(plan.op, "grad_output", g2, gq, sg)
+        gd = dequantize(gq, sg).to(dt)
         x_dt, w_dt, b_dt = ctx.dtypes
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
