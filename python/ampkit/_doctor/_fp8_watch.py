@@ -8,9 +8,9 @@ op) pays nothing: one truth test of an empty tuple per cast. Per cast of operand
 (2-D, as the op cast it), its scale ``s`` (0-dim or one per row) and its fp8 value ``q``::
 
     max      = the fp8 dtype's largest value (448 for float8_e4m3fn, 57344 for float8_e5m2)
-    limit    = max + ulp(max) / 2      (464, 61440: the values an unclamped cast rounds to max)
+    limit    = max + ulp(max) / 2      (464, 61440: up to it a value is within rounding of max)
     amax     = max |x|
-    overflow = count(|x.float() * s| > limit)      # the clamp changed its fp8 value: saturated
+    overflow = count(|x.float() * s| > limit)      # saturated: it lost more than rounding
     underflow= count(x != 0 and q == 0)            # a nonzero value flushed to zero
     elements = numel(x);  scale = min(s)
 
@@ -33,8 +33,10 @@ _F64 = torch.float64
 
 
 def saturation_limit(dtype) -> float:
-    """The smallest magnitude a cast to ``dtype`` without the clamp would not round to its
-    max: ``max + ulp(max) / 2`` (464.0 for float8_e4m3fn, 61440.0 for float8_e5m2)."""
+    """``max + ulp(max) / 2`` of fp8 ``dtype`` (464.0 for float8_e4m3fn, 61440.0 for
+    float8_e5m2): a scaled value up to it is within rounding of max (``> max`` alone would
+    count a tensor's own amax, whose ``amax * (max / amax)`` may round above max); beyond
+    it the clamp to max loses more than rounding (float8_e5m2 would be inf without it)."""
     fi = torch.finfo(dtype)
     return fi.max + 2.0 ** math.floor(math.log2(fi.max)) * fi.eps / 2
 
