@@ -31,6 +31,9 @@ Calls the Function cannot take (a 1-D input or a batched second operand of matmu
 non-floating or float64 operands) run as ``lower_precision_fp`` does.
 While ``ampkit.trace()`` records, each fp8 cast is noted with its dtype and scale
 (:class:`Fp8Cast`) and the path that ran (``scaled_mm`` or ``emulated``).
+While a diagnostic listens at ``ampkit._listeners.fp8_quantized`` (``ampkit.doctor`` in its
+sampled steps), each cast is reported to it: the operand before the cast, its fp8 value and
+the scale (no listener: one truth test of an empty tuple).
 
 >>> import torch, ampkit
 >>> lin = torch.nn.Linear(4, 3)
