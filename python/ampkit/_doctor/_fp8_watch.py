@@ -36,7 +36,11 @@ def saturation_limit(dtype) -> float:
     """``max + ulp(max) / 2`` of fp8 ``dtype`` (464.0 for float8_e4m3fn, 61440.0 for
     float8_e5m2): a scaled value up to it is within rounding of max (``> max`` alone would
     count a tensor's own amax, whose ``amax * (max / amax)`` may round above max); beyond
-    it the clamp to max loses more than rounding (float8_e5m2 would be inf without it)."""
+    it the clamp to max loses more than rounding (float8_e5m2 would be inf without it).
+
+    >>> saturation_limit(torch.float8_e4m3fn), saturation_limit(torch.float8_e5m2)
+    (464.0, 61440.0)
+    """
     fi = torch.finfo(dtype)
     return fi.max + 2.0 ** math.floor(math.log2(fi.max)) * fi.eps / 2
 
