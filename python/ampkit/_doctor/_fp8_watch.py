@@ -80,8 +80,8 @@ class Fp8Watch:
         with torch.no_grad(), self._unwatched():
             acc = self._acc.get(key)
             if acc is None:
-                acc = self._acc[key] = torch.tensor([0.0, 0.0, 0.0, 0.0, math.inf, 0.0], dtype=_F64,
-                                                    device=source.device)
+                acc = self._acc[key] = torch.zeros(6, dtype=_F64, device=source.device)
+                acc[4] = math.inf  # (a fill: no copy from the host)
                 self._rows.append((self._step, module, operand, str(quantized.dtype).replace("torch.", ""), acc))
             x = source.detach()
             s = scale.detach()
