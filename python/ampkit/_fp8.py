@@ -31,6 +31,9 @@ Calls the Function cannot take (a 1-D input or a batched second operand of matmu
 non-floating or float64 operands) run as ``lower_precision_fp`` does.
 While ``ampkit.trace()`` records, each fp8 cast is noted with its dtype and scale
 (:class:`Fp8Cast`) and the path that ran (``scaled_mm`` or ``emulated``).
+While a diagnostic listens at ``ampkit._listeners.fp8_quantized`` (``ampkit.doctor`` in its
+sampled steps), each cast is reported to it: the operand before the cast, its fp8 value and
+the scale (no listener: one truth test of an empty tuple).
 
 >>> import torch, ampkit
 >>> lin = torch.nn.Linear(4, 3)
@@ -46,6 +49,8 @@ import dataclasses
 import weakref
 
 import torch
+
+from ampkit._listeners import fp8_quantized
 
 FP8_DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 AMAX_FLOOR = 1e-12  # an all-zero tensor gets a finite scale
@@ -181,6 +186,9 @@ def _forward(ctx, scaling, x, w, b, plan):
     else:
         sx, sw = scale_of(amax(x2, rowwise), plan.forward), scale_of(amax(w, rowwise), plan.forward)
     xq, wq = quantize(x2, sx, plan.forward), quantize(w, sw, plan.forward)
+    if fp8_quantized.listeners:  # (a diagnostic watching the casts: ampkit.doctor)
+        fp8_quantized.notify(plan.op, "input", x2, xq, sx)
+        fp8_quantized.notify(plan.op, "weight", w, wq, sw)
     dt = plan.dtype
     if _scaled_mm_fits(x2, w, plan, rowwise):
         path = "scaled_mm"
@@ -211,7 +219,10 @@ def _backward(ctx, scaling, grad):
         else:
             sg = scale_of(amax(g2, scaling == "rowwise"), plan.backward)
         dt = plan.dtype
-        gd = dequantize(quantize(g2, sg, plan.backward), sg).to(dt)
+        gq = quantize(g2, sg, plan.backward)
+        if fp8_quantized.listeners:
+            fp8_quantized.notify(plan.op, "grad_output", g2, gq, sg)
+        gd = dequantize(gq, sg).to(dt)
         x_dt, w_dt, b_dt = ctx.dtypes
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:

@@ -18,6 +18,11 @@ The points:
   listener that keeps them copies them).
 * ``about_to_capture()``: ``make_train_step`` is about to capture a CUDA graph of a step
   (the listeners run eagerly, before the capture begins).
+* ``fp8_quantized(op, operand, source, quantized, scale)``: an op of the ``fp8`` category
+  (``ampkit._fp8``) cast one operand (``"input"``, ``"weight"``, ``"grad_output"``):
+  ``source`` is the tensor before the cast (2-D), ``quantized`` its fp8 value, ``scale``
+  the float32 scale used (0-dim, or one per row). Called inside the op's forward or
+  backward, so a listener's own tensor ops run under whatever dispatch modes are active.
 
 >>> from ampkit._listeners import Listeners
 >>> seen = []
@@ -67,3 +72,5 @@ class Listeners:
 gradients_checked = Listeners("gradients_checked")
 #: ``make_train_step`` is about to capture a CUDA graph of a step (see the module's doc).
 about_to_capture = Listeners("about_to_capture")
+#: An fp8 op cast an operand to fp8 (see the module's doc).
+fp8_quantized = Listeners("fp8_quantized")

@@ -48,6 +48,8 @@ ALLOWED = {
     ("tests/python/test_autocast_narrow.py", "ampkit._narrow_casts"): WHITE_BOX,
     ("tests/python/test_doctor.py", "ampkit._listeners"):
         "the listener point make_train_step notifies before a CUDA graph capture, notified on the CPU",
+    ("tests/python/test_doctor_fp8.py", "ampkit._listeners"):
+        "the listener point the fp8 op notifies of each cast: subscribed in sampled steps only",
     ("tests/python/test_doctor.py", "ampkit._doctor._step_watch"):
         "the host's batch and queue sizes, set small to run the send and wait paths on a short run",
     ("tests/python/test_doctor_cuda.py", "ampkit._doctor._step_watch"):

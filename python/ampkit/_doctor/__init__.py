@@ -18,10 +18,13 @@ In sampled steps the doctor also accumulates per module: the absmax of its forwa
 and gradients, the fraction of values cast to the low dtype that underflow (nonzero in
 float32, zero after the cast) and the fraction of low-precision values beyond the dtype's
 range (inf); ``heatmap()`` draws them (``_plot``).
+For the ops that ran in fp8 it records per module and operand the amax, the fractions that
+saturated and that flushed to zero, and the scale (``_fp8_watch``; ``fp8_stats()``), and
+``suggest()`` moves a module back to the region dtype where fp8 hurt it.
 
 The modules, bottom up: ``_finding`` (what it reports), ``_replaying`` (which step is being
 replayed), ``_step_watch`` (every step's check and the frozen bad step), ``_op_watch``,
-``_replay``, ``_plot``, ``_verdict`` (which findings the loss scaler handled: ``findings(scaler)``,
+``_fp8_watch``, ``_replay``, ``_plot``, ``_verdict`` (which findings the loss scaler handled: ``findings(scaler)``,
 ``first_harmful(scaler)``), and ``_doctor`` (the class that arms them).
 
 >>> import torch, ampkit

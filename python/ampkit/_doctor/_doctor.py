@@ -23,6 +23,7 @@ from ampkit._listeners import about_to_capture, gradients_checked
 from ampkit._policy import load_policy
 from ampkit._scaler import GradScaler
 from ampkit._doctor._finding import OUTSIDE, Finding
+from ampkit._doctor._fp8_watch import Fp8Watch, table
 from ampkit._doctor._op_watch import OpWatch
 from ampkit._doctor._plot import heatmap
 from ampkit._doctor._replay import Replay, cuda_generator, region_config
@@ -111,6 +112,7 @@ class doctor(OpWatch, Replay):
         self._sampling = False
         self._acc: dict = {}  # module -> float32 tensor [absmax, grad_absmax, under, over, n_cast, n_low]
         self._rows: list = []  # (step, module, tensor) of sampled steps
+        self._fp8 = Fp8Watch(self._where, self._unwatched)  # the fp8 casts of sampled steps
         self._stack: list = []  # (module name, stop nodes) of the running forwards
         self._abs: dict = {}  # id(tensor) -> (weakref, absmax) of this step's values
         self._slot_state: dict = {}  # device -> _Slots
@@ -328,6 +330,7 @@ class doctor(OpWatch, Replay):
             for sl in self._slot_state.values():  # the slots record this step's index
                 sl.step = self._step_on(sl.dev)
             self._ops_on()
+            self._fp8.on(self._step)
 
     # -- reading ----------------------------------------------------------------------
     def _record(self, dev):
@@ -437,6 +440,16 @@ class doctor(OpWatch, Replay):
                          "cast_elements": int(ncast), "low_elements": int(nlow)})
         return rows
 
+    def fp8_stats(self) -> list:
+        """One dict per sampled step, module and operand that an op of the policy's ``fp8``
+        category cast (``[]`` when none did): step, module, operand (``input``, ``weight``,
+        ``grad_output``), dtype (the fp8 dtype), ops (the fp8 ops that cast it), amax (max
+        |x|), overflow (fraction of elements saturated: ``|x * scale|`` beyond the largest
+        value that rounds to the fp8 max), underflow (fraction of elements nonzero in ``x``
+        and zero in fp8), scale (the smallest scale used), elements and casts (the counts
+        they come from); see ``ampkit._doctor._fp8_watch``. Reads the device once."""
+        return self._fp8.rows()
+
     def reset(self):
         """Forget the record and the statistics (the step count goes on)."""
         for sl in self._slot_state.values():
@@ -448,8 +461,10 @@ class doctor(OpWatch, Replay):
         self._replayed = {}
         self._split = None
         self._rows = []
+        self._fp8.reset()
 
-    def suggest(self, *, underflow: float = 0.01, policy=None, scaler=None):
+    def suggest(self, *, underflow: float = 0.01, fp8_overflow: float = 0.001,
+                fp8_underflow: float = 0.01, policy=None, scaler=None):
         """The smallest change to the policy that stops what the doctor saw: each module where
         a forward value overflowed (the first non-finite value, or a sampled step's inf), or
         where more than ``underflow`` of the cast values underflowed, is pinned to float32
@@ -457,10 +472,20 @@ class doctor(OpWatch, Replay):
         moves its op to ``fp32`` instead. With ``scaler`` (the ``ampkit.GradScaler`` of the
         run) it acts on the first *harmful* finding (:meth:`findings`), a backward one the
         scaler could not handle included (its module pinned); without, on the first finding
-        if it is a forward one (backward overflows are left to the loss scaler). Returns an
-        ``ampkit.Policy`` (``.to_yaml()`` writes it)."""
+        if it is a forward one (backward overflows are left to the loss scaler).
+
+        fp8 hurts a module when, in a sampled step, more than ``fp8_overflow`` of the elements
+        of one of its fp8 operands saturated or more than ``fp8_underflow`` flushed to zero
+        (:meth:`fp8_stats`): its fp8 ops move back to the region dtype
+        (``policy.with_module(name, lower_precision_fp=[ops])``; for the model itself,
+        ``policy.with_ops(lower_precision_fp=[ops])``), unless it is pinned above. Returns an
+        ``ampkit.Policy`` (``.to_yaml()`` writes it) whose description says why."""
         from ampkit import _ops
         base = self.policy if policy is None else load_policy(policy)
+        for k, v in (("fp8_overflow", fp8_overflow), ("fp8_underflow", fp8_underflow)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
+                raise ValueError(f"ampkit.doctor.suggest: {k} must be a fraction in [0, 1) (a module "
+                                 f"above it is changed), got {v!r}")
         bad = []
         if scaler is None:
             f = self.first_nonfinite()
@@ -482,26 +507,74 @@ class doctor(OpWatch, Replay):
                 continue
             if r["overflow"] > 0 or r["underflow"] > underflow:
                 bad.append(r["module"])
+        bad = list(dict.fromkeys(bad))
+        hurt = fp8_hurt(self.fp8_stats(), fp8_overflow, fp8_underflow, skip=set(bad))
         out = base
-        have = {m.pattern for m in base.modules}
-        for mod in dict.fromkeys(bad):
+        have = {m.pattern: m for m in base.modules}
+        for mod in bad:
             if mod in have:
                 out = out.without_module(mod)
             out = out.with_module(mod, pin="float32")
+        for mod, (ops, _) in hurt.items():
+            if mod == "":
+                out = out.with_ops(lower_precision_fp=sorted(ops))
+                continue
+            moves = {}
+            if mod in have:
+                if have[mod].pin is not None:
+                    continue
+                out = out.without_module(mod)
+                moves = {c: [n for n in names if n not in ops] for c, names in have[mod].moves().items()}
+            moves["lower_precision_fp"] = sorted(set(moves.get("lower_precision_fp", [])) | ops)
+            out = out.with_module(mod, **{c: names for c, names in moves.items() if names})
         if global_ops:
             out = out.with_ops(fp32=global_ops)
         if out is not base:
             out = out.with_name(f"{base.name}+doctor",
                                 "Suggested by ampkit.doctor: " + ", ".join(
-                                    [f"{m} pinned to float32" for m in dict.fromkeys(bad)]
-                                    + [f"{o} in fp32" for o in global_ops]))
+                                    [f"{m} pinned to float32" for m in bad]
+                                    + [f"{o} in fp32" for o in global_ops]
+                                    + [why for _, why in hurt.values()]))
         return out
 
     def heatmap(self, path, *, title=None):
         """Write a PNG: per-module underflow and overflow fractions over sampled steps."""
         return heatmap(self.stats(), path, title=title or f"ampkit.doctor: {type(self.model).__name__}")
 
+    def __str__(self):
+        """The one-line ``repr``, then, when ops ran in fp8, a table of the latest sampled
+        step's fp8 statistics per module and operand (:meth:`fp8_stats`; one device read)."""
+        rows = self.fp8_stats()
+        if not rows:
+            return repr(self)
+        return f"{self!r}\nfp8 casts (latest sampled step of each module and operand):\n{table(rows)}"
+
     def __repr__(self):
         state = "armed" if self.armed else "closed"
         split = "" if self._split is None else f", findings: {self._split[0]} handled, {self._split[1]} harmful"
         return f"<ampkit.doctor on {type(self.model).__name__}, every={self.every}, {state}{split}>"
+
+
+def fp8_hurt(rows, max_overflow, max_underflow, skip=()):
+    """``{module: (fp8 ops, why in words)}`` for each module (not in ``skip``, not outside the
+    model) where an fp8 operand's overflow or underflow fraction passed its threshold in a
+    sampled step; the words name the first such row."""
+    out = {}
+    for r in rows:
+        mod = r["module"]
+        if mod == OUTSIDE or mod in skip:
+            continue
+        why = None
+        if r["overflow"] > max_overflow:
+            why = f"{r['operand']} overflow {r['overflow']:.3g} > fp8_overflow {max_overflow:g}"
+        elif r["underflow"] > max_underflow:
+            why = f"{r['operand']} underflow {r['underflow']:.3g} > fp8_underflow {max_underflow:g}"
+        if why is None:
+            continue
+        ops = {o for o in r["ops"].split(", ") if o}
+        if mod in out:
+            out[mod] = (out[mod][0] | ops, out[mod][1])
+        else:
+            name = mod or "the model"
+            out[mod] = (ops, f"{name} back from fp8 to the region dtype ({why} at step {r['step']})")
+    return out

@@ -26,6 +26,7 @@ zero after the cast) and the fraction of low-precision values beyond the dtype's
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -38,6 +39,8 @@ from ampkit._doctor._replaying import replaying
 from ampkit._doctor._step_watch import capturing
 
 _LOW = (torch.float16, torch.bfloat16)
+_FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+             if hasattr(torch, n))
 _TAG = "ampkit_doctor_module"
 _CAST_OPS = ("_to_copy",)
 _current_node = torch._C._current_autograd_node
@@ -63,6 +66,7 @@ class OpWatch:
 
     def _ops_off(self):
         """Turn the op-level watch off (its mode leaves the stack wherever it sits in it)."""
+        self._fp8.off()
         if self._mode is not None:
             _remove_mode(self._mode)
             self._mode = None
@@ -136,18 +140,38 @@ class OpWatch:
             sl = self._slot_state[dev] = _Slots(dev, self._step_on(dev))
         return sl
 
+    def _where(self):
+        """(phase, module) of the op running now, or None when it is not watched: a backward
+        op's module is the one whose forward created the running autograd node, a forward op's
+        the innermost module whose forward is running."""
+        node = _current_node()
+        if node is not None:
+            return "backward", node.metadata.get(_TAG, OUTSIDE)
+        if self._stack:
+            return "forward", self._stack[-1][0]
+        return None
+
+    @contextlib.contextmanager
+    def _unwatched(self):
+        """The doctor's own reductions inside a watched op (the fp8 watch's) are not ops of
+        the model: the mode lets them through unwatched."""
+        mode = self._mode
+        if mode is None:
+            yield
+            return
+        mode.quiet = True
+        try:
+            yield
+        finally:
+            mode.quiet = False
+
     def _watch(self, func, args, out):
         if func.overloadpacket in _UNINITIALIZED:  # garbage, which may hold an inf, until written
             return
-        node = _current_node()
-        if node is not None:
-            phase = "backward"
-            module = node.metadata.get(_TAG, OUTSIDE)
-        elif self._stack:
-            phase = "forward"
-            module = self._stack[-1][0]
-        else:
+        where = self._where()
+        if where is None:
             return
+        phase, module = where
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
         if not outs:
             return
@@ -291,6 +315,8 @@ class _Slots:
         out = self.buf[k]
         for i, t in enumerate(ts):
             t = t.detach()
+            if t.dtype in _FP8:  # (no reduction kernel takes 8-bit floats: the fp8 category's casts)
+                t = t.to(torch.float32)
             if self._cuda and t.dtype != torch.float64:  # one kernel, no |x| temporary; NaN propagates
                 v = torch.linalg.vector_norm(t, _INF, dtype=torch.float32)
             else:  # on the CPU vector_norm(inf) is slow: aminmax is one fast pass
@@ -345,8 +371,10 @@ class _Mode(TorchDispatchMode):
     def __init__(self, doc):
         super().__init__()
         self.doc = doc
+        self.quiet = False  # (the doctor's own ops, OpWatch._unwatched)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.doc._watch(func, args, out)
+        if not self.quiet:
+            self.doc._watch(func, args, out)
         return out

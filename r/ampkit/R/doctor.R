@@ -37,9 +37,18 @@
 #'   * `$stats()`: a data.frame, one row per module and sampled step
 #'     (`step`, `module`, `absmax`, `grad_absmax`, `underflow`, `overflow`,
 #'     `cast_elements`, `low_elements`);
-#'   * `$suggest(scaler = NULL)`: an [amp_policy()] with module scopes that stop
-#'     what the doctor saw (write it with `$py$to_yaml()`); with the run's
-#'     `scaler` it acts on the first harmful finding only;
+#'   * `$fp8_stats()`: a data.frame, one row per sampled step, module and
+#'     operand an op of the policy's `fp8` category cast (`step`, `module`,
+#'     `operand` (`"input"`, `"weight"`, `"grad_output"`), `dtype`, `ops`,
+#'     `amax`, `overflow` (fraction of elements saturated), `underflow`
+#'     (fraction of nonzero elements flushed to zero), `scale`, `elements`,
+#'     `casts`); no rows when no op ran in fp8;
+#'   * `$suggest(scaler = NULL, fp8_overflow = NULL, fp8_underflow = NULL)`: an
+#'     [amp_policy()] with module scopes that stop what the doctor saw (write it
+#'     with `$py$to_yaml()`); with the run's `scaler` it acts on the first
+#'     harmful finding only; a module whose fp8 operands saturated or flushed
+#'     more than the thresholds (`NULL`: the core's defaults, 0.001 and 0.01)
+#'     moves back from fp8 to the region dtype;
 #'   * `$heatmap(path)`: writes a PNG of per-module underflow and overflow
 #'     over the sampled steps and returns `path`;
 #'   * `$close()`: disarms the doctor.
@@ -89,9 +98,14 @@ amp_doctor <- function(model, every = 100, ..., policy = NULL, keep_weights = FA
       records_to_df(rows, c("step", "module", "absmax", "grad_absmax", "underflow", "overflow",
                             "cast_elements", "low_elements"))
     },
-    suggest = function(scaler = NULL) {
+    fp8_stats = function() {
+      rows <- py_try(doc$fp8_stats(), "fp8_stats()")
+      records_to_df(rows, fp8_columns)
+    },
+    suggest = function(scaler = NULL, fp8_overflow = NULL, fp8_underflow = NULL) {
       py_scaler <- if (is.null(scaler)) NULL else doctor_scaler(scaler)
-      new_policy(py_try(doc$suggest(scaler = py_scaler), "suggest()"))
+      thresholds <- Filter(Negate(is.null), list(fp8_overflow = fp8_overflow, fp8_underflow = fp8_underflow))
+      new_policy(py_try(do.call(doc$suggest, c(list(scaler = py_scaler), thresholds)), "suggest()"))
     },
     heatmap = function(path) {
       if (!is.character(path) || length(path) != 1 || is.na(path)) {
@@ -104,6 +118,9 @@ amp_doctor <- function(model, every = 100, ..., policy = NULL, keep_weights = FA
     close = function() invisible(py_try(doc$close(), "close()"))
   ), class = "ampkit_doctor")
 }
+
+fp8_columns <- c("step", "module", "operand", "dtype", "ops", "amax", "overflow", "underflow", "scale",
+                 "elements", "casts")
 
 finding_columns <- c("op", "module", "phase", "dtype", "step", "input_absmax", "output_absmax",
                      "weights", "verdict")

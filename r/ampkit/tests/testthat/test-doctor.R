@@ -223,3 +223,50 @@ test_that("$findings() and $first_harmful() want the run's amp_grad_scaler()", {
   expect_error(doc$suggest("scaler"), "amp_grad_scaler", class = "ampkit_bad_argument")
   doc$close()
 })
+
+test_that("$fp8_stats() gives the fp8 fractions of the definition, and $suggest() moves that module back", {
+  skip_if_no_ampkit()
+  torch_manual_seed(0)
+  net <- nn_sequential(nn_linear(32, 32), nn_linear(32, 16))
+  with(pt()$no_grad(), net[1]$weight[0][0]$fill_(1e6))  # the weight's scale 448/1e6 flushes the rest
+  fp8 <- amp_policy("fp8")
+  doc <- amp_doctor(net, every = 1, policy = fp8)
+  with_autocast(device_type = "cpu", policy = fp8, y <- net(torch_randn(64, 32)))
+  y$float()$sum()$backward()
+  s <- doc$fp8_stats()
+  shown <- reticulate::py_str(doc$py)
+  p <- doc$suggest()
+  kept <- doc$suggest(fp8_underflow = 0.999)
+  doc$close()
+  expect_s3_class(s, "data.frame")
+  expect_equal(nrow(s), 6)
+  expect_setequal(paste(s$module, s$operand), c(paste("0", c("input", "weight", "grad_output")),
+                                                 paste("1", c("input", "weight", "grad_output"))))
+  # the oracle: the documented definition with plain torch ops on the weight itself
+  w <- net[1]$weight$detach()
+  scale <- 448 / w$abs()$max()$item()
+  q <- w$mul(scale)$clamp(-448, 448)$to(dtype = pt()$float8_e4m3fn)$float()
+  flushed <- pt()$logical_and(w$ne(0), q$eq(0))$sum()$item() / w$numel()
+  row <- s[s$module == "1" & s$operand == "weight", ]
+  expect_equal(row$underflow, flushed)
+  expect_gt(row$underflow, 0.9)
+  expect_equal(row$amax, 1e6)
+  expect_equal(row$dtype, "float8_e4m3fn")
+  expect_equal(s$underflow[s$module == "0"], c(0, 0, 0))
+  expect_match(shown, "fp8 casts")
+  expect_equal(amp_scopes(p), data.frame(scope = "1", pin = NA_character_, op = "linear",
+                                         category = "lower_precision_fp"))
+  expect_equal(nrow(amp_scopes(kept)), 0)  # a threshold above what was seen: no move
+})
+
+test_that("$fp8_stats() has no rows when no op ran in fp8", {
+  skip_if_no_ampkit()
+  net <- nn_linear(4, 2)
+  doc <- amp_doctor(net, every = 1)
+  with_autocast(device_type = "cpu", dtype = torch_bfloat16(), y <- net(torch_randn(2, 4)))
+  s <- doc$fp8_stats()
+  doc$close()
+  expect_s3_class(s, "data.frame")
+  expect_equal(nrow(s), 0)
+  expect_true("underflow" %in% names(s))
+})
