@@ -100,10 +100,8 @@ def test_the_float8_rival_is_skipped_with_the_reason_without_torchao(monkeypatch
     assert bench.validate({"context": bench.context("tiny", "cpu", "python"), "records": [fp32, f8]}) == []
 
 
-def test_float8_converts_every_linear_but_the_head_through_torchao(monkeypatch):
-    """convert_float8 hands torchao the recipe's config and a filter that takes the model's
-    nn.Linear layers but the last one (a stand-in torchao records what it was given)."""
-    seen = {}
+def _fake_torchao(monkeypatch, seen):
+    """A stand-in torchao.float8 that records what it was given and converts nothing."""
 
     class Config:
         @staticmethod
@@ -120,6 +118,13 @@ def test_float8_converts_every_linear_but_the_head_through_torchao(monkeypatch):
     fake.Float8LinearConfig, fake.convert_to_float8_training = Config, convert
     monkeypatch.setitem(sys.modules, "torchao", types.ModuleType("torchao"))
     monkeypatch.setitem(sys.modules, "torchao.float8", fake)
+
+
+def test_float8_converts_every_linear_but_the_head_through_torchao(monkeypatch):
+    """convert_float8 hands torchao the recipe's config and a filter that takes the model's
+    nn.Linear layers but the last one."""
+    seen = {}
+    _fake_torchao(monkeypatch, seen)
     model = bench.build_case("transformer", "tiny", seed=0, device="cpu").new_model()
     linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     _, note = bench.convert_float8(model, "tensorwise")
@@ -130,6 +135,23 @@ def test_float8_converts_every_linear_but_the_head_through_torchao(monkeypatch):
     assert "head (head)" in note and ("%d nn.Linear converted" % len(seen["swapped"])) in note
     with pytest.raises(ValueError, match="float8 recipe 'columnwise'; valid: tensorwise, rowwise"):
         bench.convert_float8(model, "columnwise")
+
+
+def test_a_float8_variant_with_no_layer_to_convert_is_skipped_and_the_group_goes_on(monkeypatch):
+    """convnet's one nn.Linear is its head: with torchao importable, the float8 variant is
+    skipped once built (nothing to measure), torchao is never called, the others run."""
+    seen = {}
+    _fake_torchao(monkeypatch, seen)
+    v = bench.load_variants()
+    if bench.compile_reason():
+        pytest.skip(bench.compile_reason())
+    anywhere = dataclasses.replace(v["torchao_float8"], devices=("cpu", "cuda"))
+    assert anywhere.skip_reason("cpu") is None  # torchao "importable": it would run
+    built = bench.build_case("convnet", "tiny", seed=0, device="cpu")
+    fp32, torch_amp, f8 = bench.run_interleaved(built, [v["fp32"], v["torch_amp"], anywhere])
+    assert (fp32["status"], torch_amp["status"], f8["status"]) == ("ok", "ok", "skipped")
+    assert f8["reason"].endswith("nothing to measure") and "convnet" in f8["reason"] and seen == {}
+    assert fp32["interleaved"]["group"] == ["fp32", "torch_amp"] and "interleaved" not in f8
 
 
 def test_a_float8_variant_must_be_a_python_loop(tmp_path):

@@ -352,7 +352,12 @@ class VariantRun:
             built, variant, placement = self.built, self.variant, self.placement
             model = built.new_model()
             if variant.float8 != "none":  # torchao swaps the layers, keeping the parameters
-                from ampkit.bench._float8 import convert_float8
+                from ampkit.bench._float8 import convert_float8, float8_layers
+                if not float8_layers(model)[0]:  # e.g. convnet: its one nn.Linear is the head
+                    self.skip = ("%s: no nn.Linear of %s can go to float8 (its head stays in high precision "
+                                 "and float8 GEMMs need dimensions that are multiples of 16): nothing to "
+                                 "measure" % (variant.name, built.name))
+                    return
                 model, self.float8_note = convert_float8(model, variant.float8)
             if placement is not None:
                 model = placement.wrap(model)
@@ -486,7 +491,8 @@ def _run_group(built: BuiltCase, variants, language: str, placement, before_piec
             if not r.skip:
                 for piece in (VariantRun.build, VariantRun.warm_up):
                     before()
-                    if not r.attempt(piece):
+                    if not r.attempt(piece) or r.skip:  # skipped when built: nothing it can measure
+                        r.close()
                         break
         for rnd in range(built.repeats):
             # rotated over the variants still running, so that a skipped or failed one
