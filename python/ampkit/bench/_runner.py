@@ -14,7 +14,8 @@ The timing protocol (the R runner, benchmarks/run.R, follows it line by line):
      only ever halves, once per skipped step, so skipped = log2(init_scale / final_scale).
 
 ``run_variant`` runs these steps for one variant. ``run_interleaved`` (the runner, in one
-process or across processes, uses it for each case's variants) runs steps 1-2 for each of several variants, then 3 as `repeats` rounds
+process or across processes, uses it for each case's variants) runs steps 1-2 for each
+of several variants, then 3 as `repeats` rounds
 of one epoch per variant, the order rotating (round r starts at the (r mod k)-th of the k
 variants still running), so that the variants' samples come from the same minutes; both are made of ``VariantRun``'s pieces
 (build, warm_up, epoch, record), one implementation. A variant's turns keep its own random
@@ -170,8 +171,8 @@ def compile_note(variant: Variant, warmup_steps: int, before: dict, warm: dict, 
             variant.compile, warm["graphs"] - before["graphs"], warmup_steps,
             warm["cache_hits"] - before["cache_hits"], warm["cache_misses"] - before["cache_misses"])
     if warm["graphs"] == before["graphs"]:
-        note += " (none: dynamo reused the graphs an earlier variant of the group compiled for the same " \
-            "code and guards, so compile_s times no compilation)"
+        note += " (no graph compiled: a compiled run then reused the graphs an earlier variant of its group " \
+            "compiled for the same code and guards, and compile_s times no compilation)"
     if end["graphs"] > warm["graphs"]:
         return note + "; %d RECOMPILED during the timed steps, whose samples include that compile time" \
             % (end["graphs"] - warm["graphs"])
