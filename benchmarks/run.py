@@ -14,7 +14,9 @@ interleaved (rounds of one epoch each, the order rotating), so that their ratios
 the same minutes; --sequential times each alone, its epochs in a row. A run that stalls is stopped by the runner's watchdog (--run-timeout
 seconds), recorded as failed with where it stalled, and the launch starts again after it.
 
-`make bench` calls this. Each language runs in its own process (the Python runner is
+`make bench` calls this. The Python runner times the variants of a case interleaved
+(rounds of one epoch of each, the order rotating, compiled variants included; --sequential:
+each alone); the R runner times each alone. Each language runs in its own process (the Python runner is
 `python -m ampkit.bench`, the R runner `Rscript benchmarks/run.R`), never two at once,
 so each gets the whole machine with the same number of torch threads; case by case,
 the two languages one after the other in alternating order. Writes, under --out:
@@ -61,6 +63,11 @@ def parse_args(argv=None):
                         "(default: %d for the cpu profile on the CPU, else none; 0: none); with --gpus: the runs "
                         "not started in time are recorded as skipped, each world size getting an equal "
                         "share of the time left" % DEFAULT_BUDGET_S)
+    p.add_argument("--sequential", action="store_true",
+                   help="time each variant alone, its epochs in a row (default: the Python runner times the "
+                        "variants of each case interleaved, compiled ones included, rounds of one epoch each, the "
+                        "order rotating; with --gpus, of each case and engine configuration, --repeats rounds, "
+                        "without --repeats the profile's repeats, at least 3); the R runner always times each alone")
     p.add_argument("--rscript", default=os.environ.get("AMPKIT_RSCRIPT", "Rscript"),
                    help="command that runs an R script (default: Rscript; on the GPU machine the r-on-device wrapper)")
     g = p.add_argument_group("across GPUs (--gpus)")
@@ -73,10 +80,6 @@ def parse_args(argv=None):
                         "static_graph, bucket_cap_mb; repeat to run several (default: DDP's defaults)")
     g.add_argument("--check", action="store_true",
                    help="with N > 1: also compare make_train_step captured and eager, per case and engine")
-    g.add_argument("--sequential", action="store_true",
-                   help="time each variant alone, its epochs in a row (default: the variants of each case and "
-                        "engine configuration interleaved, --repeats rounds of one epoch each, the order "
-                        "rotating; without --repeats the profile's repeats, at least 3)")
     g.add_argument("--run-timeout", type=float, default=300.0,
                    help="seconds one run (or check) may take before it is stopped and recorded as failed")
     return p.parse_args(argv)
@@ -258,7 +261,7 @@ def main(argv=None) -> int:
         for lang in (langs if k % 2 == 0 else langs[::-1]):
             raw = out / ("raw-%s-%s.json" % (lang, case.name))
             if lang == "python":
-                cmd = [sys.executable, "-m", "ampkit.bench"]
+                cmd = [sys.executable, "-m", "ampkit.bench"] + (["--sequential"] if a.sequential else [])
             else:
                 cmd = shlex.split(a.rscript) + [str(REPO / "benchmarks" / "run.R")]
                 if shutil.which(cmd[0]) is None:

@@ -67,9 +67,14 @@ from ampkit.bench._engines import run_items
 from ampkit.bench._results import placement_key
 from ampkit.bench._runner import GROWTH_INTERVAL
 from ampkit.bench._runner import INIT_SCALE
+from ampkit.bench._float8 import convert_float8
+from ampkit.bench._float8 import float8_layers
+from ampkit.bench._float8 import float8_reason
+from ampkit.bench._runner import RECOMPILE_LIMIT
 from ampkit.bench._runner import compile_counts
 from ampkit.bench._runner import compile_model
 from ampkit.bench._runner import compile_note
+from ampkit.bench._runner import compiling_group
 from ampkit.bench._runner import loop_step
 from ampkit.bench._runner import peak_memory
 from ampkit.bench._runner import precision_flags
@@ -109,6 +114,7 @@ __all__ = [
     "INIT_SCALE",
     "MIN_ROUNDS",
     "PROFILES",
+    "RECOMPILE_LIMIT",
     "Placement",
     "RIVALS",
     "ResolvedRun",
@@ -125,12 +131,16 @@ __all__ = [
     "compile_counts",
     "compile_model",
     "compile_note",
+    "compiling_group",
+    "convert_float8",
     "compile_reason",
     "context",
     "cpu_capability",
     "derive",
     "estimate_s",
     "finalize_json",
+    "float8_layers",
+    "float8_reason",
     "fit_budget",
     "load_case",
     "load_cases",

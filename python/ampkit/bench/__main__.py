@@ -8,6 +8,10 @@ launches it): python -m torch.distributed.run --nproc-per-node N -m ampkit.bench
 There the variants of each case and engine configuration are timed interleaved (rounds
 of one epoch each, the order rotating; --repeats rounds, by default the profile's
 repeats and at least 3); --sequential times each variant alone, its epochs in a row.
+
+In one process (no --engines) the variants of each case are timed interleaved too, the
+compiled ones included (run_interleaved: --repeats rounds, by default the profile's
+repeats), on CUDA and on the CPU; --sequential times each alone, one after the other.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from ampkit.bench import _spec
 from ampkit.bench._build import build_case, resolve_device
 from ampkit.bench._engines import DDP_OPTIONS, ENGINES, parse_engines, plan_runs, run_items
 from ampkit.bench._results import context, write_document
-from ampkit.bench._runner import progress, run_variant
+from ampkit.bench._runner import progress, run_interleaved, run_variant
 
 
 def parse_args(argv=None):
@@ -41,8 +45,8 @@ def parse_args(argv=None):
                         "for several" % ", ".join(DDP_OPTIONS))
     p.add_argument("--check", action="store_true", help="with --engines: also check captured against eager steps")
     p.add_argument("--sequential", action="store_true",
-                   help="with --engines: time each variant alone, its epochs in a row, instead of the variants "
-                        "of each case and engine configuration interleaved, round by round")
+                   help="time each variant alone, its epochs in a row, instead of the variants of each case (with "
+                        "--engines: of each case and engine configuration) interleaved, round by round")
     p.add_argument("--from-item", type=int, default=0, help="with --engines: the first item of the plan to run")
     p.add_argument("--run-timeout", type=float, default=300.0,
                    help="with --engines: seconds one item may take before the process ends with its stack")
@@ -73,10 +77,17 @@ def main(argv=None) -> int:
     total, records = len(cases) * len(variants), []
     for case in cases:
         built = build_case(case, a.profile, seed=a.seed, device=device, repeats=a.repeats)
-        for v in variants:
-            rec = run_variant(built, v, language="python")
-            records.append(rec)
-            progress("python", len(records), total, rec)
+        if a.sequential:
+            for v in variants:
+                rec = run_variant(built, v, language="python")
+                records.append(rec)
+                progress("python", len(records), total, rec)
+        else:
+            print("[python] %s: %s, %d round(s) in turn" % (case.name, ", ".join(v.name for v in variants),
+                                                            built.repeats), file=sys.stderr, flush=True)
+            for rec in run_interleaved(built, variants, language="python"):
+                records.append(rec)
+                progress("python", len(records), total, rec)
         del built
     write_document(a.out, context(a.profile, device, "python", seed=a.seed), records)
     return 0

@@ -15,7 +15,8 @@ step drifts by tens of percent over a run, and variants timed one after the othe
 met another part of that drift.
 ``repeats`` is the profile's, at least ``MIN_ROUNDS``, unless given (``repeats_for``).
 ``interleave=False`` (``--sequential``) times each variant alone, its epochs in a row,
-as before; a compiled variant is always timed alone (torch.compile is reset for each).
+as before; a compiled variant is timed alone across processes (``plan_groups``; in one
+process, ``python -m ampkit.bench``, compiled variants share their case's group).
 
 The timing protocol is the single-process one (``VariantRun``'s pieces, shared with
 ``run_variant``) with the placement's three hooks: the model is wrapped in the engine

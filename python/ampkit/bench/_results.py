@@ -240,6 +240,8 @@ def make_record(run, *, status: str = "ok", samples_ms=None, final_loss=None, pe
         "time_vs_python": None,
         "loss_rel_diff_vs_fp32": None,
     }
+    if run.variant.float8 != "none":  # torchao's float8 recipe (optional: absent for other variants)
+        rec["float8"] = run.variant.float8
     if interleaved is not None:
         rec["interleaved"] = {"group": [str(v) for v in interleaved["group"]], "rounds": int(interleaved["rounds"]),
                               "positions": [int(p) for p in interleaved.get("positions", [])]}

@@ -13,8 +13,9 @@ The timing protocol (the R runner, benchmarks/run.R, follows it line by line):
   5. skipped steps from the scaler: with fewer steps than its growth interval the scale
      only ever halves, once per skipped step, so skipped = log2(init_scale / final_scale).
 
-``run_variant`` runs these steps for one variant. ``run_interleaved`` (the runner across
-processes uses it) runs steps 1-2 for each of several variants, then 3 as `repeats` rounds
+``run_variant`` runs these steps for one variant. ``run_interleaved`` (the runner, in one
+process or across processes, uses it for each case's variants) runs steps 1-2 for each
+of several variants, then 3 as `repeats` rounds
 of one epoch per variant, the order rotating (round r starts at the (r mod k)-th of the k
 variants still running), so that the variants' samples come from the same minutes; both are made of ``VariantRun``'s pieces
 (build, warm_up, epoch, record), one implementation. A variant's turns keep its own random
@@ -102,20 +103,23 @@ def make_scaler(variant: Variant, device: str):
     return None
 
 
-def compile_model(variant: Variant, model):
+def compile_model(variant: Variant, model, reset: bool = True):
     """The module a variant's loop calls: `torch.compile(model, mode=...)` for a compiled
-    variant, the model itself otherwise. Dynamo is reset first, so that each variant
-    compiles from scratch (no earlier variant's graphs, guards or recompile counts)."""
+    variant, the model itself otherwise. With ``reset`` dynamo is reset first, so that the
+    variant compiles from scratch (no earlier variant's graphs, guards or recompile counts);
+    a group of variants timed in turn (``run_interleaved``) resets once, before the group,
+    since a reset would drop the graphs of the group's variants built before."""
     if variant.compile == "none":
         return model
-    torch._dynamo.reset()
+    if reset:
+        torch._dynamo.reset()
     return torch.compile(model, mode=None if variant.compile == "default" else variant.compile)
 
 
-def step_compile(variant: Variant):
+def step_compile(variant: Variant, reset: bool = True):
     """``make_train_step(compile=...)`` for a variant of the train_step runner: False, True
-    (the default mode) or ``dict(mode=...)``; dynamo is reset first for a compiled one, as
-    ``compile_model`` does for the loop.
+    (the default mode) or ``dict(mode=...)``; with ``reset`` dynamo is reset first for a
+    compiled one, as ``compile_model`` does for the loop.
 
     >>> from ampkit.bench import load_variants
     >>> step_compile(load_variants()["ampkit_step"]), step_compile(load_variants()["ampkit_step_compiled"])
@@ -123,7 +127,8 @@ def step_compile(variant: Variant):
     """
     if variant.compile == "none":
         return False
-    torch._dynamo.reset()
+    if reset:
+        torch._dynamo.reset()
     return True if variant.compile == "default" else dict(mode=variant.compile)
 
 
@@ -150,21 +155,33 @@ def compile_counts() -> dict:
 def compile_note(variant: Variant, warmup_steps: int, before: dict, warm: dict, end: dict):
     """The record's note for a compiled variant (None for others): what compiled during the
     warm-up (from compile_counts() before it, after it, and after the timed steps), and
-    whether anything recompiled in the timed steps, whose samples would then include it."""
+    whether anything recompiled in the timed steps, whose samples would then include it.
+
+    >>> v = load_variants()["torch_compile_amp"]
+    >>> c = lambda g: dict(graphs=g, cache_hits=0, cache_misses=0)
+    >>> "2 graph(s) compiled" in compile_note(v, 1, c(0), c(2), c(2))
+    True
+    >>> "reused the graphs" in compile_note(v, 1, c(2), c(2), c(2))  # a group's earlier variant compiled them
+    True
+    """
     if variant.compile == "none":
         return None
     note = "torch.compile (mode %s): %d graph(s) compiled during the %d untimed warm-up step(s), " \
         "the first timed apart as compile_s (inductor cache: %d hit(s), %d miss(es))" % (
             variant.compile, warm["graphs"] - before["graphs"], warmup_steps,
             warm["cache_hits"] - before["cache_hits"], warm["cache_misses"] - before["cache_misses"])
+    if warm["graphs"] == before["graphs"]:
+        note += " (no graph compiled: a compiled run then reused the graphs an earlier variant of its group " \
+            "compiled for the same code and guards, and compile_s times no compilation)"
     if end["graphs"] > warm["graphs"]:
         return note + "; %d RECOMPILED during the timed steps, whose samples include that compile time" \
             % (end["graphs"] - warm["graphs"])
     return note + "; none in the timed steps"
 
 
-def make_step(variant: Variant, built: BuiltCase, model, opt, scaler):
-    """The training step of a variant: a function (inputs, targets) -> loss tensor."""
+def make_step(variant: Variant, built: BuiltCase, model, opt, scaler, reset: bool = True):
+    """The training step of a variant: a function (inputs, targets) -> loss tensor.
+    ``reset``: whether a compiled variant resets dynamo first (``compile_model``)."""
     device, loss_fn = built.device, built.loss_fn
     dtype = variant.resolved_dtype(device)
     dtype = getattr(torch, dtype) if dtype else None
@@ -178,8 +195,8 @@ def make_step(variant: Variant, built: BuiltCase, model, opt, scaler):
                                     category=UserWarning)
             return ampkit.make_train_step(model, loss_fn, opt, scaler=scaler,
                                           autocast=dict(device_type=device, dtype=dtype),
-                                          capture=variant.capture, compile=step_compile(variant))
-    model = compile_model(variant, model)
+                                          capture=variant.capture, compile=step_compile(variant, reset))
+    model = compile_model(variant, model, reset)
     if variant.autocast == "torch":
         region = lambda: torch.autocast(device_type=device, dtype=dtype)  # noqa: E731
     elif variant.autocast == "ampkit":
@@ -299,6 +316,8 @@ class VariantRun:
         self.model = self.opt = self.scaler = self.step = None
         self.samples, self.losses, self.positions = [], [], []
         self.compile_s = self.counts = None
+        self.timed_graphs = 0  # graphs dynamo compiled during this variant's own timed epochs
+        self.float8_note = None
         self.wall_s = 0.0
         self.floor = floor
         self.held, self.peak = 0, None
@@ -333,12 +352,21 @@ class VariantRun:
         with self._turn():
             built, variant, placement = self.built, self.variant, self.placement
             model = built.new_model()
+            if variant.float8 != "none":  # torchao swaps the layers, keeping the parameters
+                from ampkit.bench._float8 import convert_float8, float8_layers
+                if not float8_layers(model)[0]:  # e.g. convnet: its one nn.Linear is the head
+                    self.skip = ("%s: no nn.Linear of %s can go to float8 (its head stays in high precision "
+                                 "and float8 GEMMs need dimensions that are multiples of 16): nothing to "
+                                 "measure" % (variant.name, built.name))
+                    return
+                model, self.float8_note = convert_float8(model, variant.float8)
             if placement is not None:
                 model = placement.wrap(model)
             self.model = model
             self.opt = built.new_optimizer(model, fused=variant.fused_optimizer)
             self.scaler = make_scaler(variant, self.device)
-            self.step = make_step(variant, built, model, self.opt, self.scaler)
+            # dynamo is reset once for the group (run_interleaved), not per variant
+            self.step = make_step(variant, built, model, self.opt, self.scaler, reset=False)
             if placement is not None:  # a train step's own warm-up, as make_train_step chose it
                 self.run = dataclasses.replace(self.run, warmup_steps=placement.warmup_steps(
                     variant, built.warmup_steps, self.step))
@@ -358,6 +386,7 @@ class VariantRun:
     def epoch(self) -> None:
         with self._turn():
             losses = []
+            graphs = compile_counts()["graphs"] if self.variant.compile != "none" else 0
             self.sync()
             t0 = time.perf_counter()
             for x, y in self.built.batches:
@@ -365,6 +394,8 @@ class VariantRun:
             self.sync()
             self.samples.append((time.perf_counter() - t0) * 1000.0 / self.built.num_batches)
             self.losses = losses
+            if self.variant.compile != "none":
+                self.timed_graphs += compile_counts()["graphs"] - graphs
 
     def attempt(self, piece) -> bool:
         """Run ``piece`` (a method of this class, unbound); False when it failed here or, across
@@ -397,13 +428,16 @@ class VariantRun:
             try:
                 final_loss = self.built.mean_loss(self.losses)
                 final_scale = float(self.scaler.get_scale()) if self.scaler is not None else None
+                # what compiled in this variant's own epochs (the group's others compile in theirs)
+                before, warm = self.counts
+                end = dict(warm, graphs=warm["graphs"] + self.timed_graphs)
                 if self.variant.runner == "train_step":
                     captured = self.step.captured
-                    note = train_step_note(self.variant, self.step, self.run.warmup_steps, *self.counts,
-                                           compile_counts())
+                    note = train_step_note(self.variant, self.step, self.run.warmup_steps, before, warm, end)
                 else:
                     captured = None
-                    note = compile_note(self.variant, self.run.warmup_steps, *self.counts, compile_counts())
+                    note = compile_note(self.variant, self.run.warmup_steps, before, warm, end)
+                note = "; ".join(p for p in (self.float8_note, note) if p) or None
             except Exception as e:  # noqa: BLE001 - recorded
                 self.error = "%s: %s" % (type(e).__name__, e)
             if self.placement is not None:
@@ -436,15 +470,19 @@ def run_interleaved(built: BuiltCase, variants, language: str = "python", placem
     on. Across processes (``placement``) every rank must call this with the same variants:
     after each piece the ranks agree on whether it failed, so that each records the same.
     With several variants each record's ``interleaved`` names the group, the rounds and the
-    variant's place in each round. A compiled variant cannot share a group (torch.compile's
-    state is reset per compiled variant): measure it alone. ``before_piece()`` is called
+    variant's place in each round. Compiled variants share a group like the others
+    (``compiling_group``): dynamo is reset once before the group and after it, not between
+    its variants, and its recompile limit is raised meanwhile, so that each compiled
+    variant keeps its graphs while the others compile theirs. ``before_piece()`` is called
     before each piece (the distributed runner re-arms its watchdog there)."""
     for v in variants:
         _check_variant(v, "run_interleaved")
-    compiled = [v.name for v in variants if v.compile != "none"]
-    if len(variants) > 1 and compiled:
-        raise ValueError("run_interleaved: compiled variants (%s) are measured alone; torch.compile's state "
-                         "is reset for each" % ", ".join(compiled))
+    compiled = sum(1 for v in variants if v.compile != "none")
+    with compiling_group(compiled):
+        return _run_group(built, variants, language, placement, before_piece)
+
+
+def _run_group(built: BuiltCase, variants, language: str, placement, before_piece) -> list:
     before = before_piece or (lambda: None)
     reset_peak_memory(built.device)
     floor = _allocated(built.device)  # the case's batches: what every variant's peak starts from
@@ -454,7 +492,8 @@ def run_interleaved(built: BuiltCase, variants, language: str = "python", placem
             if not r.skip:
                 for piece in (VariantRun.build, VariantRun.warm_up):
                     before()
-                    if not r.attempt(piece):
+                    if not r.attempt(piece) or r.skip:  # skipped when built: nothing it can measure
+                        r.close()
                         break
         for rnd in range(built.repeats):
             # rotated over the variants still running, so that a skipped or failed one
@@ -472,6 +511,44 @@ def run_interleaved(built: BuiltCase, variants, language: str = "python", placem
             r.close()
         del runs
         reset_peak_memory(built.device)
+
+
+RECOMPILE_LIMIT = 64  # dynamo's recompile (cache size) limit in a group with compiled variants
+
+
+def _limit_name() -> str:
+    """Dynamo's per-code-object limit: ``recompile_limit`` (``cache_size_limit`` before torch 2.6,
+    an alias after)."""
+    return "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+
+
+@contextlib.contextmanager
+def compiling_group(compiled: int):
+    """Around a group of variants of which ``compiled`` are compiled (nothing when none):
+    ``torch._dynamo.reset()`` before and after, and dynamo's recompile limit raised to at
+    least ``RECOMPILE_LIMIT`` (8 a compiled variant, if more) meanwhile, restored after.
+    The variants compile the same model class's code: every torch.compile of a new model,
+    mode or autocast region adds cache entries for the same code objects, and past the
+    limit (8 by default) dynamo would run the rest eagerly, untold.
+
+    >>> name = _limit_name(); limit = getattr(torch._dynamo.config, name)
+    >>> with compiling_group(2):
+    ...     getattr(torch._dynamo.config, name) >= RECOMPILE_LIMIT
+    True
+    >>> getattr(torch._dynamo.config, name) == limit
+    True
+    """
+    if not compiled:
+        yield
+        return
+    name = _limit_name()
+    limit = max(int(getattr(torch._dynamo.config, name)), RECOMPILE_LIMIT, 8 * int(compiled))
+    torch._dynamo.reset()
+    try:
+        with torch._dynamo.config.patch(**{name: limit}):
+            yield
+    finally:
+        torch._dynamo.reset()
 
 
 def run_variant(built: BuiltCase, variant: Variant, language: str = "python", placement=None) -> dict:

@@ -36,6 +36,8 @@ LANGUAGES = ("python", "r")
 RUNNERS = ("loop", "train_step")
 # torch.compile's mode ("default": no mode given)
 COMPILES = ("none", "default", "reduce-overhead", "max-autotune-no-cudagraphs")
+# torchao's float8 training recipe for the model's nn.Linear layers ("none": not converted)
+FLOAT8S = ("none", "tensorwise", "rowwise")
 
 
 class BenchSpecError(ValueError):
@@ -202,6 +204,7 @@ class Variant:
     fused_optimizer: bool = False
     compile: str = "none"
     capture: Any = "auto"  # the train_step runner's make_train_step(capture=...): "auto" or False
+    float8: str = "none"  # torchao's convert_to_float8_training recipe (an optional rival)
 
     def warmup_steps(self, profile_warmup: int) -> int:
         """The untimed steps this variant runs first: the profile's, and at least one for a
@@ -226,7 +229,12 @@ class Variant:
             return "%s runs only on %s; this run is on %s" % (self.name, " or ".join(self.devices), device)
         if self.compile != "none" and device == "cpu":
             from ampkit.bench._machine import compile_reason
-            return compile_reason()
+            reason = compile_reason()
+            if reason:
+                return reason
+        if self.float8 != "none":
+            from ampkit.bench._float8 import float8_reason
+            return float8_reason()
         return None
 
 
@@ -244,9 +252,9 @@ def load_variants(path=None) -> dict:
             raise _fail(path, where[:-1], "must be a mapping")
         _check_keys(path, where, v, ("description",), ("autocast", "scaler", "dtype", "tf32", "devices",
                                                          "languages", "runner", "fused_optimizer", "compile",
-                                                         "capture"))
+                                                         "capture", "float8"))
         for key, valid in (("autocast", AUTOCASTS), ("scaler", SCALERS), ("dtype", DTYPES), ("runner", RUNNERS),
-                           ("compile", COMPILES)):
+                           ("compile", COMPILES), ("float8", FLOAT8S)):
             if key in v and v[key] not in valid:
                 raise _fail(path, where + key, "got %r; valid: %s" % (v[key], ", ".join(valid)))
         for key, valid in (("devices", DEVICES), ("languages", LANGUAGES)):
@@ -260,6 +268,9 @@ def load_variants(path=None) -> dict:
         if "capture" in v and v.get("runner", "loop") != "train_step":
             raise _fail(path, where + "capture", "applies to the train_step runner (make_train_step's "
                         "capture=); this variant's runner is %r" % v.get("runner", "loop"))
+        if v.get("float8", "none") != "none" and (v.get("runner", "loop") != "loop" or v.get("languages") != ["python"]):
+            raise _fail(path, where + "float8", "applies to the Python loop runner only (runner: loop, languages: "
+                        "[python]): torchao converts the model's nn.Linear layers before the loop is built")
         kw = {k: (tuple(x) if k in ("devices", "languages") else x) for k, x in v.items()}
         kw["description"] = str(kw["description"]).strip()
         out[name] = Variant(name=name, **kw)
