@@ -11,7 +11,8 @@ repeats and at least 3); --sequential times each variant alone, its epochs in a 
 
 In one process (no --engines) the variants of each case are timed interleaved too, the
 compiled ones included (run_interleaved: --repeats rounds, by default the profile's
-repeats), on CUDA and on the CPU; --sequential times each alone, one after the other.
+repeats): on the CPU all of a case's variants in one group, on CUDA the eager ones and the
+compiled ones in two (interleave_groups: GPU memory); --sequential times each alone.
 """
 
 from __future__ import annotations
@@ -55,6 +56,27 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def interleave_groups(variants, device: str) -> list:
+    """The groups timed interleaved in one process, in the variants' order: on CUDA the
+    eager variants and the compiled ones apart (every variant of a group is alive at once,
+    and the captured and reduce-overhead ones keep their graphs' memory: two groups halve
+    what a large case holds; the compiled rivals still share their window), on the CPU one.
+
+    >>> class V:
+    ...     def __init__(self, name, compile): self.name, self.compile = name, compile
+    >>> vs = [V("fp32", "none"), V("torch_compile_ro", "reduce-overhead"), V("ampkit_step", "none")]
+    >>> [[v.name for v in g] for g in interleave_groups(vs, "cuda")]
+    [['fp32', 'ampkit_step'], ['torch_compile_ro']]
+    >>> [[v.name for v in g] for g in interleave_groups(vs, "cpu")]
+    [['fp32', 'torch_compile_ro', 'ampkit_step']]
+    """
+    if device != "cuda":
+        return [list(variants)]
+    eager = [v for v in variants if v.compile == "none"]
+    compiled = [v for v in variants if v.compile != "none"]
+    return [g for g in (eager, compiled) if g]
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     try:
@@ -83,11 +105,12 @@ def main(argv=None) -> int:
                 records.append(rec)
                 progress("python", len(records), total, rec)
         else:
-            print("[python] %s: %s, %d round(s) in turn" % (case.name, ", ".join(v.name for v in variants),
-                                                            built.repeats), file=sys.stderr, flush=True)
-            for rec in run_interleaved(built, variants, language="python"):
-                records.append(rec)
-                progress("python", len(records), total, rec)
+            for group in interleave_groups(variants, device):
+                print("[python] %s: %s, %d round(s) in turn" % (case.name, ", ".join(v.name for v in group),
+                                                                built.repeats), file=sys.stderr, flush=True)
+                for rec in run_interleaved(built, group, language="python"):
+                    records.append(rec)
+                    progress("python", len(records), total, rec)
         del built
     write_document(a.out, context(a.profile, device, "python", seed=a.seed), records)
     return 0
