@@ -469,6 +469,15 @@ def _pyplot(what):
     return plt
 
 
+def _save(plt, fig, title, path) -> bool:
+    """Title, lay out, write and close a chart; True (what the chart functions return)."""
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def fidelity_chart(doc: dict, path) -> bool:
     """One panel per case: the smoothed mean loss curve of each variant over the reference's
     mean +/- threshold x its seed-to-seed std (the band), and below it each variant's gap in
@@ -510,11 +519,7 @@ def fidelity_chart(doc: dict, path) -> bool:
         bottom.set_xlabel("step", fontsize=8)
         top.legend(fontsize=6)
     c = doc["context"]
-    fig.suptitle("fidelity against %s on %s (%s)" % (f["reference"], c["card"] or c["cpu"], c["device"]), fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return _save(plt, fig, "fidelity against %s on %s (%s)" % (f["reference"], c["card"] or c["cpu"], c["device"]), path)
 
 
 def _ms(value) -> str:
@@ -564,11 +569,7 @@ def chart(doc: dict, path) -> bool:
     if handles:
         fig.legend(handles, labels, loc="upper right", fontsize=8)
     c = doc["context"]
-    fig.suptitle("ampkit %s profile on %s (%s)" % (c["profile"], c["card"] or c["cpu"], c["device"]), fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return _save(plt, fig, "ampkit %s profile on %s (%s)" % (c["profile"], c["card"] or c["cpu"], c["device"]), path)
 
 
 def write(doc: dict, out_dir) -> Path:

@@ -12,6 +12,24 @@ fast_in_0 <- function(module, precision, run) {
   if (module == "0" && precision == "fp8") 1 else 2
 }
 
+# The seed's AMP loop written by hand over `net` under `policy`: the losses of three steps
+# (the oracle amp_train_step() is compared with).
+hand_losses <- function(net, policy, xs, ys) {
+  opt <- optim_sgd(net$parameters, lr = 0.05)
+  scaler <- amp_grad_scaler("cpu", init_scale = 2^10)
+  loss_fn <- nn_mse_loss()
+  vapply(seq_along(xs), function(i) {
+    opt$zero_grad(set_to_none = TRUE)
+    with_autocast(device_type = "cpu", policy = policy, {
+      loss <- loss_fn(net(xs[[i]]), ys[[i]])
+    })
+    scaler$scale(loss)$backward()
+    scaler$step(opt)
+    scaler$update()
+    loss$item()
+  }, numeric(1))
+}
+
 test_that("amp_calibrate_fp8() returns the core's report as a data.frame and its policy", {
   skip_if_no_ampkit()
   net <- make_net()
@@ -58,20 +76,7 @@ test_that("the calibrated policy runs fp8 only in the chosen module, in with_aut
   step <- amp_train_step(net, nn_mse_loss(), opt, device_type = "cpu", policy = cal$region_policy,
                          scaler = amp_grad_scaler("cpu", init_scale = 2^10), capture = FALSE)
   got <- vapply(1:3, function(i) step(xs[[i]], ys[[i]])$item(), numeric(1))
-  opt2 <- optim_sgd(twin$parameters, lr = 0.05)
-  scaler <- amp_grad_scaler("cpu", init_scale = 2^10)
-  loss_fn <- nn_mse_loss()
-  want <- numeric(3)
-  for (i in 1:3) {
-    opt2$zero_grad(set_to_none = TRUE)
-    with_autocast(device_type = "cpu", policy = cal$region_policy, {
-      loss <- loss_fn(twin(xs[[i]]), ys[[i]])
-    })
-    scaler$scale(loss)$backward()
-    scaler$step(opt2)
-    scaler$update()
-    want[[i]] <- loss$item()
-  }
+  want <- hand_losses(twin, cal$region_policy, xs, ys)
   expect_identical(got, want)
 })
 
@@ -87,20 +92,7 @@ test_that("amp_train_step() takes the fp8 policy by name and matches the hand lo
                                          capture = FALSE))
   got <- vapply(1:3, function(i) step(xs[[i]], ys[[i]])$item(), numeric(1))
   twin <- make_net()
-  opt2 <- optim_sgd(twin$parameters, lr = 0.05)
-  scaler <- amp_grad_scaler("cpu", init_scale = 2^10)
-  loss_fn <- nn_mse_loss()
-  want <- numeric(3)
-  for (i in 1:3) {
-    opt2$zero_grad(set_to_none = TRUE)
-    with_autocast(device_type = "cpu", policy = "fp8", {
-      loss <- loss_fn(twin(xs[[i]]), ys[[i]])
-    })
-    scaler$scale(loss)$backward()
-    scaler$step(opt2)
-    scaler$update()
-    want[[i]] <- loss$item()
-  }
+  want <- hand_losses(twin, "fp8", xs, ys)
   expect_identical(got, want)
   # the step did run fp8: the same loop in plain bfloat16 gives other losses
   bf <- make_net()
