@@ -158,7 +158,8 @@ def test_every_case_and_variant_runs_and_validates(tiny_records, case, variant):
     if variant != "fp32":
         assert rec["speedup_vs_fp32"]["value"] == pytest.approx(fp32["median"] / rec["median"])
     for rival, field in (("torch_amp", "time_vs_torch_amp"), ("torch_compile_amp", "time_vs_torch_compile_amp"),
-                         ("torch_compile_ro", "time_vs_torch_compile_ro")):
+                         ("torch_compile_ro", "time_vs_torch_compile_ro"),
+                         ("torch_compile_mat", "time_vs_torch_compile_mat")):
         other = next(r for r in tiny_records if (r["case"], r["variant"]) == (case, rival))
         if variant == rival or other["status"] != "ok":
             assert rec[field] is None
@@ -447,6 +448,45 @@ def test_the_eager_step_goal_compares_it_with_the_same_loop_by_hand():
     line = _goal(doc(10.51, 10.0, 10.51), start)
     assert line.startswith("- NOT met ") and "1.0510" in line
     assert not any("ampkit_step_eager" in g for g in report.goals(_goal_doc(10.0, 5.0, 5.0, None, None)).splitlines())
+
+
+def test_the_compiled_step_goal_takes_the_fastest_of_torchs_compiled_loops():
+    """ampkit_step_compiled's speed over the fastest ok one of torch_compile_amp/_ro/_mat
+    (issue 26: 1.15x on transformer, 1.05x on convnet), its peak against reduce-overhead's,
+    R within 3% of Python; no line where the step did not run."""
+    mib = 2 ** 20
+
+    def doc(case, step_ms, rivals, step_peak=None, ro_peak=None, r_ms=None, failed=()):
+        def rec(variant, ms, lang="python", peak=None):
+            status = "failed" if variant in failed else "ok"
+            return {"case": case, "variant": variant, "language": lang, "status": status, "dtype": "float16",
+                    "median": ms, "min": ms, "max": ms, "final_loss": 1.0, "peak_memory_bytes": peak}
+        recs = [rec("ampkit_step_compiled", step_ms, peak=step_peak)]
+        recs += [rec(v, ms, peak=ro_peak if v == "torch_compile_ro" else None) for v, ms in rivals.items()]
+        if r_ms is not None:
+            recs.append(rec("ampkit_step_compiled", r_ms, "r"))
+        return {"context": {"languages": ["python", "r"]}, "records": bench.derive(recs)}
+
+    rivals = {"torch_compile_amp": 30.0, "torch_compile_ro": 23.0, "torch_compile_mat": 20.0}
+    best = min(rivals.values())
+    line = _goal(doc("transformer", best / 1.15, rivals), "ampkit_step_compiled >= 1.15x")
+    assert line.startswith("- met ") and "(torch_compile_mat)" in line and "1.15x" in line
+    line = _goal(doc("transformer", best / 1.149, rivals), "ampkit_step_compiled >= 1.15x")
+    assert line.startswith("- NOT met ") and "1.1490x" in line
+    # the fastest that ran: mat failed, so reduce-overhead is the rival
+    line = _goal(doc("convnet", 23.0 / 1.06, rivals, failed=("torch_compile_mat",)), "ampkit_step_compiled >= 1.05x")
+    assert line.startswith("- met ") and "(torch_compile_ro)" in line and "1.06x" in line
+    line = _goal(doc("convnet", 10.0, rivals, step_peak=580 * mib, ro_peak=550 * mib),
+                 "peak memory of ampkit_step_compiled")
+    assert line.startswith("- NOT met ") and "(+30.0 MiB)" in line
+    line = _goal(doc("convnet", 10.0, rivals, r_ms=10.3), "R within 3% of Python on convnet")
+    assert line.startswith("- met ")
+    line = _goal(doc("convnet", 10.0, rivals, r_ms=10.31), "R within 3% of Python on convnet")
+    assert line.startswith("- NOT met ")
+    no_step = doc("convnet", 10.0, rivals, failed=("ampkit_step_compiled",))
+    verdicts = [g for g in report.goals(no_step).splitlines() if g.startswith(("- met", "- NOT met"))]
+    assert not any("ampkit_step_compiled" in g for g in verdicts)
+    assert "1 run(s) failed: convnet/ampkit_step_compiled/python" in report.goals(no_step)
 
 
 # --- bad input ------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from ampkit.bench._build import build_case
 from ampkit.bench._build import resolve_device
 from ampkit.bench._resolved import ResolvedRun
 from ampkit.bench._resolved import resolve_run
-from ampkit.bench._results import RIVALS
+from ampkit.bench._results import COMPILED_RIVALS, RIVALS
 from ampkit.bench._results import SCHEMA_VERSION
 from ampkit.bench._results import check
 from ampkit.bench._results import context
@@ -116,6 +116,7 @@ __all__ = [
     "PROFILES",
     "RECOMPILE_LIMIT",
     "Placement",
+    "COMPILED_RIVALS",
     "RIVALS",
     "ResolvedRun",
     "RunLength",

@@ -24,10 +24,13 @@ from ampkit._specs import specs_root
 SCHEMA_VERSION = 1
 NOISE = 0.05  # a ratio whose [low, high] lies wholly past 1 +/- NOISE is flagged as a change
 # The rivals every record is timed against (same case and language), and the field each
-# ratio goes in: torch's eager AMP, and torch.compile under torch's AMP in both modes.
+# ratio goes in: torch's eager AMP, and torch.compile under torch's AMP in its three modes.
 RIVALS = {"torch_amp": "time_vs_torch_amp",
           "torch_compile_amp": "time_vs_torch_compile_amp",
-          "torch_compile_ro": "time_vs_torch_compile_ro"}
+          "torch_compile_ro": "time_vs_torch_compile_ro",
+          "torch_compile_mat": "time_vs_torch_compile_mat"}
+# torch's compiled loops: the compiled captured step's rivals, the fastest of them on each case
+COMPILED_RIVALS = ("torch_compile_amp", "torch_compile_ro", "torch_compile_mat")
 ERROR_CHARS = 600  # a failed record keeps the error's first characters, on one line
 
 
