@@ -9,14 +9,17 @@ An op of a policy's ``fp8`` category (``linear``, ``mm``, ``matmul``; written as
               wq = (w * scale_w).clamp(-max, max).to(forward_dtype)
               CUDA, capability >= 8.9, shapes _scaled_mm takes:
                   out = torch._scaled_mm(xq, wq.T, 1/scale_x, 1/scale_w, out_dtype=dtype) (+ bias)
-              elsewhere (the emulation, the same quantization):
+              elsewhere (the emulation, the same quantization; SCALED_MM_DEVICES):
                   out = linear((xq.float() / scale_x).to(dtype), (wq.float() / scale_w).to(dtype),
                                bias.to(dtype))
               dtype: the region's lower-precision dtype; the output has it
     backward  gq = grad_output quantized to backward_dtype (its own scale, same recipe)
               gd, xd, wd = gq, xq, wq dequantized, to dtype
               grad_x = gd @ wd, grad_w = gd.T @ xd, grad_bias = grad_output.sum(0),
-              each in its input's dtype (the emulation on every device)
+              each in its input's dtype; where the forward ran _scaled_mm and the
+              scaling is tensorwise or delayed (one scale per operand), grad_x and grad_w
+              are _scaled_mm(gq, wq) and _scaled_mm(gq.T, xq) with 1/scale each, out in
+              dtype; row-wise scales lie along the backward's contraction: emulated
 
     scales    tensorwise : max / max(|t|)                 (amax floored at 1e-12)
               rowwise    : max / max(|row|) per row along the contraction dim: the rows
@@ -163,10 +166,17 @@ class _Plan:
     sink: object  # the active trace (its note_fp8 / record_fp8_backward) or None
 
 
+# Where _scaled_mm runs besides CUDA >= 8.9: torch's CPU build has a _scaled_mm too, which
+# the tests turn on (scaled_mm_on_cpu) to run the GPU's path, layouts and scales on the CPU;
+# shipped off, so the CPU runs the emulation, the definition the tests check bit for bit.
+SCALED_MM_DEVICES = {"cuda"}
+
+
 def _scaled_mm_fits(x2, w, plan, rowwise) -> bool:
-    if plan.device_type != "cuda" or not x2.is_cuda or not hasattr(torch, "_scaled_mm"):
+    if plan.device_type not in SCALED_MM_DEVICES or x2.device.type != plan.device_type \
+            or not hasattr(torch, "_scaled_mm"):
         return False
-    if torch.cuda.get_device_capability(x2.device) < (8, 9):
+    if x2.is_cuda and torch.cuda.get_device_capability(x2.device) < (8, 9):
         return False
     m, k = x2.shape
     n = w.shape[0]
@@ -192,7 +202,7 @@ def _forward(ctx, scaling, x, w, b, plan):
     dt = plan.dtype
     if _scaled_mm_fits(x2, w, plan, rowwise):
         path = "scaled_mm"
-        out = torch._scaled_mm(xq, wq.t(), scale_a=sx.reciprocal(), scale_b=sw.reciprocal().reshape(1, -1)
+        out = torch._scaled_mm(xq.contiguous(), wq.t(), scale_a=sx.reciprocal(), scale_b=sw.reciprocal().reshape(1, -1)
                                if rowwise else sw.reciprocal(), out_dtype=dt)
         if b is not None:
             out = out + b.to(dt)
@@ -201,7 +211,7 @@ def _forward(ctx, scaling, x, w, b, plan):
         out = torch.nn.functional.linear(dequantize(xq, sx).to(dt), dequantize(wq, sw).to(dt),
                                          None if b is None else b.to(dt))
     ctx.save_for_backward(xq, sx, wq, sw)
-    ctx.plan, ctx.x_shape = plan, x.shape
+    ctx.plan, ctx.x_shape, ctx.path = plan, x.shape, path
     ctx.dtypes = (x.dtype, w.dtype, None if b is None else b.dtype)
     if plan.sink is not None:
         plan.sink.note_fp8((_cast_of("input", plan.forward, sx), _cast_of("weight", plan.forward, sw)), path)
@@ -222,18 +232,32 @@ def _backward(ctx, scaling, grad):
         gq = quantize(g2, sg, plan.backward)
         if fp8_quantized.listeners:
             fp8_quantized.notify(plan.op, "grad_output", g2, gq, sg)
-        gd = dequantize(gq, sg).to(dt)
         x_dt, w_dt, b_dt = ctx.dtypes
         gx = gw = gb = None
-        if ctx.needs_input_grad[0]:
-            gx = _mm(gd, dequantize(wq, sw).to(dt)).reshape(ctx.x_shape).to(x_dt)
-        if ctx.needs_input_grad[1]:
-            gw = _mm(gd.t(), dequantize(xq, sx).to(dt)).to(w_dt)
+        # _scaled_mm where the forward took it and every scale is one number: a row-wise
+        # scale of the weight (N) or of the input (M) would lie along the backward's
+        # contraction dimension, which _scaled_mm cannot scale.
+        if ctx.path == "scaled_mm" and scaling != "rowwise":
+            path = "scaled_mm"
+            inv_g = sg.reciprocal()
+            if ctx.needs_input_grad[0]:  # (M, N) @ (N, K): the second operand column-major
+                gx = torch._scaled_mm(gq, wq.t().contiguous().t(), scale_a=inv_g, scale_b=sw.reciprocal(),
+                                      out_dtype=dt).reshape(ctx.x_shape).to(x_dt)
+            if ctx.needs_input_grad[1]:  # (N, M) @ (M, K)
+                gw = torch._scaled_mm(gq.t().contiguous(), xq.t().contiguous().t(), scale_a=inv_g,
+                                      scale_b=sx.reciprocal(), out_dtype=dt).to(w_dt)
+        else:
+            path = "emulated"
+            gd = dequantize(gq, sg).to(dt)
+            if ctx.needs_input_grad[0]:
+                gx = _mm(gd, dequantize(wq, sw).to(dt)).reshape(ctx.x_shape).to(x_dt)
+            if ctx.needs_input_grad[1]:
+                gw = _mm(gd.t(), dequantize(xq, sx).to(dt)).to(w_dt)
         if b_dt is not None and ctx.needs_input_grad[2]:
             gb = g2.sum(0).to(b_dt)
         if plan.sink is not None:
             plan.sink.record_fp8_backward(plan.op, plan.device_type, grad.dtype,
-                                          (_cast_of("grad_output", plan.backward, sg),), "emulated")
+                                          (_cast_of("grad_output", plan.backward, sg),), path)
     return gx, gw, gb, None
 
 

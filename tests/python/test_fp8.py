@@ -349,25 +349,62 @@ def test_make_train_step_runs_the_fp8_policy_as_an_eager_loop_does():
         assert torch.equal(p, q)
 
 
-# ------------------------------------------------------------------ CUDA: _scaled_mm
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
-                    reason="needs a CUDA GPU with fp8 (capability >= 8.9)")
-@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
-def test_cuda_scaled_mm_matches_the_emulation_within_fp8_rounding(scaling):
-    policy = FP8.with_fp8_recipe("cuda", scaling=scaling)
-    x, w, b, g = (t.cuda() for t in data(lead=(4, 16), k=64, n=32))
-    y, gx, gw, gb, tr = _run_cuda(policy, x, w, b, g)
-    assert tr.records[0].fp8_path == "scaled_mm"
-    scale = tensor_scale if scaling == "tensorwise" else row_scale
-    out, *_ = ref_linear(x, w, b, g.to(torch.bfloat16), torch.bfloat16, E5M2, lambda t, dt, _: scale(t, dt))
-    # the same fp8 operands; only the accumulation order and the bias add may differ
-    torch.testing.assert_close(y.float(), out.float(), rtol=2 ** -7, atol=1e-2)
+# ------------------------------------------------------------------ the _scaled_mm path
+def exact_linear(x, w, b, g, dt, bwd, scale, backward_scaled):
+    """The _scaled_mm path by definition: the same fp8 operands, their products summed in
+    float32 (no rounding of a dequantized operand to ``dt`` first), then ``dt``; the bias
+    added in ``dt``. Its backward so where ``backward_scaled``, else the emulation's."""
+    k, n = x.shape[-1], w.shape[0]
+    x2, g2 = x.detach().reshape(-1, k), g.reshape(-1, n)
+    sx, sw, sg = scale(x2, E4M3), scale(w.detach(), E4M3), scale(g2, bwd)
+    xe, we, ge = qdq(x2, sx, E4M3), qdq(w.detach(), sw, E4M3), qdq(g2, sg, bwd)
+    out = ((xe @ we.t()).to(dt) + b.detach().to(dt)).reshape(*x.shape[:-1], n)
+    if backward_scaled:
+        gx, gw = (ge @ we).to(dt), (ge.t() @ xe).to(dt)
+    else:
+        gx, gw = ge.to(dt) @ we.to(dt), ge.to(dt).t() @ xe.to(dt)
+    return out, gx.reshape(x.shape).to(x.dtype), gw.to(w.dtype), g2.sum(0).to(b.dtype)
 
 
-def _run_cuda(policy, x, w, b, g):
+def _run(policy, x, w, b, g, device):
     x, w, b = (t.clone().requires_grad_() for t in (x, w, b))
     with ampkit.trace() as tr:
-        with ampkit.autocast("cuda", dtype=torch.bfloat16, policy=policy):
+        with ampkit.autocast(device, dtype=torch.bfloat16, policy=policy):
             y = F.linear(x, w, b)
         y.backward(g.to(torch.bfloat16))
     return y, x.grad, w.grad, b.grad, tr
+
+
+def _check_scaled_mm_path(scaling, device):
+    policy = FP8.with_fp8_recipe(device, scaling=scaling)
+    x, w, b, g = (t.to(device) for t in data(lead=(4, 16), k=64, n=32))
+    y, gx, gw, gb, tr = _run(policy, x, w, b, g, device)
+    fwd, bwd = tr.records[0], tr.records[-1]
+    backward_scaled = scaling != "rowwise"  # (a row-wise scale lies along the backward's contraction)
+    assert (fwd.fp8_path, bwd.op, bwd.fp8_path) == ("scaled_mm", "linear.backward",
+                                                    "scaled_mm" if backward_scaled else "emulated")
+    scale = tensor_scale if scaling == "tensorwise" else row_scale
+    want = exact_linear(x.float(), w.float(), b.float(), g.float().to(torch.bfloat16).float(), torch.bfloat16,
+                        E5M2, scale, backward_scaled)
+    for got, ref in zip((y, gx, gw, gb), want):
+        assert got.dtype == ref.dtype
+        # the same fp8 operands and scales; the kernels' summation order may differ
+        torch.testing.assert_close(got.float().cpu(), ref.float(), rtol=2 ** -7, atol=2e-2)
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_the_scaled_mm_path_computes_its_definition_on_the_cpu(scaling, monkeypatch):
+    """The GPU's path (layouts, scales, the backward's _scaled_mm) run by torch's CPU
+    _scaled_mm, turned on for the test (shipped, the CPU runs the emulation)."""
+    from ampkit import _fp8
+    monkeypatch.setattr(_fp8, "SCALED_MM_DEVICES", {"cuda", "cpu"})
+    _check_scaled_mm_path(scaling, "cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a CUDA GPU with fp8 (capability >= 8.9)")
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_cuda_scaled_mm_computes_its_definition(scaling):
+    _check_scaled_mm_path(scaling, "cuda")
+

@@ -28,6 +28,9 @@ PACKAGE = "ampkit"
 WHITE_BOX = "a white-box test of this private module's internals, which have no public face"
 # (file, name read) -> why it stays.
 ALLOWED = {
+    ("tests/python/test_fp8.py", "ampkit._fp8"):
+        "the fp8 tests turn on the _scaled_mm path on the CPU (SCALED_MM_DEVICES), so that the "
+        "GPU's layouts, scales and backward run where CI can check them",
     ("benchmarks/eager_step_parts.py", "ampkit._train_step"):
         "a measurement that switches the eager step's safety parts off one at a time (why_copy, "
         "HeldSignals, the kept buffers, the attribute copy) to see what each costs: internals by "
