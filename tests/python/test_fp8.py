@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import ampkit
+from conftest import compiles_correctly_here
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8 = ampkit.load_policy("fp8")
@@ -305,6 +306,7 @@ def test_ops_outside_the_category_are_torch_autocast_bit_for_bit():
                                     {"scaling": "delayed", "amax_history": 2}], ids=lambda r: r["scaling"])
 def test_compiled_region_runs_fp8_as_eager_does(recipe):
     """Outputs and gradients over three steps (delayed: the histories of both copies advance)."""
+    compiles_correctly_here("cpu")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     twin = copy.deepcopy(model)
