@@ -49,6 +49,7 @@ torch.bfloat16
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 
 import torch
@@ -172,11 +173,17 @@ class _Plan:
 SCALED_MM_DEVICES = {"cuda"}
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(index):
+    """A CUDA device's compute capability, asked of the driver once (every fp8 call looks)."""
+    return torch.cuda.get_device_capability(index)
+
+
 def _scaled_mm_fits(x2, w, plan, rowwise) -> bool:
     if plan.device_type not in SCALED_MM_DEVICES or x2.device.type != plan.device_type \
             or not hasattr(torch, "_scaled_mm"):
         return False
-    if x2.is_cuda and torch.cuda.get_device_capability(x2.device) < (8, 9):
+    if x2.is_cuda and _capability(x2.device.index) < (8, 9):
         return False
     m, k = x2.shape
     n = w.shape[0]
