@@ -25,7 +25,7 @@ multi-tensor kernels), printed with each variant's time over it.
 """
 import collections, statistics, sys, time, traceback
 import torch, ampkit
-from ampkit.bench import build_case
+from ampkit.bench import build_case, loop_step
 
 cases = sys.argv[1].split(",")
 rounds = int(sys.argv[2])
@@ -38,19 +38,10 @@ torch._dynamo.config.cache_size_limit = 64  # (one model class compiled by sever
 
 
 def torch_loop(model, b, mode):
-    cm = torch.compile(model, mode=mode)
+    """torch's AMP loop (the benchmark's hand-written step) over torch.compile(model, mode)."""
     opt = b.new_optimizer(model, fused=True)
-    scaler = torch.amp.GradScaler("cuda")
-
-    def step(x, y):
-        with torch.autocast("cuda", dtype=torch.float16):
-            loss = b.loss_fn(cm(x), y)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
-        return loss
-    return step
+    return loop_step(torch.compile(model, mode=mode), b.loss_fn, opt,
+                     lambda: torch.autocast("cuda", dtype=torch.float16), torch.amp.GradScaler("cuda"))
 
 
 def ampkit_step(model, b, compile):
