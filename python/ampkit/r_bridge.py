@@ -210,11 +210,14 @@ def release_tensors(tensors) -> int:
         # the tensors above and the `untyped_storage()` object: no other tensor on it
         if torch._C._storage_Use_Count(t.untyped_storage()._cdata) != (3 if base is not None else 2):
             continue
-        if base is None and t.grad_fn is not None:
-            t.detach_()  # its graph (saved tensors, if no backward ran) goes with it
-        if base is not None:
-            base.set_()
-        t.set_()  # empty: the storage is freed
+        # (housekeeping, not the user's ops: out of sight of __torch_function__ modes, so
+        # that a trace or a region recording around the next call does not list it)
+        with torch._C.DisableTorchFunction():
+            if base is None and t.grad_fn is not None:
+                t.detach_()  # its graph (saved tensors, if no backward ran) goes with it
+            if base is not None:
+                base.set_()
+            t.set_()  # empty: the storage is freed
         base = None
         n += 1
     return n
