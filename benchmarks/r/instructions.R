@@ -51,18 +51,8 @@ torch$set_num_threads(1L)
 mode <- Sys.getenv("MODE", "r")
 n <- as.integer(Sys.getenv("N", "100"))
 if (mode == "reticulate") ampkit:::use_crossing(FALSE)
-source(file.path(Sys.getenv("AMPKIT_REPO", "."), "benchmarks", "r", "small_step.R"))  # data ... scaler, step(i); r_loop below runs step()'s body inline
-r_loop <- function(n) for (s in seq_len(n)) {
-  i <- (s - 1L) %% 10L + 1L
-  with_autocast(device_type = "cpu", {
-    output <- net(data[[i]])
-    loss <- loss_fn(output, targets[[i]])
-  })
-  scaler$scale(loss)$backward()
-  scaler$step(opt)
-  scaler$update()
-  opt$zero_grad()
-}
+source(file.path(Sys.getenv("AMPKIT_REPO", "."), "benchmarks", "r", "small_step.R"))  # data ... scaler, step(i)
+r_loop <- function(n) for (s in seq_len(n)) step((s - 1L) %% 10L + 1L)
 py <- reticulate::py_run_string("
 from ampkit.r_bridge import amp_step
 def py_loop(net, loss_fn, opt, scaler, data, targets, n):

@@ -1,7 +1,7 @@
 # The seed's AMP step at small CPU sizes (batches of 8 x 16, three Linear(16, 16)), as an R
 # user writes it: data, targets, net, loss_fn, opt, scaler and step(i), defined where this
 # file is sourced (at top level: the scripts' own globals). Sourced by crossing.R,
-# step_rside.R and instructions.R (which times the same body as a loop of its own):
+# step_rside.R and instructions.R:
 #   source(file.path(Sys.getenv("AMPKIT_REPO", "."), "benchmarks", "r", "small_step.R"))
 torch_manual_seed(1)
 data <- lapply(1:10, function(i) torch_randn(8, 16))
