@@ -386,8 +386,10 @@ def _check_scaled_mm_path(scaling, device):
     assert (fwd.fp8_path, bwd.op, bwd.fp8_path) == ("scaled_mm", "linear.backward",
                                                     "scaled_mm" if backward_scaled else "emulated")
     scale = tensor_scale if scaling == "tensorwise" else row_scale
-    want = exact_linear(x.float(), w.float(), b.float(), g.float().to(torch.bfloat16).float(), torch.bfloat16,
-                        E5M2, scale, backward_scaled)
+    # the definition, in float32 on the CPU (no TF32, whatever the device)
+    x32, w32, b32, g32 = (t.float().cpu() for t in (x, w, b, g))
+    want = exact_linear(x32, w32, b32, g32.to(torch.bfloat16).float(), torch.bfloat16, E5M2, scale,
+                        backward_scaled)
     for got, ref in zip((y, gx, gw, gb), want):
         assert got.dtype == ref.dtype
         # the same fp8 operands and scales; the kernels' summation order may differ
