@@ -16,9 +16,14 @@ synced around each epoch. Variants (default all):
   step      ampkit.make_train_step(model) (captured, uncompiled)
   compiled  ampkit.make_train_step(model, compile=True) (ampkit_step_compiled)
   compiled_mat  make_train_step(model, compile=dict(mode="max-autotune-no-cudagraphs"))
+  compiled_loss make_train_step(compile=True) of a module whose forward is the model and the
+            loss together (WithLoss): inductor compiles (and fuses) the loss with the model
+  ro_loss   ro of the same WithLoss module: torch's reduce-overhead with the loss compiled too
+            (not one of the issue's rivals, which compile the model as users write it)
 
 Printed per variant: median ms/step, the fastest of torch's compiled rivals (ro, mat, co)
-over it, peak MiB, compile s. The floor (``--floor``, on by default): the device time of
+over it, peak MiB, compile s. ``--breakdown``: per variant, the device ms a step of its
+kernels by kind (gemm, attention, optimizer, other), torch.profiler over 3 steps. The floor (``--floor``, on by default): the device time of
 the step's GEMMs and optimizer kernels alone, from torch.profiler over 5 steps of ``co``
 (kernels whose names say gemm/gemv/cutlass/nvjet/xmma, and the optimizer's fused and
 multi-tensor kernels), printed with each variant's time over it.
@@ -35,6 +40,17 @@ GEMM = ("gemm", "gemv", "cutlass", "nvjet", "xmma", "sm90_", "sm80_")
 OPTIMIZER = ("sgd", "adam", "multi_tensor_apply")
 print(torch.cuda.get_device_name(), torch.__version__, flush=True)
 torch._dynamo.config.cache_size_limit = 64  # (one model class compiled by several variants)
+
+
+class WithLoss(torch.nn.Module):
+    """The model and the loss in one forward: (x, y) -> loss_fn(model(x), y)."""
+
+    def __init__(self, model, loss_fn):
+        super().__init__()
+        self.model, self.loss_fn = model, loss_fn
+
+    def forward(self, x, y):
+        return self.loss_fn(self.model(x), y)
 
 
 def torch_loop(model, b, mode):
@@ -58,7 +74,47 @@ builders = {"ro": lambda m, b: torch_loop(m, b, "reduce-overhead"),
             "co": lambda m, b: torch_loop(m, b, None),
             "step": lambda m, b: ampkit_step(m, b, None),
             "compiled": lambda m, b: ampkit_step(m, b, True),
-            "compiled_mat": lambda m, b: ampkit_step(m, b, dict(mode="max-autotune-no-cudagraphs"))}
+            "compiled_mat": lambda m, b: ampkit_step(m, b, dict(mode="max-autotune-no-cudagraphs")),
+            "compiled_loss": lambda m, b: with_loss_step(m, b),
+            "ro_loss": lambda m, b: with_loss_torch(m, b, "reduce-overhead")}
+
+
+def with_loss_step(model, b):
+    opt = b.new_optimizer(model, fused=True)
+    st = ampkit.make_train_step(WithLoss(model, b.loss_fn), lambda loss: loss, opt, capture=True,
+                                compile=True, autocast=dict(device_type="cuda", dtype=torch.float16))
+    step = lambda x, y: st((x, y), [])  # noqa: E731
+    step.st = st
+    return step
+
+
+def with_loss_torch(model, b, mode):
+    opt = b.new_optimizer(model, fused=True)
+    compiled = torch.compile(WithLoss(model, b.loss_fn), mode=mode)
+    inner = loop_step(lambda xy: compiled(*xy), lambda loss, _: loss, opt,
+                      lambda: torch.autocast("cuda", dtype=torch.float16), torch.amp.GradScaler("cuda"))
+    return lambda x, y: inner((x, y), None)
+
+
+KINDS = (("gemm", GEMM), ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
+         ("optimizer", OPTIMIZER))
+
+
+def breakdown_ms(fn, b, steps=3):
+    """Device ms per step of every kernel, by kind (KINDS, else "other")."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            fn(*b.batches[i % len(b.batches)])
+        torch.cuda.synchronize()
+    kinds = collections.Counter()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            n = e.name.lower()
+            kind = next((k for k, keys in KINDS if any(key in n for key in keys)), "other")
+            kinds[kind] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+    return {k: v / 1e3 / steps for k, v in kinds.items()}
 
 
 def floor_ms(fn, b, steps=5):
@@ -120,6 +176,14 @@ for case in cases:
     rivals = [statistics.median(times[v]) for v in RIVALS if v in times]
     best = min(rivals) if rivals else None
     total_floor = sum(floor.values()) if floor else None
+    if "--breakdown" in sys.argv:
+        for v in names:
+            try:
+                kinds = breakdown_ms(steps[v], b)
+                print("%-16s %-13s device ms a step: %s, total %.3f" % (
+                    case, v, ", ".join("%s %.3f" % kv for kv in sorted(kinds.items())), sum(kinds.values())), flush=True)
+            except Exception as e:
+                print("%s %s breakdown FAILED: %s" % (case, v, e), flush=True)
     for v in names:
         med = statistics.median(times[v])
         extra = ""

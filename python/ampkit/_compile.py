@@ -2,9 +2,12 @@
 checked before anything is built, and which errors mean "torch could not compile it".
 
     compile=None or False -> the model as given
-    compile=True          -> torch.compile(model)
-    compile=dict(...)     -> torch.compile(model, **dict); the keys are torch.compile's
-                             own keyword arguments
+    compile=True          -> torch.compile(ModelAndLoss(model, loss_fn)): the model's
+                             forward and the loss in one compiled graph, so inductor fuses
+                             the loss (a cross-entropy's softmax over the logits, say) with
+                             the model's last kernels, forward and backward
+    compile=dict(...)     -> the same with torch.compile(..., **dict); the keys are
+                             torch.compile's own keyword arguments
     refused where the step may capture (capture is not False): whatever records CUDA
     graphs of its own, which cannot run inside the step's capture -- a mode whose inductor
     options turn on ``triton.cudagraphs`` ('reduce-overhead', 'max-autotune'), those
@@ -19,9 +22,10 @@ one of torch's compile errors (``compile_failure``), the step runs the model unc
 
 >>> import torch
 >>> from ampkit._compile import compile_model
->>> compile_model(torch.nn.Linear(2, 2), None, capture="auto") is None
+>>> mse = torch.nn.functional.mse_loss
+>>> compile_model(torch.nn.Linear(2, 2), mse, None, capture="auto") is None
 True
->>> compile_model(torch.nn.Linear(2, 2), dict(mode="reduce-overhead"), capture="auto")
+>>> compile_model(torch.nn.Linear(2, 2), mse, dict(mode="reduce-overhead"), capture="auto")
 Traceback (most recent call last):
 ...
 ValueError: make_train_step(compile={'mode': 'reduce-overhead'}): mode='reduce-overhead' records CUDA graphs of its own (inductor's triton.cudagraphs), which cannot run inside the step's own capture; use mode='max-autotune-no-cudagraphs' or the default mode (leave mode out), or pass capture=False
@@ -34,15 +38,35 @@ import inspect
 
 import torch
 
-__all__ = ["compile_model", "compile_failure"]
+__all__ = ["ModelAndLoss", "compile_model", "compile_failure"]
 
 _CUDAGRAPHS = "triton.cudagraphs"  # the inductor option behind torch's own CUDA graphs
 
 
-def compile_model(model, compile, capture):
-    """``torch.compile(model, ...)`` as ``compile`` asks, or ``None`` when it asks for no
-    compile. Raises TypeError/ValueError naming the value and what is valid; calls nothing
-    of the model (torch.compile compiles at the first call)."""
+class ModelAndLoss(torch.nn.Module):
+    """The step's forward and loss as one module, what ``compile=`` compiles:
+    ``ModelAndLoss(model, loss_fn)(inputs, targets)`` is ``loss_fn(model(*inputs), *targets)``.
+
+    >>> lin = torch.nn.Linear(2, 1)
+    >>> x, y = torch.ones(3, 2), torch.zeros(3, 1)
+    >>> torch.equal(ModelAndLoss(lin, torch.nn.functional.mse_loss)([x], [y]),
+    ...             torch.nn.functional.mse_loss(lin(x), y))
+    True
+    """
+
+    def __init__(self, model, loss_fn):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, inputs, targets):
+        return self.loss_fn(self.model(*inputs), *targets)
+
+
+def compile_model(model, loss_fn, compile, capture):
+    """``torch.compile(ModelAndLoss(model, loss_fn), ...)`` as ``compile`` asks, or ``None``
+    when it asks for no compile. Raises TypeError/ValueError naming the value and what is
+    valid; calls nothing of the model (torch.compile compiles at the first call)."""
     if compile is None or compile is False:
         return None
     if compile is True:
@@ -71,7 +95,7 @@ def compile_model(model, compile, capture):
                 "mode='max-autotune-no-cudagraphs' or the default mode (leave mode out), "
                 "or pass capture=False")
     try:
-        return torch.compile(model, **kwargs)
+        return torch.compile(ModelAndLoss(model, loss_fn), **kwargs)
     except (RuntimeError, TypeError, ValueError) as e:  # an unknown mode or option, say
         raise ValueError(f"{where}: torch.compile refused it: {e}") from e
 

@@ -105,9 +105,11 @@ def make_train_step(
         at least 1: they create the optimizer state and the scaler's scale outside the
         graph. ``None``: 3, or 11 for a model that holds a ``DistributedDataParallel``
         (DDP gathers runtime statistics with host syncs in its first 10 iterations).
-      compile: ``None`` or ``False``: the model as given. ``True``: the step runs
-        ``torch.compile(model)``; a dict: ``torch.compile(model, **compile)``. The first
-        call (an eager warm-up step) compiles the forward and the backward; the capture
+      compile: ``None`` or ``False``: the model as given. ``True``: the step compiles the
+        model's forward and the loss together (``torch.compile`` of one module whose
+        forward is ``loss_fn(model(*inputs), *targets)``, so inductor fuses the loss with
+        the model's last kernels); a dict: the same with ``torch.compile(..., **compile)``.
+        The first call (an eager warm-up step) compiles the forward and the backward; the capture
         then records the compiled kernels with the optimizer and the scaler, and never
         compiles (a recompile there fails the capture: the step runs eagerly, with the
         usual warning). Where the step may capture, the region's cast cache is off
@@ -180,12 +182,12 @@ class TrainStep:
                 f"gathers runtime statistics (with host syncs) in its first 10 iterations, "
                 f"which a capture cannot hold; pass warmup>={_DDP_WARMUP} or leave "
                 f"warmup=None (it then is {_DDP_WARMUP})")
-        compiled = compile_model(model, compile, capture)
+        compiled = compile_model(model, loss_fn, compile, capture)
         if compiled is not None:  # (the region then runs its policy where the compile sees it)
             expect_compile(self)
 
         self.model = model
-        self._forward_model = model if compiled is None else compiled  # what _body calls
+        self._compiled = compiled  # the model and the loss compiled together (ModelAndLoss), or None
         self._compile_pending = compiled is not None  # no compiled call has succeeded yet
         self._compile_reason = None
         self.loss_fn = loss_fn
@@ -260,7 +262,7 @@ class TrainStep:
     def compiled(self) -> bool:
         """True when the step runs the model through ``torch.compile`` (``compile=...``);
         False when no compile was asked for, or torch could not compile the model."""
-        return self._forward_model is not self.model
+        return self._compiled is not None
 
     @property
     def compile_reason(self) -> str | None:
@@ -294,7 +296,7 @@ class TrainStep:
         first = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]  # (and the cause)
         self._compile_reason = (f"torch.compile could not compile the model at its first "
                                 f"call: {type(error).__name__}: {first}")
-        self._forward_model = self.model
+        self._compiled = None
         self._compile_pending = False
         self._autocast = self._autocast_uncompiled
         message = (f"ampkit.make_train_step: running the model uncompiled: "
@@ -354,7 +356,10 @@ class TrainStep:
         if capturing:  # a cast cached at capture would be a stale copy on replay
             kw["cache_enabled"] = False
         with autocast_region(**kw):
-            loss = self.loss_fn(self._forward_model(*flat_in), *flat_tg)
+            if self._compiled is None:
+                loss = self.loss_fn(self.model(*flat_in), *flat_tg)
+            else:
+                loss = self._compiled(flat_in, flat_tg)
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"loss_fn must return a tensor, got {type(loss).__name__}")
         if loss.dim() != 0:

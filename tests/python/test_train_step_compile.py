@@ -1,6 +1,6 @@
 """make_train_step(..., compile=...) on CPU: the compiled eager step against the same step
-written by hand over torch.compile(model) (the oracle runs the same compiled kernels), bit
-for bit; a call that raises still changes nothing; what torch cannot compile runs
+written by hand over torch.compile of the model and the loss in one module (what the step
+compiles: the oracle runs the same compiled kernels), bit for bit; a call that raises still changes nothing; what torch cannot compile runs
 uncompiled; bad arguments raise at construction.
 
 Each inductor compile costs tens of seconds on a small CPU: the models are tiny, and only
@@ -57,17 +57,28 @@ def params_and_state(model, opt):
     return [p.detach().clone() for p in model.parameters()] + [v.clone() for v in state]
 
 
-def test_the_compiled_eager_step_equals_the_hand_loop_over_the_compiled_model_bitwise():
+class ForwardAndLoss(torch.nn.Module):
+    """The oracle's compiled unit, written here: the model's forward, then the loss."""
+
+    def __init__(self, model, loss_fn):
+        super().__init__()
+        self.model, self.loss_fn = model, loss_fn
+
+    def forward(self, inputs, targets):
+        return self.loss_fn(self.model(*inputs), *targets)
+
+
+def test_the_compiled_eager_step_equals_the_hand_loop_over_the_compiled_model_and_loss_bitwise():
     compiles_correctly_here("cpu")
     batches = make_batches()
     ref_model = make_model()
     ref_opt, ref_scaler = make_opt(ref_model), make_scaler()
-    compiled = torch.compile(ref_model)
+    compiled = torch.compile(ForwardAndLoss(ref_model, torch.nn.functional.mse_loss))
     ref_losses, ref_scales = [], []
     for x, y in batches:
         ref_opt.zero_grad()
         with ampkit.autocast(**AC):
-            loss = torch.nn.functional.mse_loss(compiled(x), y)
+            loss = compiled([x], [y])
         ref_scaler.scale(loss).backward()
         ref_scaler.step(ref_opt)
         ref_scaler.update()
