@@ -29,8 +29,10 @@
 #'   a CUDA graph.
 #' @param warmup Eager steps before the capture; `NULL`: 3, or 11 for a model
 #'   that holds a `DistributedDataParallel` (as in the core).
-#' @param compile `FALSE`: the model as given. `TRUE`: the step runs
-#'   `torch.compile(model)`; a named list: `torch.compile(model, ...)` with
+#' @param compile `FALSE`: the model as given. `TRUE`: the step compiles
+#'   the model and the loss together (`torch.compile` of one module whose
+#'   forward is `loss_fn(model(inputs), targets)`, so the loss fuses into the
+#'   model's kernels); a named list: the same with `torch.compile(..., ...)` and
 #'   those arguments, such as `list(mode = "max-autotune-no-cudagraphs")`.
 #'   The first step compiles (an eager warm-up step, never inside the
 #'   capture). Modes that record CUDA graphs of their own
