@@ -36,7 +36,7 @@ import signal
 import _thread
 import threading
 import weakref
-from itertools import chain
+from itertools import chain, compress
 
 import torch
 import torch.optim.optimizer as _optim_module
@@ -259,6 +259,8 @@ _CHECKED_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 _SCALER_HOOKS = frozenset({"found_inf"})
 _scaler_types_checked: dict = {}  # GradScaler subclass -> whether only _SCALER_HOOKS are its own
 _SCALARS = frozenset({float, int, bool, str, type(None)})  # hyperparameters plain_value() takes at once
+_SEQUENCES = frozenset({tuple, list})  # hyperparameters plain_value() looks into (and the params list)
+_SCALARS_OR_SEQUENCES = _SCALARS | _SEQUENCES
 
 
 def why_copy(optimizer, scaler, kept=None):
@@ -301,7 +303,12 @@ def why_copy(optimizer, scaler, kept=None):
     if why is not None:
         return why
     for group in optimizer.param_groups:
-        for k, v in group.items():
+        # The values' classes are mapped in C; the Python loop runs over the sequences
+        # only (the params list, Adam's betas), or over all where some value is neither.
+        values, items = group.values(), group.items()
+        if _SCALARS_OR_SEQUENCES.issuperset(map(type, values)):
+            items = compress(items, map(_SEQUENCES.__contains__, map(type, values)))
+        for k, v in items:
             if type(v) not in _SCALARS and k != "params" and not plain_value(v):
                 return f"{name} has a {type(v).__name__} {k!r}"
         if group.get("differentiable"):
