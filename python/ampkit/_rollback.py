@@ -12,9 +12,10 @@ An eager step writes in place in three stages, and keeps what each would need pu
                      -> else: OptimizerCopy, put back if the step raises
 
 The host work of each call is kept near what the hand-written loop does: the buffer list
-and the verdict of ``why_copy`` are found once and kept, with a key (identities, lengths,
-dtypes and shapes: lists compared in C) that changes whenever what they were found from
-does; then each call costs one comparison and, for the buffers, one foreach copy.
+and the verdict of ``why_copy`` are found once and kept, with a key (identities, lengths
+and classes: lists compared in C) and a check of the tensors' dtypes, shapes, devices and
+layouts (``SameMeta``: one C++ pass) that fail whenever what they were found from changes;
+then each call costs one comparison, one check and, for the buffers, one foreach copy.
 
 >>> import torch
 >>> from ampkit._rollback import ModelBuffers
@@ -36,7 +37,7 @@ import signal
 import _thread
 import threading
 import weakref
-from itertools import chain, compress
+from itertools import chain
 
 import torch
 import torch.optim.optimizer as _optim_module
@@ -46,16 +47,21 @@ try:
 except ImportError:  # (not CPython)
     _signal = signal
 
+from ampkit._unchanged import SameMeta, dict_versions
 from ampkit._scaler import GradScaler
 
 __all__ = ["HeldSignals", "KeptCopies", "ModelBuffers", "OptimizerCopy", "PLAIN",
            "plain_value", "why_copy", "zero_grads_the_graph_had"]
 
 PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensors with a foreach copy (KeptCopies)
-_META = operator.attrgetter("dtype", "shape")
-_PARAM_META = operator.attrgetter("dtype", "shape", "device")  # (model.to(device) moves .data)
 _GRAD = operator.attrgetter("grad")
-_LAYOUT = operator.attrgetter("layout")
+_PARAMS = operator.itemgetter("params")
+
+
+def _group_flags(group):
+    return bool(group.get("fused")), group.get("momentum"), len(group["params"])
+
+
 _is_not_none = functools.partial(operator.is_not, None)
 _MAIN_THREAD = threading.main_thread().ident  # (Python runs signal handlers there only)
 
@@ -99,8 +105,9 @@ class ModelBuffers:
     each, on its device, taken by ``save()`` and put back in place by ``restore()``.
 
     The modules and buffers are found once. Each ``save()`` checks them against what the
-    model holds now with three lists compared in C (the identities of every module's
-    children and buffers, and the buffers' dtypes and shapes), which catch a module or
+    model holds now with a list compared in C (the identities of every module's children
+    and buffers) and ``SameMeta`` (the buffers' class, dtype, shape, device and layout, in
+    one C++ pass), which catch a module or
     buffer added, removed or reassigned by any route (``setattr``, ``ModuleList.insert``,
     ``model.half()`` replacing buffers, ``.data =`` changing one in place), and finds
     them again when one differs. The copy is one ``torch._foreach_copy_`` per device and dtype into tensors
@@ -120,6 +127,9 @@ class ModelBuffers:
         # One C-level walk of the kept modules' dicts, children's then buffers' (the objects
         # they name are kept alive by self, and by the model: no identity is reused while
         # compared; a None, a removed buffer's slot, is named too)
+        # (or, where dicts have versions, the version of each: one C call a dict)
+        if dict_versions is not None:
+            return dict_versions(self._dicts)
         return list(map(id, chain.from_iterable(map(dict.values, self._dicts))))
 
     def _find(self):
@@ -127,7 +137,7 @@ class ModelBuffers:
         self._dicts = [m._modules for m in modules] + [m._buffers for m in modules]
         self._kept = modules
         buffers = [b for m in modules for b in m._buffers.values() if b is not None]
-        self._tensors, self._metas = buffers, list(map(_META, buffers))
+        self._tensors, self._same = buffers, SameMeta(buffers)
         self._found = self._look()
         # (the buffers themselves, not detached aliases, which would keep the storage they
         # had when found if a buffer's .data were replaced since)
@@ -144,7 +154,7 @@ class ModelBuffers:
         self._others = [b for b in buffers if type(b) not in PLAIN]
 
     def _current(self):
-        if self._look() != self._found or list(map(_META, self._tensors)) != self._metas:
+        if self._look() != self._found or not self._same(self._tensors):
             self._find()
 
     def save(self):
@@ -259,8 +269,6 @@ _CHECKED_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 _SCALER_HOOKS = frozenset({"found_inf"})
 _scaler_types_checked: dict = {}  # GradScaler subclass -> whether only _SCALER_HOOKS are its own
 _SCALARS = frozenset({float, int, bool, str, type(None)})  # hyperparameters plain_value() takes at once
-_SEQUENCES = frozenset({tuple, list})  # hyperparameters plain_value() looks into (and the params list)
-_SCALARS_OR_SEQUENCES = _SCALARS | _SEQUENCES
 
 
 def why_copy(optimizer, scaler, kept=None):
@@ -303,22 +311,18 @@ def why_copy(optimizer, scaler, kept=None):
     if why is not None:
         return why
     for group in optimizer.param_groups:
-        # The values' classes are mapped in C; the Python loop runs over the sequences
-        # only (the params list, Adam's betas), or over all where some value is neither.
-        values, items = group.values(), group.items()
-        if _SCALARS_OR_SEQUENCES.issuperset(map(type, values)):
-            items = compress(items, map(_SEQUENCES.__contains__, map(type, values)))
-        for k, v in items:
+        for k, v in group.items():
             if type(v) not in _SCALARS and k != "params" and not plain_value(v):
                 return f"{name} has a {type(v).__name__} {k!r}"
         if group.get("differentiable"):
             return f"{name} was built with differentiable=True"
     if kept is None:
         return _tensors_why_copy(optimizer)
-    key = _tensors_key(optimizer)
-    if kept.get("key") != key:
+    key, tensors = _tensors_key(optimizer)
+    if kept.get("key") != key or not kept["same"](tensors):
         kept["why"] = _tensors_why_copy(optimizer)
         kept["key"] = key
+        kept["same"] = SameMeta(tensors)
         kept["watch"] = _watch(optimizer, kept)
     return kept["why"]
 
@@ -337,24 +341,30 @@ def _watch(optimizer, kept):
 
 
 def _tensors_key(optimizer):
-    """What ``_tensors_why_copy`` looks at, as values compared in C: which parameters have
-    state, the identities and classes of their state's values (a state tensor replaced, or
-    state created, changes them), and per param group whether it is fused or has momentum
-    and per parameter its identity, dtype, shape and device, its gradient's class and
-    layout. A tensor named by identity is watched (``_watch``): freed, it drops the key.
-    C-level maps, no Python loop over the parameters: this runs on every eager call."""
-    state = optimizer.state
-    values = list(chain.from_iterable(map(dict.values, state.values())))
-    # (the state walked as a dict, not looked up per parameter: a tensor's hash is Python)
-    key = [list(map(id, state)), list(map(len, state.values())), list(map(id, values)),
-           list(map(type, values))]
-    for group in optimizer.param_groups:
-        params = group["params"]
-        grads = list(map(_GRAD, params))
-        key += ((bool(group.get("fused")), group.get("momentum")),
-                list(map(id, params)), list(map(_PARAM_META, params)), list(map(type, grads)),
-                list(map(_LAYOUT, filter(_is_not_none, grads))))
-    return key
+    """What ``_tensors_why_copy`` looks at: a key of values compared in C, and the tensors
+    whose class, dtype, shape, device and layout ``SameMeta`` checks in one C++ pass (the
+    parameters, the gradients there are, the state's tensors). The key holds the state:
+    the versions of its dicts (``dict_versions``: a state created, replaced or added to
+    changes them) or, where Python has none, which parameters have state and the
+    identities and classes of their state's values; per param group whether it is fused
+    or has momentum and how many parameters it has; per parameter its identity and its
+    gradient's class (None too). A tensor named by identity is watched (``_watch``):
+    freed, it drops the key. C-level maps, no Python loop over the parameters: this runs
+    on every eager call."""
+    state, groups = optimizer.state, optimizer.param_groups
+    per_param = list(state.values())
+    values = list(chain.from_iterable(map(dict.values, per_param)))
+    params = list(chain.from_iterable(map(_PARAMS, groups)))
+    grads = list(map(_GRAD, params))
+    if dict_versions is not None:
+        key = [dict_versions((state, *per_param))]
+    else:  # (the state walked as a dict, not looked up per parameter: a tensor's hash is Python)
+        key = [list(map(id, state)), list(map(len, per_param)), list(map(id, values)),
+               list(map(type, values))]
+    key += list(map(_group_flags, groups)), list(map(id, params)), list(map(type, grads))
+    params += filter(_is_not_none, grads)
+    params += [v for v in values if isinstance(v, torch.Tensor)]
+    return key, params
 
 
 def _tensors_why_copy(optimizer):

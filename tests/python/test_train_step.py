@@ -469,12 +469,18 @@ def _half_way(why, model, opt):
         kept = s["exp_avg"]
         s["exp_avg"] = kept.double()
         return lambda: s.update(exp_avg=kept)
+    if why == "state_data_retyped":  # the same state tensor, its .data of another dtype
+        kept = opt.state[model.emb.weight]["exp_avg"]
+        data = kept.data
+        kept.data = data.double()
+        return lambda: setattr(kept, "data", data)
     model.emb.double()  # its parameter and gradient (exactly), not its Adam state
     return model.emb.float
 
 
 HALF_WAY = {"tensor_lr": "lr as a Tensor is not supported", "sparse_gradient": "does not support sparse",
-            "state_of_another_dtype": "expected dtype float", "state_replaced": "expected dtype double"}
+            "state_of_another_dtype": "expected dtype float", "state_replaced": "expected dtype double",
+            "state_data_retyped": "expected dtype double"}
 
 
 @pytest.mark.parametrize("why", sorted(HALF_WAY))
