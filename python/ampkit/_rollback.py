@@ -56,6 +56,7 @@ __all__ = ["HeldSignals", "KeptCopies", "ModelBuffers", "OptimizerCopy", "PLAIN"
 PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensors with a foreach copy (KeptCopies)
 _GRAD = operator.attrgetter("grad")
 _PARAMS = operator.itemgetter("params")
+_DEREF = weakref.ref.__call__
 
 
 def _group_flags(group):
@@ -319,51 +320,53 @@ def why_copy(optimizer, scaler, kept=None):
     if kept is None:
         return _tensors_why_copy(optimizer)
     key, tensors = _tensors_key(optimizer)
-    if kept.get("key") != key or not kept["same"](tensors):
+    # (an unchanged key names the same state tensors as when the verdict was kept: they are
+    # taken from its weak references, not listed again)
+    if kept.get("key") != key or not kept["same"](tensors + list(map(_DEREF, kept["state"]))):
         kept["why"] = _tensors_why_copy(optimizer)
         kept["key"] = key
-        kept["same"] = SameMeta(tensors)
-        kept["watch"] = _watch(optimizer, kept)
+        kept["state"], kept["watch"] = _watch(optimizer, kept)
+        kept["same"] = SameMeta(tensors + list(map(_DEREF, kept["state"])))
     return kept["why"]
 
 
 def _watch(optimizer, kept):
-    """Weak references to the tensors the key names by identity (parameters, state): when
-    one is freed, the key is forgotten, so that a tensor made later at its address (same
-    id) is never taken for it. Weak: a state replaced by load_state_dict is freed at once,
-    not held through the next call's forward."""
+    """Weak references to the state's tensors, and to the other tensors the key names by
+    identity (parameters, the state's keys): when one is freed, the key is forgotten, so
+    that a tensor made later at its address (same id) is never taken for it. Weak: a state
+    replaced by load_state_dict is freed at once, not held through the next call's
+    forward."""
     def forget(_, kept=kept):
         kept.pop("key", None)
 
-    tensors = chain(optimizer.state, chain.from_iterable(map(dict.values, optimizer.state.values())),
-                    (p for g in optimizer.param_groups for p in g["params"]))
-    return [weakref.ref(t, forget) for t in tensors if isinstance(t, torch.Tensor)]
+    values = chain.from_iterable(map(dict.values, optimizer.state.values()))
+    others = chain(optimizer.state, (p for g in optimizer.param_groups for p in g["params"]))
+    return ([weakref.ref(t, forget) for t in values if isinstance(t, torch.Tensor)],
+            [weakref.ref(t, forget) for t in others if isinstance(t, torch.Tensor)])
 
 
 def _tensors_key(optimizer):
     """What ``_tensors_why_copy`` looks at: a key of values compared in C, and the tensors
     whose class, dtype, shape, device and layout ``SameMeta`` checks in one C++ pass (the
-    parameters, the gradients there are, the state's tensors). The key holds the state:
-    the versions of its dicts (``dict_versions``: a state created, replaced or added to
-    changes them) or, where Python has none, which parameters have state and the
-    identities and classes of their state's values; per param group whether it is fused
-    or has momentum and how many parameters it has; per parameter its identity and its
-    gradient's class (None too). A tensor named by identity is watched (``_watch``):
-    freed, it drops the key. C-level maps, no Python loop over the parameters: this runs
-    on every eager call."""
+    parameters and the gradients there are; the caller adds the state's tensors). The key
+    holds the state: the versions of its dicts (``dict_versions``: a state created,
+    replaced or added to changes them) or, where Python has none, which parameters have
+    state and the identities and classes of their state's values; per param group whether
+    it is fused or has momentum and how many parameters it has; per parameter its identity
+    and its gradient's class (None too). A tensor named by identity is watched
+    (``_watch``): freed, it drops the key. C-level maps, no Python loop over the
+    parameters: this runs on every eager call."""
     state, groups = optimizer.state, optimizer.param_groups
-    per_param = list(state.values())
-    values = list(chain.from_iterable(map(dict.values, per_param)))
     params = list(chain.from_iterable(map(_PARAMS, groups)))
     grads = list(map(_GRAD, params))
     if dict_versions is not None:
-        key = [dict_versions((state, *per_param))]
+        key = [dict_versions((state, *state.values()))]
     else:  # (the state walked as a dict, not looked up per parameter: a tensor's hash is Python)
-        key = [list(map(id, state)), list(map(len, per_param)), list(map(id, values)),
+        values = list(chain.from_iterable(map(dict.values, state.values())))
+        key = [list(map(id, state)), list(map(len, state.values())), list(map(id, values)),
                list(map(type, values))]
     key += list(map(_group_flags, groups)), list(map(id, params)), list(map(type, grads))
     params += filter(_is_not_none, grads)
-    params += [v for v in values if isinstance(v, torch.Tensor)]
     return key, params
 
 
