@@ -12,9 +12,10 @@ An eager step writes in place in three stages, and keeps what each would need pu
                      -> else: OptimizerCopy, put back if the step raises
 
 The host work of each call is kept near what the hand-written loop does: the buffer list
-and the verdict of ``why_copy`` are found once and kept, with a key (identities, lengths,
-dtypes and shapes: lists compared in C) that changes whenever what they were found from
-does; then each call costs one comparison and, for the buffers, one foreach copy.
+and the verdict of ``why_copy`` are found once and kept, with a key (identities, lengths
+and classes: lists compared in C) and a check of the tensors' dtypes, shapes, devices and
+layouts (``SameMeta``: one C++ pass) that fail whenever what they were found from changes;
+then each call costs one comparison, one check and, for the buffers, one foreach copy.
 
 >>> import torch
 >>> from ampkit._rollback import ModelBuffers
@@ -46,16 +47,22 @@ try:
 except ImportError:  # (not CPython)
     _signal = signal
 
+from ampkit._unchanged import SameMeta, dict_versions
 from ampkit._scaler import GradScaler
 
 __all__ = ["HeldSignals", "KeptCopies", "ModelBuffers", "OptimizerCopy", "PLAIN",
            "plain_value", "why_copy", "zero_grads_the_graph_had"]
 
 PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensors with a foreach copy (KeptCopies)
-_META = operator.attrgetter("dtype", "shape")
-_PARAM_META = operator.attrgetter("dtype", "shape", "device")  # (model.to(device) moves .data)
 _GRAD = operator.attrgetter("grad")
-_LAYOUT = operator.attrgetter("layout")
+_PARAMS = operator.itemgetter("params")
+_DEREF = weakref.ref.__call__
+
+
+def _group_flags(group):
+    return bool(group.get("fused")), group.get("momentum"), len(group["params"])
+
+
 _is_not_none = functools.partial(operator.is_not, None)
 _MAIN_THREAD = threading.main_thread().ident  # (Python runs signal handlers there only)
 
@@ -99,8 +106,9 @@ class ModelBuffers:
     each, on its device, taken by ``save()`` and put back in place by ``restore()``.
 
     The modules and buffers are found once. Each ``save()`` checks them against what the
-    model holds now with three lists compared in C (the identities of every module's
-    children and buffers, and the buffers' dtypes and shapes), which catch a module or
+    model holds now with a list compared in C (the identities of every module's children
+    and buffers) and ``SameMeta`` (the buffers' class, dtype, shape, device and layout, in
+    one C++ pass), which catch a module or
     buffer added, removed or reassigned by any route (``setattr``, ``ModuleList.insert``,
     ``model.half()`` replacing buffers, ``.data =`` changing one in place), and finds
     them again when one differs. The copy is one ``torch._foreach_copy_`` per device and dtype into tensors
@@ -120,6 +128,9 @@ class ModelBuffers:
         # One C-level walk of the kept modules' dicts, children's then buffers' (the objects
         # they name are kept alive by self, and by the model: no identity is reused while
         # compared; a None, a removed buffer's slot, is named too)
+        # (or, where dicts have versions, the version of each: one C call a dict)
+        if dict_versions is not None:
+            return dict_versions(self._dicts)
         return list(map(id, chain.from_iterable(map(dict.values, self._dicts))))
 
     def _find(self):
@@ -127,7 +138,7 @@ class ModelBuffers:
         self._dicts = [m._modules for m in modules] + [m._buffers for m in modules]
         self._kept = modules
         buffers = [b for m in modules for b in m._buffers.values() if b is not None]
-        self._tensors, self._metas = buffers, list(map(_META, buffers))
+        self._tensors, self._same = buffers, SameMeta(buffers)
         self._found = self._look()
         # (the buffers themselves, not detached aliases, which would keep the storage they
         # had when found if a buffer's .data were replaced since)
@@ -144,7 +155,7 @@ class ModelBuffers:
         self._others = [b for b in buffers if type(b) not in PLAIN]
 
     def _current(self):
-        if self._look() != self._found or list(map(_META, self._tensors)) != self._metas:
+        if self._look() != self._found or not self._same(self._tensors):
             self._find()
 
     def save(self):
@@ -308,46 +319,55 @@ def why_copy(optimizer, scaler, kept=None):
             return f"{name} was built with differentiable=True"
     if kept is None:
         return _tensors_why_copy(optimizer)
-    key = _tensors_key(optimizer)
-    if kept.get("key") != key:
+    key, tensors = _tensors_key(optimizer)
+    # (an unchanged key names the same state tensors as when the verdict was kept: they are
+    # taken from its weak references, not listed again)
+    if kept.get("key") != key or not kept["same"](tensors + list(map(_DEREF, kept["state"]))):
         kept["why"] = _tensors_why_copy(optimizer)
         kept["key"] = key
-        kept["watch"] = _watch(optimizer, kept)
+        kept["state"], kept["watch"] = _watch(optimizer, kept)
+        kept["same"] = SameMeta(tensors + list(map(_DEREF, kept["state"])))
     return kept["why"]
 
 
 def _watch(optimizer, kept):
-    """Weak references to the tensors the key names by identity (parameters, state): when
-    one is freed, the key is forgotten, so that a tensor made later at its address (same
-    id) is never taken for it. Weak: a state replaced by load_state_dict is freed at once,
-    not held through the next call's forward."""
+    """Weak references to the state's tensors, and to the other tensors the key names by
+    identity (parameters, the state's keys): when one is freed, the key is forgotten, so
+    that a tensor made later at its address (same id) is never taken for it. Weak: a state
+    replaced by load_state_dict is freed at once, not held through the next call's
+    forward."""
     def forget(_, kept=kept):
         kept.pop("key", None)
 
-    tensors = chain(optimizer.state, chain.from_iterable(map(dict.values, optimizer.state.values())),
-                    (p for g in optimizer.param_groups for p in g["params"]))
-    return [weakref.ref(t, forget) for t in tensors if isinstance(t, torch.Tensor)]
+    values = chain.from_iterable(map(dict.values, optimizer.state.values()))
+    others = chain(optimizer.state, (p for g in optimizer.param_groups for p in g["params"]))
+    return ([weakref.ref(t, forget) for t in values if isinstance(t, torch.Tensor)],
+            [weakref.ref(t, forget) for t in others if isinstance(t, torch.Tensor)])
 
 
 def _tensors_key(optimizer):
-    """What ``_tensors_why_copy`` looks at, as values compared in C: which parameters have
-    state, the identities and classes of their state's values (a state tensor replaced, or
-    state created, changes them), and per param group whether it is fused or has momentum
-    and per parameter its identity, dtype, shape and device, its gradient's class and
-    layout. A tensor named by identity is watched (``_watch``): freed, it drops the key.
-    C-level maps, no Python loop over the parameters: this runs on every eager call."""
-    state = optimizer.state
-    values = list(chain.from_iterable(map(dict.values, state.values())))
-    # (the state walked as a dict, not looked up per parameter: a tensor's hash is Python)
-    key = [list(map(id, state)), list(map(len, state.values())), list(map(id, values)),
-           list(map(type, values))]
-    for group in optimizer.param_groups:
-        params = group["params"]
-        grads = list(map(_GRAD, params))
-        key += ((bool(group.get("fused")), group.get("momentum")),
-                list(map(id, params)), list(map(_PARAM_META, params)), list(map(type, grads)),
-                list(map(_LAYOUT, filter(_is_not_none, grads))))
-    return key
+    """What ``_tensors_why_copy`` looks at: a key of values compared in C, and the tensors
+    whose class, dtype, shape, device and layout ``SameMeta`` checks in one C++ pass (the
+    parameters and the gradients there are; the caller adds the state's tensors). The key
+    holds the state: the versions of its dicts (``dict_versions``: a state created,
+    replaced or added to changes them) or, where Python has none, which parameters have
+    state and the identities and classes of their state's values; per param group whether
+    it is fused or has momentum and how many parameters it has; per parameter its identity
+    and its gradient's class (None too). A tensor named by identity is watched
+    (``_watch``): freed, it drops the key. C-level maps, no Python loop over the
+    parameters: this runs on every eager call."""
+    state, groups = optimizer.state, optimizer.param_groups
+    params = list(chain.from_iterable(map(_PARAMS, groups)))
+    grads = list(map(_GRAD, params))
+    if dict_versions is not None:
+        key = [dict_versions((state, *state.values()))]
+    else:  # (the state walked as a dict, not looked up per parameter: a tensor's hash is Python)
+        values = list(chain.from_iterable(map(dict.values, state.values())))
+        key = [list(map(id, state)), list(map(len, state.values())), list(map(id, values)),
+               list(map(type, values))]
+    key += list(map(_group_flags, groups)), list(map(id, params)), list(map(type, grads))
+    params += filter(_is_not_none, grads)
+    return key, params
 
 
 def _tensors_why_copy(optimizer):

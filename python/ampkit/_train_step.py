@@ -352,9 +352,9 @@ class TrainStep:
 
     # -- the step itself ------------------------------------------------------------------
     def _body(self, flat_in, flat_tg, capturing=False, owned_grads=None) -> torch.Tensor:
-        kw = dict(self._autocast)
+        kw = self._autocast  # (unpacked below: the region never holds this dict)
         if capturing:  # a cast cached at capture would be a stale copy on replay
-            kw["cache_enabled"] = False
+            kw = {**kw, "cache_enabled": False}
         with autocast_region(**kw):
             if self._compiled is None:
                 loss = self.loss_fn(self.model(*flat_in), *flat_tg)

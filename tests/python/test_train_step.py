@@ -469,12 +469,18 @@ def _half_way(why, model, opt):
         kept = s["exp_avg"]
         s["exp_avg"] = kept.double()
         return lambda: s.update(exp_avg=kept)
+    if why == "state_data_retyped":  # the same state tensor, its .data of another dtype
+        kept = opt.state[model.emb.weight]["exp_avg"]
+        data = kept.data
+        kept.data = data.double()
+        return lambda: setattr(kept, "data", data)
     model.emb.double()  # its parameter and gradient (exactly), not its Adam state
     return model.emb.float
 
 
 HALF_WAY = {"tensor_lr": "lr as a Tensor is not supported", "sparse_gradient": "does not support sparse",
-            "state_of_another_dtype": "expected dtype float", "state_replaced": "expected dtype double"}
+            "state_of_another_dtype": "expected dtype float", "state_replaced": "expected dtype double",
+            "state_data_retyped": "expected dtype double"}
 
 
 @pytest.mark.parametrize("why", sorted(HALF_WAY))
@@ -607,6 +613,47 @@ def test_the_step_copies_only_where_the_optimizer_step_could_fail_half_way(name)
     for (x, y), loss in zip(batches, got):
         assert_bitwise(loss, hand_step(ref_model, ref_opt, ref_scaler, x, y, ac=FP16))
     assert_bitwise(list(model.parameters()), list(ref_model.parameters()))
+
+
+# (a value set in the param group between calls; the reason the next call's copy gives, or
+# None where it checks and copies nothing)
+GROUP_VALUES = {
+    "tuple_of_floats": ("betas_like", (0.9, 0.999), None),
+    "list_of_floats": ("weights", [1.0, 2.0], None),
+    "nested_plain": ("nested", [(1, 2), ("a", None)], None),
+    "tensor_in_tuple": ("betas_like", (0.9, torch.tensor(0.999)), "has a tuple 'betas_like'"),
+    "tensor_in_list": ("weights", [1.0, torch.tensor(2.0)], "has a list 'weights'"),
+    "tensor_value": ("lr", torch.tensor(0.05), "has a Tensor 'lr'"),
+    "dict_value": ("extra", {"a": 1}, "has a dict 'extra'"),
+    "the_params_list_again": ("alias", "params", "has a list 'alias'"),
+}
+
+
+@pytest.mark.parametrize("name", list(GROUP_VALUES))
+def test_a_param_group_value_that_is_not_a_host_value_makes_the_step_copy(name):
+    """Sequences in a param group are looked into (a tensor inside one makes the step copy),
+    whatever else the group holds; the params list itself is never taken for a value."""
+    key, value, reason = GROUP_VALUES[name]
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    step = ampkit.make_train_step(model, torch.nn.functional.mse_loss, opt, autocast=FP16,
+                                  capture=False)
+    x, y = make_batches(n=1, poison=False)[0]
+    step(x, y)
+    assert step.rollback_copy is None
+    group = opt.param_groups[0]
+    group[key] = group["params"] if value == "params" else value
+    step(x, y)
+    if reason is None:
+        assert step.rollback_copy is None
+    else:
+        assert reason in step.rollback_copy
+    if key == "lr":
+        group["lr"] = 0.05
+    else:
+        del group[key]
+    step(x, y)
+    assert step.rollback_copy is None
 
 
 def test_global_optimizer_hooks_make_the_step_copy():
