@@ -148,3 +148,30 @@ def test_a_new_policy_compiled_later_does_not_recompile_models_compiled_before(p
         for model, region_policy, compiled in runs * 2:
             train(model, region_policy, case, 1, compiled=compiled)
     assert built == 2 and backend.graphs == built
+
+
+def test_nested_scopes_and_a_pin_on_a_compiled_model_equal_eager(path):
+    """A scope inside a scope (fp8 given back, then taken again) and a pinned scope: each
+    linear's rule as the eager trace shows it, and the compiled model's output and gradients
+    equal the eager model's bit for bit."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)),
+                                torch.nn.Linear(32, 16), torch.nn.Linear(16, 16))
+    twin = copy.deepcopy(model)
+    policy = (FP8.with_module("0", lower_precision_fp=["linear"]).with_module("0.1", fp8=["linear"])
+              .with_module("2", pin="float32"))
+    x = torch.randn(16, 32)
+    with policy.apply(model), ampkit.trace() as tr, ampkit.autocast("cpu", policy=policy.without_modules()):
+        model(x)
+    assert [r.rule for r in tr.records if r.op == "linear"] == ["lower_precision_fp", "fp8", "fp8", "none"]
+    torch._dynamo.reset()
+    outs = []
+    for m, run in ((model, model), (twin, torch.compile(twin, backend="aot_eager"))):
+        with policy.apply(m), ampkit.autocast("cpu", policy=policy.without_modules()):
+            y = run(x)
+        y.float().sum().backward()
+        outs.append((y, [p.grad for p in m.parameters()]))
+    (want, want_grads), (got, got_grads) = outs
+    assert got.dtype == want.dtype == torch.float32 and torch.equal(got, want)
+    for g, w in zip(got_grads, want_grads):
+        assert torch.equal(g, w)
