@@ -49,7 +49,6 @@ torch.bfloat16
 from __future__ import annotations
 
 import dataclasses
-import functools
 import weakref
 
 import torch
@@ -173,10 +172,19 @@ class _Plan:
 SCALED_MM_DEVICES = {"cuda"}
 
 
-@functools.lru_cache(maxsize=None)
+_CAPABILITIES = {}  # CUDA device index -> its compute capability
+
+
+@torch._dynamo.assume_constant_result
 def _capability(index):
-    """A CUDA device's compute capability, asked of the driver once (every fp8 call looks)."""
-    return torch.cuda.get_device_capability(index)
+    """A CUDA device's compute capability, asked of the driver once (every fp8 call looks).
+    In code that torch.compile traces, run at trace time and kept as a constant: dynamo does
+    not fold torch.cuda.get_device_capability (it lists it as an in-graph function that
+    returns no tensor), and a device's capability never changes."""
+    cap = _CAPABILITIES.get(index)
+    if cap is None:
+        cap = _CAPABILITIES[index] = tuple(torch.cuda.get_device_capability(index))
+    return cap
 
 
 def _scaled_mm_fits(x2, w, plan, rowwise) -> bool:

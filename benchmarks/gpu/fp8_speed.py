@@ -1,0 +1,292 @@
+"""ampkit's fp8 tier against bf16 + torch.compile and torchao's float8 training, one process,
+arms timed interleaved. Never a test (tests/python/test_fp8_speed_script.py runs --smoke).
+
+    PYTHONPATH=$PWD/python python3 benchmarks/gpu/fp8_speed.py [--shapes gpt2,decoder16x2048]
+        [--arms a,b,...] [--rounds 5] [--steps-per-round 10] [--out results.json] [--smoke]
+
+Shapes (the benchmark's GPT-2 case, ampkit.bench's builders, sizes overridden, no copy of
+model code): ``gpt2`` is shared_specs/benchmarks/gpt2_small.yaml's full profile (12 x 768,
+seq 512, batch 16); ``decoder16x2048`` the same model with 16 layers of width 2048 (16
+heads, MLP 8192), seq 2048, batch 4. ``--smoke``: tiny sizes on the CPU, two rounds of two
+steps, the ``aot_eager`` backend (inductor's CPU compile would take minutes), to prove the
+script runs; its timings mean nothing.
+
+Arms, each on a fresh copy of the same seeded weights, fused AdamW, synthetic tokens, the
+whole model under torch.compile (default mode), every nn.Linear but the vocabulary head in
+fp8 for the fp8 arms:
+
+  bf16_compile           torch.autocast(bf16) + torch.compile(model)
+  ampkit_bf16_compile    ampkit.autocast(bf16) (torch_default) + torch.compile(model)
+  ampkit_fp8_tensorwise  ampkit.autocast(bf16, the fp8 policy, tensorwise recipe), the head kept
+                         in bf16 by a module scope (policy.with_module("head", lower_precision_fp=
+                         ["linear"])) + torch.compile(model)
+  ampkit_fp8_rowwise     the same, rowwise recipe
+  ampkit_fp8_delayed     the same, delayed recipe (amax_history 16; a graph break at each fp8 call:
+                         docs/autocast.md, "fp8")
+  ampkit_fp8_auto        the policy ampkit.calibrate_fp8 gives for this model (base: the
+                         tensorwise arm's policy; it keeps bf16 where fp8 does not pay)
+  torchao_tensorwise     torchao's convert_to_float8_training (tensorwise; the head left out,
+                         ampkit.bench.convert_float8) + torch.autocast(bf16) + torch.compile(model)
+  torchao_rowwise        the same, rowwise recipe
+
+An arm that cannot be built (torchao missing, an error) is printed as SKIPPED or FAILED with
+the reason and left out; the others run. Per shape: every arm is built and warmed up (its
+compile s: build + 3 warm-up steps, the device synced; for auto, calibration included), then
+``--rounds`` rounds of ``--steps-per-round`` steps of each arm, the arms' order rotating
+round by round, the device synced around each timed block. Printed (flush=True, as it goes):
+median ms/step [min, max], bf16_compile's median over this arm's (x bf16: > 1 is faster),
+torchao's best median over this arm's, peak MiB above what was allocated before its build,
+compile s, and the loss of the arm's last timed step (sanity: all arms should agree to about
+a percent). ``--out`` writes the same as JSON after each shape (a timeout keeps what ran).
+
+Memory: arms live side by side (interleaved timing). On the big shape an arm holds ~14 GB
+(fp32 weights, grads, AdamW state of 0.9 B parameters), so its default arms are four; name
+more with --arms only on a card that holds them.
+
+The lead's H100 run, one shape a command (each well inside 10 minutes):
+
+    PYTHONPATH=$PWD/python python3 benchmarks/gpu/fp8_speed.py --shapes gpt2 --out fp8_gpt2.json
+    PYTHONPATH=$PWD/python python3 benchmarks/gpu/fp8_speed.py --shapes decoder16x2048 --out fp8_dec.json
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import dataclasses
+import json
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+import ampkit
+from ampkit.bench import build_case, convert_float8, float8_reason, load_case, loop_step
+
+ARMS = ("bf16_compile", "ampkit_bf16_compile", "ampkit_fp8_tensorwise", "ampkit_fp8_rowwise",
+        "ampkit_fp8_delayed", "ampkit_fp8_auto", "torchao_tensorwise", "torchao_rowwise")
+# what each shape runs unless --arms says otherwise (the whole default run: ~8 minutes on an H100)
+DEFAULT_ARMS = {
+    "gpt2": ("bf16_compile", "ampkit_bf16_compile", "ampkit_fp8_tensorwise", "ampkit_fp8_rowwise",
+             "ampkit_fp8_auto", "torchao_tensorwise", "torchao_rowwise"),
+    "decoder16x2048": ("bf16_compile", "ampkit_fp8_tensorwise", "ampkit_fp8_rowwise", "torchao_tensorwise"),
+}
+SHAPES = {  # (profile of gpt2_small, sizes over it, batches)
+    "gpt2": ("full", {}, 4),
+    "decoder16x2048": ("full", dict(n_layers=16, d_model=2048, n_heads=16, d_ff=8192, seq_len=2048,
+                                    batch_size=4), 4),
+}
+SMOKE = {"gpt2": ("tiny", {}, 2), "decoder16x2048": ("tiny", dict(n_layers=2), 2)}
+BF16 = torch.bfloat16
+WARMUP_STEPS = 3
+RECIPES = {"tensorwise": {"scaling": "tensorwise"}, "rowwise": {"scaling": "rowwise"},
+           "delayed": {"scaling": "delayed", "amax_history": 16}}
+
+
+def build_shape(shape, smoke, device):
+    """The gpt2_small case with the shape's sizes, as a profile named after the shape."""
+    profile, sizes, num_batches = (SMOKE if smoke else SHAPES)[shape]
+    case = load_case(_case_path())
+    base = case.profiles[profile]
+    prof = {**base, "sizes": {**base["sizes"], **sizes}, "num_batches": num_batches}
+    case = dataclasses.replace(case, profiles={**case.profiles, shape: prof})
+    return build_case(case, shape, device=device)
+
+
+def _case_path():
+    from ampkit.bench import spec_dir
+    return spec_dir() / "gpt2_small.yaml"
+
+
+def fp8_policy(recipe, device):
+    """The shipped fp8 policy with ``recipe``, the vocabulary head kept in bf16 by a scope."""
+    return ampkit.load_policy("fp8").with_fp8_recipe(device, **RECIPES[recipe]).with_module(
+        "head", lower_precision_fp=["linear"])
+
+
+class Arm:
+    """One arm ready to step: ``step(x, y) -> loss`` and what it holds (hooks, a note)."""
+
+    def __init__(self, step, held=(), note=""):
+        self.step, self.held, self.note = step, held, note
+
+
+def build_arm(name, case, device, backend):
+    model = case.new_model()
+    opt_for = lambda m: case.new_optimizer(m, fused=True)  # noqa: E731
+    compiled = lambda m: torch.compile(m, backend=backend)  # noqa: E731
+    if name == "bf16_compile":
+        opt = opt_for(model)
+        return Arm(loop_step(compiled(model), case.loss_fn, opt, lambda: torch.autocast(device, dtype=BF16)))
+    if name == "ampkit_bf16_compile":
+        opt = opt_for(model)
+        return Arm(loop_step(compiled(model), case.loss_fn, opt, lambda: ampkit.autocast(device, dtype=BF16)))
+    if name.startswith("ampkit_fp8_"):
+        recipe = name[len("ampkit_fp8_"):]
+        policy = fp8_policy("tensorwise" if recipe == "auto" else recipe, device)
+        note = ""
+        if recipe == "auto":
+            ids = case.batches[0][0]
+            cal = ampkit.calibrate_fp8(model, (ids,), policy=policy, device_type=device, dtype=BF16)
+            policy = cal.policy
+            fp8 = [r.module for r in cal.report if r.precision == "fp8"]
+            note = "auto: %d of %d linears in fp8 (%s)" % (len(fp8), len(cal.report), ", ".join(fp8[:6]) + (
+                " ..." if len(fp8) > 6 else ""))
+        scopes = policy.apply(model)
+        region_policy = policy.without_modules()
+        opt = opt_for(model)
+        step = loop_step(compiled(model), case.loss_fn, opt,
+                         lambda: ampkit.autocast(device, dtype=BF16, policy=region_policy))
+        return Arm(step, held=(scopes,), note=note)
+    if name.startswith("torchao_"):
+        reason = float8_reason()
+        if reason is not None:
+            raise Skip(reason)
+        model, note = convert_float8(model, name[len("torchao_"):])
+        opt = opt_for(model)
+        return Arm(loop_step(compiled(model), case.loss_fn, opt, lambda: torch.autocast(device, dtype=BF16)),
+                   note=note)
+    raise ValueError("unknown arm %r; valid: %s" % (name, ", ".join(ARMS)))
+
+
+class Skip(Exception):
+    """An arm that cannot run here, with the reason (not a failure)."""
+
+
+def _sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _mem(device):
+    return torch.cuda.memory_allocated() if device == "cuda" else 0
+
+
+def _peak(device):
+    return torch.cuda.max_memory_allocated() if device == "cuda" else 0
+
+
+def _reset_peak(device):
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def run_shape(shape, arms, args, device, backend):
+    case = build_shape(shape, args.smoke, device)
+    print("== %s: %s, %d batches of %s" % (shape, case.sizes, len(case.batches), tuple(case.batches[0][0].shape)),
+          flush=True)
+    live, info = {}, {}
+    for name in arms:
+        _sync(device)
+        before = _mem(device)
+        _reset_peak(device)
+        t0 = time.perf_counter()
+        try:
+            arm = build_arm(name, case, device, backend)
+            for i in range(WARMUP_STEPS):
+                loss = arm.step(*case.batches[i % len(case.batches)])
+            _sync(device)
+        except Skip as e:
+            print("%-22s SKIPPED: %s" % (name, e), flush=True)
+            info[name] = {"status": "skipped", "reason": str(e)}
+            continue
+        except Exception as e:  # noqa: BLE001 - an arm that fails is recorded, the others run
+            why = "".join(traceback.format_exception_only(e)).strip()[:800]
+            print("%-22s FAILED: %s" % (name, why), flush=True)
+            info[name] = {"status": "failed", "reason": why}
+            continue
+        info[name] = {"status": "ok", "compile_s": time.perf_counter() - t0, "note": arm.note, "samples": [],
+                      "base_bytes": before, "peak_mib": (_peak(device) - before) / 2 ** 20,
+                      "warmup_loss": float(loss)}
+        live[name] = arm
+        print("%-22s built and warmed up in %.1f s%s" % (name, info[name]["compile_s"],
+                                                         "  (%s)" % arm.note if arm.note else ""), flush=True)
+    names = list(live)
+    batches = case.batches
+    for r in range(args.rounds):
+        for name in names[r % max(1, len(names)):] + names[:r % max(1, len(names))]:
+            _sync(device)
+            _reset_peak(device)
+            t0 = time.perf_counter()
+            for i in range(args.steps_per_round):
+                loss = live[name].step(*batches[i % len(batches)])
+            _sync(device)
+            ms = (time.perf_counter() - t0) * 1e3 / args.steps_per_round
+            rec = info[name]
+            rec["samples"].append(ms)
+            rec["peak_mib"] = max(rec["peak_mib"], (_peak(device) - rec["base_bytes"]) / 2 ** 20)
+            rec["loss"] = float(loss)
+        print("round %d/%d done" % (r + 1, args.rounds), flush=True)
+    return summarize(shape, info, device)
+
+
+def summarize(shape, info, device):
+    med = {n: statistics.median(r["samples"]) for n, r in info.items() if r["status"] == "ok" and r["samples"]}
+    base = med.get("bf16_compile")
+    ao = [med[n] for n in ("torchao_tensorwise", "torchao_rowwise") if n in med]
+    best_ao = min(ao) if ao else None
+    print("%-16s %-22s %9s %19s %8s %10s %9s %9s %9s" % ("shape", "arm", "ms/step", "[min, max]", "x bf16",
+                                                          "x torchao", "peak MiB", "compile s", "loss"))
+    for n, r in info.items():
+        if n not in med:
+            print("%-16s %-22s %s: %s" % (shape, n, r["status"].upper(), r.get("reason", "no timed rounds")))
+            continue
+        m = med[n]
+        r["median_ms"], r["vs_bf16_compile"] = m, (base / m if base else None)
+        r["vs_torchao_best"] = best_ao / m if best_ao else None
+        print("%-16s %-22s %9.3f [%8.3f, %8.3f] %8s %10s %9.0f %9.1f %9.4f" % (
+            shape, n, m, min(r["samples"]), max(r["samples"]),
+            "%.3f" % r["vs_bf16_compile"] if base else "-", "%.3f" % r["vs_torchao_best"] if best_ao else "-",
+            r["peak_mib"], r["compile_s"], r["loss"]), flush=True)
+    for r in info.values():
+        r.pop("base_bytes", None)
+    return {"shape": shape, "device": device, "arms": info}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="gpt2,decoder16x2048")
+    ap.add_argument("--arms", default=None, help="comma-separated, of: %s (default: per shape, %s)" % (
+        ", ".join(ARMS), "; ".join("%s: %s" % (s, ",".join(a)) for s, a in DEFAULT_ARMS.items())))
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--steps-per-round", type=int, default=None)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args(argv)
+    shapes = args.shapes.split(",")
+    for s in shapes:
+        if s not in SHAPES:
+            ap.error("unknown shape %r; valid: %s" % (s, ", ".join(SHAPES)))
+    arms = None if args.arms is None else args.arms.split(",")
+    for a in arms or ():
+        if a not in ARMS:
+            ap.error("unknown arm %r; valid: %s" % (a, ", ".join(ARMS)))
+    if args.smoke:
+        device, backend = "cpu", "aot_eager"
+        args.rounds, args.steps_per_round = args.rounds or 2, args.steps_per_round or 2
+    else:
+        if not torch.cuda.is_available():
+            ap.error("needs a CUDA GPU (fp8: capability >= 8.9); --smoke runs tiny sizes on the CPU")
+        device, backend = "cuda", "inductor"
+        args.rounds, args.steps_per_round = args.rounds or 5, args.steps_per_round or 10
+        print(torch.cuda.get_device_name(), "capability", torch.cuda.get_device_capability(), flush=True)
+    print("torch", torch.__version__, "ampkit", ampkit.__version__, flush=True)
+    torch._dynamo.config.cache_size_limit = 64  # one model class, compiled once per arm
+    torch._dynamo.config.accumulated_cache_size_limit = 512
+    results = []
+    for shape in shapes:
+        results.append(run_shape(shape, arms or list(DEFAULT_ARMS[shape]), args, device, backend))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"argv": sys.argv, "torch": torch.__version__, "results": results}, f, indent=1)
+        torch._dynamo.reset()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        main()

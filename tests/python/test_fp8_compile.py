@@ -1,0 +1,177 @@
+"""The fp8 tier under ``torch.compile(model)``: one graph, no graph break, no recompile, and
+the same loss and gradients as the eager fp8 model.
+
+The model is the benchmark's GPT-2 case at its tiny profile (every dimension a multiple of
+16, so the ``_scaled_mm`` path takes every fp8 call), run as the GPU benchmark runs it: the
+fp8 policy with the vocabulary head kept in bfloat16 by a module scope, the region entered
+around the compiled model. Each case runs twice: the CPU's emulation (shipped) and the
+GPU's ``_scaled_mm`` path, turned on for the CPU (``SCALED_MM_DEVICES``). The backend is
+``aot_eager``: dynamo's graphs and AOT autograd's forward and backward graphs, run by the
+same ATen kernels as eager, so the compiled model must equal the eager one bit for bit
+(inductor's fused kernels round differently; tests/python/test_fp8.py compares a small
+model under inductor).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import ampkit
+import ampkit.bench as bench
+from ampkit import _fp8
+
+FP8 = ampkit.load_policy("fp8")
+RECIPES = {"tensorwise": {"scaling": "tensorwise"}, "rowwise": {"scaling": "rowwise"},
+           "delayed": {"scaling": "delayed", "amax_history": 4}}
+
+
+def head_in_bf16(recipe):
+    return FP8.with_fp8_recipe(**RECIPES[recipe]).with_module("head", lower_precision_fp=["linear"])
+
+
+@pytest.fixture(params=["emulated", "scaled_mm"])
+def path(request, monkeypatch):
+    if request.param == "scaled_mm":
+        monkeypatch.setattr(_fp8, "SCALED_MM_DEVICES", {"cuda", "cpu"})
+    return request.param
+
+
+class CountingBackend:
+    """aot_eager, counting the graphs dynamo hands it."""
+
+    def __init__(self):
+        self.graphs = 0
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        return torch._dynamo.backends.registry.lookup_backend("aot_eager")(gm, example_inputs)
+
+
+def train(model, policy, case, steps, compiled=None, after_step=lambda: None):
+    """[(loss, [grads])] of ``steps`` AdamW steps of ``compiled`` (or ``model``) under the policy."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    run = model if compiled is None else compiled
+    out = []
+    with policy.apply(model):
+        for i in range(steps):
+            ids, target = case.batches[i % len(case.batches)]
+            with ampkit.autocast("cpu", policy=policy.without_modules()):
+                loss = case.loss_fn(run(ids), target)
+            loss.backward()
+            out.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+            opt.step()
+            opt.zero_grad()
+            after_step()
+    return out
+
+
+def compiled_run(recipe, steps=3):
+    case = bench.build_case("gpt2_small", "tiny", device="cpu")
+    model = case.new_model()
+    twin = copy.deepcopy(model)
+    policy = head_in_bf16(recipe)
+    torch._dynamo.reset()
+    counters.clear()
+    backend = CountingBackend()
+    graphs = []  # after each step: a recompile adds a graph
+    got = train(twin, policy, case, steps, compiled=torch.compile(twin, backend=backend),
+                after_step=lambda: graphs.append(backend.graphs))
+    breaks = sum(counters["graph_break"].values())
+    want = train(model, policy, case, steps)
+    return got, want, graphs, breaks
+
+
+def the_fp8_path_ran(path, recipe):
+    """What the eager fp8 model's trace says ran: every linear but the head in fp8 on this path."""
+    case = bench.build_case("gpt2_small", "tiny", device="cpu")
+    model, policy = case.new_model(), head_in_bf16(recipe)
+    with policy.apply(model), ampkit.trace() as tr, ampkit.autocast("cpu", policy=policy.without_modules()):
+        model(case.batches[0][0])
+    rows = [r for r in tr.records if r.op == "linear"]
+    return [r.rule for r in rows], {r.fp8_path for r in rows if r.rule == "fp8"}
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_model_compiles_to_one_graph_without_breaks_or_recompiles(recipe, path):
+    rules, paths = the_fp8_path_ran(path, recipe)
+    assert rules == ["fp8"] * (len(rules) - 1) + ["lower_precision_fp"] and paths == {path}
+    got, want, graphs, breaks = compiled_run(recipe)
+    assert (graphs, breaks) == ([1, 1, 1], 0), counters["graph_break"]
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "delayed"])
+def test_compiled_fp8_model_trains_as_the_eager_fp8_model_bit_for_bit(recipe, path):
+    got, want, _, _ = compiled_run(recipe)
+    for (loss, grads), (ref_loss, ref_grads) in zip(got, want):
+        assert loss.dtype == ref_loss.dtype and torch.equal(loss, ref_loss)
+        for g, r in zip(grads, ref_grads):
+            assert g.dtype == r.dtype and torch.equal(g, r)
+    # the comparison can fail: the same model in plain bf16 gives another loss
+    case = bench.build_case("gpt2_small", "tiny", device="cpu")
+    model = case.new_model()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain = case.loss_fn(model(case.batches[0][0]), case.batches[0][1])
+    assert not torch.equal(plain.detach(), want[0][0])
+
+
+def test_delayed_scaling_breaks_the_graph_only_to_run_its_function_eagerly(path):
+    """Delayed scaling's Function runs eagerly inside torch.compile (its backward writes the
+    grad_output history in place, which the AOT partitioner refuses): every break is that
+    one (each fp8 call breaks the graph in every frame on its stack), and no step recompiles."""
+    _, _, graphs, breaks = compiled_run("delayed")
+    reasons = list(counters["graph_break"])
+    assert breaks > 0 and len(reasons) == 1 and "_apply_eagerly" in reasons[0], reasons
+    assert graphs[0] > 1 and graphs == graphs[:1] * len(graphs)  # no step after the first compiles
+
+
+def test_a_new_policy_compiled_later_does_not_recompile_models_compiled_before(path):
+    """Two copies of the model under two fp8 policies, compiled one after the other, then
+    stepped in turn (as the GPU benchmark interleaves its arms, each with its scopes kept
+    installed): the second policy's traced tables must not invalidate the first's graphs."""
+    case = bench.build_case("gpt2_small", "tiny", device="cpu")
+    torch._dynamo.reset()
+    backend = CountingBackend()
+    runs = []
+    with contextlib.ExitStack() as installed:
+        for recipe in ("tensorwise", "rowwise"):
+            # (named for this test: tables that no earlier test built, so that this one builds them)
+            model, policy = case.new_model(), head_in_bf16(recipe).with_name(f"fp8_{recipe}_later_{path}")
+            installed.enter_context(policy.apply(model))
+            runs.append((model, policy.without_modules(), torch.compile(model, backend=backend)))
+            train(model, runs[-1][1], case, 1, compiled=runs[-1][2])
+        built = backend.graphs
+        for model, region_policy, compiled in runs * 2:
+            train(model, region_policy, case, 1, compiled=compiled)
+    assert built == 2 and backend.graphs == built
+
+
+def test_nested_scopes_and_a_pin_on_a_compiled_model_equal_eager(path):
+    """A scope inside a scope (fp8 given back, then taken again) and a pinned scope: each
+    linear's rule as the eager trace shows it, and the compiled model's output and gradients
+    equal the eager model's bit for bit."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)),
+                                torch.nn.Linear(32, 16), torch.nn.Linear(16, 16))
+    twin = copy.deepcopy(model)
+    policy = (FP8.with_module("0", lower_precision_fp=["linear"]).with_module("0.1", fp8=["linear"])
+              .with_module("2", pin="float32"))
+    x = torch.randn(16, 32)
+    with policy.apply(model), ampkit.trace() as tr, ampkit.autocast("cpu", policy=policy.without_modules()):
+        model(x)
+    assert [r.rule for r in tr.records if r.op == "linear"] == ["lower_precision_fp", "fp8", "fp8", "none"]
+    torch._dynamo.reset()
+    outs = []
+    for m, run in ((model, model), (twin, torch.compile(twin, backend="aot_eager"))):
+        with policy.apply(m), ampkit.autocast("cpu", policy=policy.without_modules()):
+            y = run(x)
+        y.float().sum().backward()
+        outs.append((y, [p.grad for p in m.parameters()]))
+    (want, want_grads), (got, got_grads) = outs
+    assert got.dtype == want.dtype == torch.float32 and torch.equal(got, want)
+    for g, w in zip(got_grads, want_grads):
+        assert torch.equal(g, w)
