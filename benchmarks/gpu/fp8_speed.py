@@ -33,7 +33,11 @@ An arm that cannot be built (torchao missing, an error) is printed as SKIPPED or
 the reason and left out; the others run. Per shape: every arm is built and warmed up (its
 compile s: build + 3 warm-up steps, the device synced; for auto, calibration included), then
 ``--rounds`` rounds of ``--steps-per-round`` steps of each arm, the arms' order rotating
-round by round, the device synced around each timed block. Printed (flush=True, as it goes):
+round by round, the device synced around each timed block. The timed rounds run under
+``torch.compiler.set_stance("fail_on_recompile")``: a warmed-up arm must not compile again (a
+recompile is minutes of tracing inside a timed block, and issue 27's crash was one: another
+arm's policy had made dynamo give up the models' shared forward), so an arm that would is
+printed as FAILED with dynamo's reason and dropped, the others run on. Printed (flush=True, as it goes):
 median ms/step [min, max], bf16_compile's median over this arm's (x bf16: > 1 is faster),
 torchao's best median over this arm's, peak MiB above what was allocated before its build,
 compile s, and the loss of the arm's last timed step (sanity: all arms should agree to about
@@ -207,12 +211,22 @@ def run_shape(shape, arms, args, device, backend):
     batches = case.batches
     for r in range(args.rounds):
         for name in names[r % max(1, len(names)):] + names[:r % max(1, len(names))]:
+            if name not in live:  # failed in an earlier round
+                continue
             _sync(device)
             _reset_peak(device)
             t0 = time.perf_counter()
-            for i in range(args.steps_per_round):
-                loss = live[name].step(*batches[i % len(batches)])
-            _sync(device)
+            try:
+                with torch.compiler.set_stance("fail_on_recompile"):
+                    for i in range(args.steps_per_round):
+                        loss = live[name].step(*batches[i % len(batches)])
+                _sync(device)
+            except Exception as e:  # noqa: BLE001 - a recompile (or an error) fails this arm only
+                why = "".join(traceback.format_exception_only(e)).strip()[:800]
+                print("%-22s FAILED in round %d: %s" % (name, r + 1, why), flush=True)
+                info[name].update(status="failed", reason="round %d: %s" % (r + 1, why))
+                del live[name]
+                continue
             ms = (time.perf_counter() - t0) * 1e3 / args.steps_per_round
             rec = info[name]
             rec["samples"].append(ms)
