@@ -33,7 +33,12 @@ An arm that cannot be built (torchao missing, an error) is printed as SKIPPED or
 the reason and left out; the others run. Per shape: every arm is built and warmed up (its
 compile s: build + 3 warm-up steps, the device synced; for auto, calibration included), then
 ``--rounds`` rounds of ``--steps-per-round`` steps of each arm, the arms' order rotating
-round by round, the device synced around each timed block. Printed (flush=True, as it goes):
+round by round, the device synced around each timed block. A warmed-up arm should never
+compile again: graphs dynamo compiles inside an arm's timed blocks are counted
+(``timed_compiles`` in the JSON) and each round that compiled is printed as a warning, as the
+timings then include tracing (issue 27 was such a compile: another arm's policy had made
+dynamo give up the models' shared forward; ampkit_fp8_delayed's graph breaks can still make
+bf16_compile compile in its first timed round). Printed (flush=True, as it goes):
 median ms/step [min, max], bf16_compile's median over this arm's (x bf16: > 1 is faster),
 torchao's best median over this arm's, peak MiB above what was allocated before its build,
 compile s, and the loss of the arm's last timed step (sanity: all arms should agree to about
@@ -61,6 +66,7 @@ import time
 import traceback
 
 import torch
+from torch._dynamo.utils import counters
 
 import ampkit
 from ampkit.bench import build_case, convert_float8, float8_reason, load_case, loop_step
@@ -210,12 +216,18 @@ def run_shape(shape, arms, args, device, backend):
             _sync(device)
             _reset_peak(device)
             t0 = time.perf_counter()
+            graphs = counters["stats"]["unique_graphs"]
             for i in range(args.steps_per_round):
                 loss = live[name].step(*batches[i % len(batches)])
             _sync(device)
+            compiled = counters["stats"]["unique_graphs"] - graphs
+            if compiled:
+                print("%-22s WARNING: compiled %d graph(s) in timed round %d (its time includes tracing)"
+                      % (name, compiled, r + 1), flush=True)
             ms = (time.perf_counter() - t0) * 1e3 / args.steps_per_round
             rec = info[name]
             rec["samples"].append(ms)
+            rec["timed_compiles"] = rec.get("timed_compiles", 0) + compiled
             rec["peak_mib"] = max(rec["peak_mib"], (_peak(device) - rec["base_bytes"]) / 2 ** 20)
             rec["loss"] = float(loss)
         print("round %d/%d done" % (r + 1, args.rounds), flush=True)

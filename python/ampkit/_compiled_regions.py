@@ -26,10 +26,31 @@ from ampkit import _ops
 from ampkit._cast_tables import DELTA, TRACE, compile_table
 from ampkit._engine import thread_engine
 
-# {index: frozen table} of regions entered inside compiled code (never dropped: compiled
-# graphs hold their index). A dict, not a list: traced code reading list[i] guards on the
-# list's length, so each new table would recompile every graph traced before it.
-_TABLES: dict = {}
+
+
+class _Tables:
+    """The frozen tables of regions entered inside compiled code, table ``i`` the attribute
+    ``t<i>`` (never dropped: compiled graphs hold their index).
+
+    Attributes, not a container: table_index runs at trace time and may add a table in the
+    middle of a trace (a model whose module scopes hold several policies adds one per scope
+    it reaches). Dynamo reads a dict or a list once per trace and keeps that snapshot, so a
+    table added after the trace's first lookup is missing from it (KeyError: dynamo gives up
+    the whole frame, and the model's shared forward code runs eagerly from then on for every
+    model that uses it); it also guards on a list's length, recompiling every graph traced
+    before a new table. An attribute is read when the trace reaches it and guarded alone."""
+
+    def add(self, table) -> int:
+        index = len(vars(self))
+        setattr(self, table_name(index), table)
+        return index
+
+
+def table_name(index: int) -> str:
+    return f"t{index}"
+
+
+_TABLES = _Tables()
 _INDEX: dict = {}  # (version, arguments, policy, kind) -> index
 
 
@@ -56,8 +77,7 @@ def table_index(device_type, enabled, dtype, policy_id, cache_enabled, kind=DELT
         table = compile_table(thread_engine(), {device_type: (enabled, dtype, policy, cache_enabled)}, kind)
         index = -1
         if table.changes:
-            index = len(_TABLES)
-            _TABLES[index] = table.frozen
+            index = _TABLES.add(table.frozen)
         _INDEX[key] = index
     return index
 
@@ -68,9 +88,10 @@ class CompiledMode(TorchFunctionMode):
     def __init__(self, index):
         super().__init__()
         self.index = index
+        self.table_name = table_name(index)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        act = _TABLES[self.index].get(func)
+        act = getattr(_TABLES, self.table_name).get(func)
         if act is None:
             return func(*args, **(kwargs or {}))
         return act(func, args, kwargs or {})

@@ -226,7 +226,12 @@ def _forward(ctx, scaling, x, w, b, plan):
         out = torch.nn.functional.linear(dequantize(xq, sx).to(dt), dequantize(wq, sw).to(dt),
                                          None if b is None else b.to(dt))
     ctx.save_for_backward(xq, sx, wq, sw)
-    ctx.plan, ctx.x_shape, ctx.path = plan, x.shape, path
+    # no size on ctx: a size saved for the backward is an output of the forward's traced
+    # subgraph, and on a retrace with automatic dynamic shapes one that the matmul's shape
+    # check specializes (K, equal to the static weight's) breaks torch 2.11's autograd.Function
+    # tracing (overwrite_tensor_vt_proxy's assert, issue 27); the backward reads the input's
+    # size off grad (*x.shape[:-1], N) and the weight (N, K)
+    ctx.plan, ctx.path = plan, path
     ctx.dtypes = (x.dtype, w.dtype, None if b is None else b.dtype)
     if plan.sink is not None:
         plan.sink.note_fp8((_cast_of("input", plan.forward, sx), _cast_of("weight", plan.forward, sw)), path)
@@ -248,6 +253,7 @@ def _backward(ctx, scaling, grad):
         if fp8_quantized.listeners:
             fp8_quantized.notify(plan.op, "grad_output", g2, gq, sg)
         x_dt, w_dt, b_dt = ctx.dtypes
+        x_shape = (*grad.shape[:-1], wq.shape[1])
         gx = gw = gb = None
         # _scaled_mm where the forward took it and every scale is one number: a row-wise
         # scale of the weight (N) or of the input (M) would lie along the backward's
@@ -257,7 +263,7 @@ def _backward(ctx, scaling, grad):
             inv_g = sg.reciprocal()
             if ctx.needs_input_grad[0]:  # (M, N) @ (N, K): the second operand column-major
                 gx = torch._scaled_mm(gq, wq.t().contiguous().t(), scale_a=inv_g, scale_b=sw.reciprocal(),
-                                      out_dtype=dt).reshape(ctx.x_shape).to(x_dt)
+                                      out_dtype=dt).reshape(x_shape).to(x_dt)
             if ctx.needs_input_grad[1]:  # (N, M) @ (M, K)
                 gw = torch._scaled_mm(gq.t().contiguous(), xq.t().contiguous().t(), scale_a=inv_g,
                                       scale_b=sx.reciprocal(), out_dtype=dt).to(w_dt)
@@ -265,7 +271,7 @@ def _backward(ctx, scaling, grad):
             path = "emulated"
             gd = dequantize(gq, sg).to(dt)
             if ctx.needs_input_grad[0]:
-                gx = _mm(gd, dequantize(wq, sw).to(dt)).reshape(ctx.x_shape).to(x_dt)
+                gx = _mm(gd, dequantize(wq, sw).to(dt)).reshape(x_shape).to(x_dt)
             if ctx.needs_input_grad[1]:
                 gw = _mm(gd.t(), dequantize(xq, sx).to(dt)).to(w_dt)
         if b_dt is not None and ctx.needs_input_grad[2]:

@@ -70,11 +70,21 @@ def train(model, policy, case, steps, compiled=None, after_step=lambda: None):
     return out
 
 
-def compiled_run(recipe, steps=3):
+def scope_per_linear(recipe, name):
+    """The policy calibrate_fp8 gives where fp8 does not pay: a scope on each linear of the
+    tiny model giving ``linear`` back to lower_precision_fp, so each linear's region holds its
+    own policy (one traced table per scope, each built in the middle of the model's trace)."""
+    policy = FP8.with_fp8_recipe(**RECIPES[recipe]).with_name(name)
+    for linear in ("layers.0.qkv", "layers.0.proj", "layers.0.fc1", "layers.0.fc2", "head"):
+        policy = policy.with_module(linear, lower_precision_fp=["linear"])
+    return policy
+
+
+def compiled_run(recipe, steps=3, policy=None):
     case = bench.build_case("gpt2_small", "tiny", device="cpu")
     model = case.new_model()
     twin = copy.deepcopy(model)
-    policy = head_in_bf16(recipe)
+    policy = head_in_bf16(recipe) if policy is None else policy
     torch._dynamo.reset()
     counters.clear()
     backend = CountingBackend()
@@ -175,3 +185,43 @@ def test_nested_scopes_and_a_pin_on_a_compiled_model_equal_eager(path):
     assert got.dtype == want.dtype == torch.float32 and torch.equal(got, want)
     for g, w in zip(got_grads, want_grads):
         assert torch.equal(g, w)
+
+
+def test_a_model_whose_scopes_add_tables_mid_trace_compiles_to_one_graph_as_eager(path):
+    """Issue 27: each linear's scope holds its own policy, so the trace of the model builds a
+    table at each scope it reaches, after earlier scopes' tables were read. One graph, no
+    break, no recompile, and the eager model's losses and gradients bit for bit (before the
+    fix, dynamo's snapshot of the tables lacked the new one: KeyError, the whole forward
+    given up and run eagerly)."""
+    policy = scope_per_linear("tensorwise", f"fp8_scope_per_linear_{path}")  # (tables no other test built)
+    got, want, graphs, breaks = compiled_run("tensorwise", policy=policy)
+    assert (graphs, breaks) == ([1, 1, 1], 0), counters["graph_break"]
+    for (loss, grads), (ref_loss, ref_grads) in zip(got, want):
+        assert loss.dtype == ref_loss.dtype and torch.equal(loss, ref_loss)
+        for g, r in zip(grads, ref_grads):
+            assert g.dtype == r.dtype and torch.equal(g, r)
+
+
+def test_interleaved_fp8_recipes_and_a_scope_per_linear_model_never_recompile(path):
+    """The GPU benchmark's arms in one process (issue 27): the tensorwise and rowwise fp8
+    models and a model with a scope per linear (ampkit_fp8_auto), compiled in that order,
+    then stepped in turn: no step after the warm-up compiles a graph or breaks one. Before
+    the fix the third model's trace failed, dynamo gave up the models' shared forward code,
+    and every model recompiled its linears frame by frame in the timed rounds."""
+    case = bench.build_case("gpt2_small", "tiny", device="cpu")
+    torch._dynamo.reset()
+    counters.clear()
+    backend = CountingBackend()
+    policies = [head_in_bf16(r).with_name(f"fp8_{r}_interleaved_{path}") for r in ("tensorwise", "rowwise")]
+    policies.append(scope_per_linear("tensorwise", f"fp8_scope_per_linear_interleaved_{path}"))
+    runs = []
+    with contextlib.ExitStack() as installed:
+        for policy in policies:
+            model = case.new_model()
+            installed.enter_context(policy.apply(model))
+            runs.append((model, policy.without_modules(), torch.compile(model, backend=backend)))
+            train(model, runs[-1][1], case, 2, compiled=runs[-1][2])
+        built = backend.graphs
+        for model, region_policy, compiled in runs * 2:
+            train(model, region_policy, case, 1, compiled=compiled)
+    assert (built, backend.graphs, sum(counters["graph_break"].values())) == (3, 3, 0), counters["graph_break"]
