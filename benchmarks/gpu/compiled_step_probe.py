@@ -118,21 +118,8 @@ def breakdown_ms(fn, b, steps=3):
 
 
 def floor_ms(fn, b, steps=5):
-    """Device ms per step of the GEMM and optimizer kernels (torch.profiler over ``steps``)."""
-    from torch.profiler import ProfilerActivity, profile
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for i in range(steps):
-            fn(*b.batches[i % len(b.batches)])
-        torch.cuda.synchronize()
-    kinds = collections.Counter()
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            n = e.name.lower()
-            kind = "gemm" if any(k in n for k in GEMM) else "optimizer" if any(k in n for k in OPTIMIZER) else None
-            if kind:
-                kinds[kind] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-    return {k: v / 1e3 / steps for k, v in kinds.items()}
+    """Device ms per step of the GEMM and optimizer kernels (breakdown_ms over ``steps``)."""
+    return {k: v for k, v in breakdown_ms(fn, b, steps).items() if k in ("gemm", "optimizer")}
 
 
 for case in cases:
