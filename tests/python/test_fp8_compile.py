@@ -139,6 +139,23 @@ def test_delayed_scaling_breaks_the_graph_only_to_run_its_function_eagerly(path)
     assert graphs[0] > 1 and graphs == graphs[:1] * len(graphs)  # no step after the first compiles
 
 
+def compile_in_turn_then_interleave(case, policies, backend, warmup_steps):
+    """A fresh model per policy, its scopes installed and kept, compiled with ``backend`` and
+    trained ``warmup_steps`` steps, one policy after the other; then every model stepped in
+    turn, twice round. Returns the graphs ``backend`` had compiled before the interleaved steps."""
+    runs = []
+    with contextlib.ExitStack() as installed:
+        for policy in policies:
+            model = case.new_model()
+            installed.enter_context(policy.apply(model))
+            runs.append((model, policy.without_modules(), torch.compile(model, backend=backend)))
+            train(model, runs[-1][1], case, warmup_steps, compiled=runs[-1][2])
+        built = backend.graphs
+        for model, region_policy, compiled in runs * 2:
+            train(model, region_policy, case, 1, compiled=compiled)
+    return built
+
+
 def test_a_new_policy_compiled_later_does_not_recompile_models_compiled_before(path):
     """Two copies of the model under two fp8 policies, compiled one after the other, then
     stepped in turn (as the GPU benchmark interleaves its arms, each with its scopes kept
@@ -146,17 +163,9 @@ def test_a_new_policy_compiled_later_does_not_recompile_models_compiled_before(p
     case = bench.build_case("gpt2_small", "tiny", device="cpu")
     torch._dynamo.reset()
     backend = CountingBackend()
-    runs = []
-    with contextlib.ExitStack() as installed:
-        for recipe in ("tensorwise", "rowwise"):
-            # (named for this test: tables that no earlier test built, so that this one builds them)
-            model, policy = case.new_model(), head_in_bf16(recipe).with_name(f"fp8_{recipe}_later_{path}")
-            installed.enter_context(policy.apply(model))
-            runs.append((model, policy.without_modules(), torch.compile(model, backend=backend)))
-            train(model, runs[-1][1], case, 1, compiled=runs[-1][2])
-        built = backend.graphs
-        for model, region_policy, compiled in runs * 2:
-            train(model, region_policy, case, 1, compiled=compiled)
+    # (named for this test: tables that no earlier test built, so that this one builds them)
+    policies = [head_in_bf16(r).with_name(f"fp8_{r}_later_{path}") for r in ("tensorwise", "rowwise")]
+    built = compile_in_turn_then_interleave(case, policies, backend, warmup_steps=1)
     assert built == 2 and backend.graphs == built
 
 
@@ -214,14 +223,5 @@ def test_interleaved_fp8_recipes_and_a_scope_per_linear_model_never_recompile(pa
     backend = CountingBackend()
     policies = [head_in_bf16(r).with_name(f"fp8_{r}_interleaved_{path}") for r in ("tensorwise", "rowwise")]
     policies.append(scope_per_linear("tensorwise", f"fp8_scope_per_linear_interleaved_{path}"))
-    runs = []
-    with contextlib.ExitStack() as installed:
-        for policy in policies:
-            model = case.new_model()
-            installed.enter_context(policy.apply(model))
-            runs.append((model, policy.without_modules(), torch.compile(model, backend=backend)))
-            train(model, runs[-1][1], case, 2, compiled=runs[-1][2])
-        built = backend.graphs
-        for model, region_policy, compiled in runs * 2:
-            train(model, region_policy, case, 1, compiled=compiled)
+    built = compile_in_turn_then_interleave(case, policies, backend, warmup_steps=2)
     assert (built, backend.graphs, sum(counters["graph_break"].values())) == (3, 3, 0), counters["graph_break"]
