@@ -64,7 +64,7 @@ The lead's H100 run, one shape a command (each well inside 10 minutes):
 and, to see where the fp8 arms' time goes (three arms, so each call stays well inside 9 minutes):
 
     PYTHONPATH=$PWD/python python3 benchmarks/gpu/fp8_speed.py --shapes decoder16x2048 --breakdown \
-        --arms bf16_compile,ampkit_fp8_tensorwise,torchao_tensorwise --out fp8_dec_breakdown.json
+        --arms bf16_compile,ampkit_fp8_tensorwise,torchao_tensorwise --rounds 3 --out fp8_dec_breakdown.json
     PYTHONPATH=$PWD/python python3 benchmarks/gpu/fp8_speed.py --shapes gpt2 --breakdown \
         --arms bf16_compile,ampkit_fp8_tensorwise,torchao_tensorwise --out fp8_gpt2_breakdown.json
 """

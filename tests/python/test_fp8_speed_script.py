@@ -66,3 +66,30 @@ def check_breakdown(name, bd, stdout):
     assert bd["kinds_ms"]["gemm"] > 0, (name, bd)
     assert any(line.split()[:2] == [line.split()[0], name] and "device ms a step" in line
                for line in stdout.splitlines()), name
+
+
+def test_kernel_kinds_name_the_gpu_kernels_each_kind_holds():
+    """The categoriser both GPU scripts share, on kernel names of an H100 step: inductor's
+    kernels by prefix, fp8 GEMMs by name or by having been launched by aten::_scaled_mm
+    (an nvjet name says nothing of fp8), the rest by cuBLAS / attention / optimizer names."""
+    sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
+    try:
+        from kernel_kinds import KINDS, kernel_kind
+    finally:
+        sys.path.pop(0)
+    launched_by_scaled_mm = frozenset({"nvjet_qqtst_128x128_128x6_1x2_h_bz_coopA_TNT"})
+    cases = {
+        "triton_red_fused__to_copy_abs_amax_0": "triton",
+        "triton_poi_fused_add_gelu_view_3": "triton",
+        "sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x128_cga1x2x1": "fp8_gemm",
+        "nvjet_qqtst_128x128_128x6_1x2_h_bz_coopA_TNT": "fp8_gemm",
+        "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTT": "gemm",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64": "gemm",
+        "pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>": "attention",
+        "void at::native::(anonymous namespace)::fused_adamw_kernel<float>": "optimizer",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>": "other",
+    }
+    got = {name: kernel_kind(name, launched_by_scaled_mm) for name in cases}
+    assert got == cases
+    assert kernel_kind("nvjet_qqtst_128x128_128x6_1x2_h_bz_coopA_TNT") == "gemm"  # (not launched by it)
+    assert set(cases.values()) == set(KINDS)
