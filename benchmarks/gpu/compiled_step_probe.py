@@ -23,21 +23,21 @@ synced around each epoch. Variants (default all):
 
 Printed per variant: median ms/step, the fastest of torch's compiled rivals (ro, mat, co)
 over it, peak MiB, compile s. ``--breakdown``: per variant, the device ms a step of its
-kernels by kind (gemm, attention, optimizer, other), torch.profiler over 3 steps. The floor (``--floor``, on by default): the device time of
+kernels by kind (benchmarks/gpu/kernel_kinds.py: fp8_gemm, gemm, attention, optimizer, triton,
+other), torch.profiler over 3 steps. The floor (``--floor``, on by default): the device time of
 the step's GEMMs and optimizer kernels alone, from torch.profiler over 5 steps of ``co``
-(kernels whose names say gemm/gemv/cutlass/nvjet/xmma, and the optimizer's fused and
-multi-tensor kernels), printed with each variant's time over it.
+(the gemm, fp8_gemm and optimizer kinds of kernel_kinds.py), printed with each variant's
+time over it.
 """
-import collections, statistics, sys, time, traceback
+import statistics, sys, time, traceback
 import torch, ampkit
 from ampkit.bench import build_case, loop_step
+from kernel_kinds import profile_breakdown  # (this folder: the kernel categoriser fp8_speed.py shares)
 
 cases = sys.argv[1].split(",")
 rounds = int(sys.argv[2])
 wanted = sys.argv[3].split(",") if len(sys.argv) > 3 else ["ro", "mat", "co", "step", "compiled", "compiled_mat"]
 RIVALS = ("ro", "mat", "co")
-GEMM = ("gemm", "gemv", "cutlass", "nvjet", "xmma", "sm90_", "sm80_")
-OPTIMIZER = ("sgd", "adam", "multi_tensor_apply")
 print(torch.cuda.get_device_name(), torch.__version__, flush=True)
 torch._dynamo.config.cache_size_limit = 64  # (one model class compiled by several variants)
 
@@ -96,30 +96,14 @@ def with_loss_torch(model, b, mode):
     return lambda x, y: inner((x, y), None)
 
 
-KINDS = (("gemm", GEMM), ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
-         ("optimizer", OPTIMIZER))
-
-
 def breakdown_ms(fn, b, steps=3):
-    """Device ms per step of every kernel, by kind (KINDS, else "other")."""
-    from torch.profiler import ProfilerActivity, profile
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for i in range(steps):
-            fn(*b.batches[i % len(b.batches)])
-        torch.cuda.synchronize()
-    kinds = collections.Counter()
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            n = e.name.lower()
-            kind = next((k for k, keys in KINDS if any(key in n for key in keys)), "other")
-            kinds[kind] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-    return {k: v / 1e3 / steps for k, v in kinds.items()}
+    """Device ms per step of every kernel, by kind (kernel_kinds.KINDS)."""
+    return profile_breakdown(fn, b.batches, steps, "cuda").kinds
 
 
 def floor_ms(fn, b, steps=5):
     """Device ms per step of the GEMM and optimizer kernels (breakdown_ms over ``steps``)."""
-    return {k: v for k, v in breakdown_ms(fn, b, steps).items() if k in ("gemm", "optimizer")}
+    return {k: v for k, v in breakdown_ms(fn, b, steps).items() if k in ("gemm", "fp8_gemm", "optimizer")}
 
 
 for case in cases:

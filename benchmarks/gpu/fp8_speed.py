@@ -3,6 +3,7 @@ arms timed interleaved. Never a test (tests/python/test_fp8_speed_script.py runs
 
     PYTHONPATH=$PWD/python python3 benchmarks/gpu/fp8_speed.py [--shapes gpt2,decoder16x2048]
         [--arms a,b,...] [--rounds 5] [--steps-per-round 10] [--out results.json] [--smoke]
+        [--breakdown]
 
 Shapes (the benchmark's GPT-2 case, ampkit.bench's builders, sizes overridden, no copy of
 model code): ``gpt2`` is shared_specs/benchmarks/gpt2_small.yaml's full profile (12 x 768,
@@ -44,6 +45,13 @@ torchao's best median over this arm's, peak MiB above what was allocated before 
 compile s, and the loss of the arm's last timed step (sanity: all arms should agree to about
 a percent). ``--out`` writes the same as JSON after each shape (a timeout keeps what ran).
 
+``--breakdown``: after the timed rounds (never inside them), each arm's steps run 3 more
+times under torch.profiler, the device synced: device ms a step by kernel kind (fp8_gemm,
+gemm, attention, optimizer, triton (inductor's fused kernels, by their inductor names),
+other; benchmarks/gpu/kernel_kinds.py, shared with compiled_step_probe.py) and the 15 kernels
+that take the most, with their calls a step; in the JSON as each arm's ``breakdown``. With
+--smoke, the CPU ops' self time stands in for kernels (so the code path runs in CI).
+
 Memory: arms live side by side (interleaved timing). On the big shape an arm holds ~14 GB
 (fp32 weights, grads, AdamW state of 0.9 B parameters), so its default arms are four; name
 more with --arms only on a card that holds them.
@@ -52,6 +60,13 @@ The lead's H100 run, one shape a command (each well inside 10 minutes):
 
     PYTHONPATH=$PWD/python python3 benchmarks/gpu/fp8_speed.py --shapes gpt2 --out fp8_gpt2.json
     PYTHONPATH=$PWD/python python3 benchmarks/gpu/fp8_speed.py --shapes decoder16x2048 --out fp8_dec.json
+
+and, to see where the fp8 arms' time goes (three arms, so each call stays well inside 9 minutes):
+
+    PYTHONPATH=$PWD/python python3 benchmarks/gpu/fp8_speed.py --shapes decoder16x2048 --breakdown \
+        --arms bf16_compile,ampkit_fp8_tensorwise,torchao_tensorwise --rounds 3 --out fp8_dec_breakdown.json
+    PYTHONPATH=$PWD/python python3 benchmarks/gpu/fp8_speed.py --shapes gpt2 --breakdown \
+        --arms bf16_compile,ampkit_fp8_tensorwise,torchao_tensorwise --out fp8_gpt2_breakdown.json
 """
 from __future__ import annotations
 
@@ -70,6 +85,7 @@ from torch._dynamo.utils import counters
 
 import ampkit
 from ampkit.bench import build_case, convert_float8, float8_reason, load_case, loop_step
+from kernel_kinds import profile_breakdown  # (this folder: the kernel categoriser compiled_step_probe.py shares)
 
 ARMS = ("bf16_compile", "ampkit_bf16_compile", "ampkit_fp8_tensorwise", "ampkit_fp8_rowwise",
         "ampkit_fp8_delayed", "ampkit_fp8_auto", "torchao_tensorwise", "torchao_rowwise")
@@ -87,6 +103,7 @@ SHAPES = {  # (profile of gpt2_small, sizes over it, batches)
 SMOKE = {"gpt2": ("tiny", {}, 2), "decoder16x2048": ("tiny", dict(n_layers=2), 2)}
 BF16 = torch.bfloat16
 WARMUP_STEPS = 3
+BREAKDOWN_STEPS = 3
 RECIPES = {"tensorwise": {"scaling": "tensorwise"}, "rowwise": {"scaling": "rowwise"},
            "delayed": {"scaling": "delayed", "amax_history": 16}}
 
@@ -231,6 +248,11 @@ def run_shape(shape, arms, args, device, backend):
             rec["peak_mib"] = max(rec["peak_mib"], (_peak(device) - rec["base_bytes"]) / 2 ** 20)
             rec["loss"] = float(loss)
         print("round %d/%d done" % (r + 1, args.rounds), flush=True)
+    if args.breakdown:
+        for name in names:
+            bd = profile_breakdown(live[name].step, batches, BREAKDOWN_STEPS, device)
+            info[name]["breakdown"] = bd.to_dict()
+            print("\n".join(["%-16s %-22s %s" % (shape, name, bd.lines()[0])] + bd.lines()[1:]), flush=True)
     return summarize(shape, info, device)
 
 
@@ -266,6 +288,8 @@ def main(argv=None):
     ap.add_argument("--steps-per-round", type=int, default=None)
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--breakdown", action="store_true", help="after the timed rounds, each arm's device time "
+                    "a step by kernel kind and its top 15 kernels (torch.profiler, %d steps)" % BREAKDOWN_STEPS)
     args = ap.parse_args(argv)
     shapes = args.shapes.split(",")
     for s in shapes:

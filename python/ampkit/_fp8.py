@@ -8,7 +8,9 @@ An op of a policy's ``fp8`` category (``linear``, ``mm``, ``matmul``; written as
               xq = (x * scale_x).clamp(-max, max).to(forward_dtype)   # max: the fp8 dtype's
               wq = (w * scale_w).clamp(-max, max).to(forward_dtype)
               CUDA, capability >= 8.9, shapes _scaled_mm takes:
-                  out = torch._scaled_mm(xq, wq.T, 1/scale_x, 1/scale_w, out_dtype=dtype) (+ bias)
+                  out = torch._scaled_mm(xq, wq.T, 1/scale_x, 1/scale_w, bias=bias.to(dtype),
+                                         out_dtype=dtype)   # the bias added to the float32
+                                                            # sums, then one rounding to dtype
               elsewhere (the emulation, the same quantization; SCALED_MM_DEVICES):
                   out = linear((xq.float() / scale_x).to(dtype), (wq.float() / scale_w).to(dtype),
                                bias.to(dtype))
@@ -18,8 +20,10 @@ An op of a policy's ``fp8`` category (``linear``, ``mm``, ``matmul``; written as
               grad_x = gd @ wd, grad_w = gd.T @ xd, grad_bias = grad_output.sum(0),
               each in its input's dtype; where the forward ran _scaled_mm and the
               scaling is tensorwise or delayed (one scale per operand), grad_x and grad_w
-              are _scaled_mm(gq, wq) and _scaled_mm(gq.T, xq) with 1/scale each, out in
-              dtype; row-wise scales lie along the backward's contraction: emulated
+              are _scaled_mm(gq, wq) and _scaled_mm(gq.T, xq) with 1/scale each, grad_x out
+              in dtype, grad_w out in the weight's dtype where that is float32 (its float32
+              sums written once, never rounded to dtype first; weight_grad_dtype); row-wise
+              scales lie along the backward's contraction: emulated
 
     scales    tensorwise : max / max(|t|)                 (amax floored at 1e-12)
               rowwise    : max / max(|row|) per row along the contraction dim: the rows
@@ -217,10 +221,10 @@ def _forward(ctx, scaling, x, w, b, plan):
     dt = plan.dtype
     if _scaled_mm_fits(x2, w, plan, rowwise):
         path = "scaled_mm"
+        # the bias in _scaled_mm's epilogue: added to the float32 sums and rounded to dt once,
+        # as torch's addmm does, with no second pass over the output
         out = torch._scaled_mm(xq.contiguous(), wq.t(), scale_a=sx.reciprocal(), scale_b=sw.reciprocal().reshape(1, -1)
-                               if rowwise else sw.reciprocal(), out_dtype=dt)
-        if b is not None:
-            out = out + b.to(dt)
+                               if rowwise else sw.reciprocal(), bias=None if b is None else b.to(dt), out_dtype=dt)
     else:
         path = "emulated"
         out = torch.nn.functional.linear(dequantize(xq, sx).to(dt), dequantize(wq, sw).to(dt),
@@ -266,7 +270,7 @@ def _backward(ctx, scaling, grad):
                                       out_dtype=dt).reshape(x_shape).to(x_dt)
             if ctx.needs_input_grad[1]:  # (N, M) @ (M, K)
                 gw = torch._scaled_mm(gq.t().contiguous(), xq.t().contiguous().t(), scale_a=inv_g,
-                                      scale_b=sx.reciprocal(), out_dtype=dt).to(w_dt)
+                                      scale_b=sx.reciprocal(), out_dtype=weight_grad_dtype(w_dt, dt)).to(w_dt)
         else:
             path = "emulated"
             gd = dequantize(gq, sg).to(dt)
@@ -280,6 +284,13 @@ def _backward(ctx, scaling, grad):
             plan.sink.record_fp8_backward(plan.op, plan.device_type, grad.dtype,
                                           (_cast_of("grad_output", plan.backward, sg),), path)
     return gx, gw, gb, None
+
+
+def weight_grad_dtype(w_dt, dt):
+    """The dtype _scaled_mm writes the weight's gradient in: the weight's own where it is
+    float32 or ``dt`` (written once, in its final dtype: no ``dt`` copy read back and widened
+    by a second kernel), else ``dt`` (then cast, as the emulation does)."""
+    return w_dt if w_dt in (F32, dt) else dt
 
 
 def _function(scaling):

@@ -354,15 +354,16 @@ def test_make_train_step_runs_the_fp8_policy_as_an_eager_loop_does():
 # ------------------------------------------------------------------ the _scaled_mm path
 def exact_linear(x, w, b, g, dt, bwd, scale, backward_scaled):
     """The _scaled_mm path by definition: the same fp8 operands, their products summed in
-    float32 (no rounding of a dequantized operand to ``dt`` first), then ``dt``; the bias
-    added in ``dt``. Its backward so where ``backward_scaled``, else the emulation's."""
+    float32 (no rounding of a dequantized operand to ``dt`` first), the bias (in ``dt``)
+    added to those sums, then one rounding to ``dt``. Its backward so where ``backward_scaled`` (the weight's gradient
+    written in the weight's float32, never rounded to ``dt``), else the emulation's."""
     k, n = x.shape[-1], w.shape[0]
     x2, g2 = x.detach().reshape(-1, k), g.reshape(-1, n)
     sx, sw, sg = scale(x2, E4M3), scale(w.detach(), E4M3), scale(g2, bwd)
     xe, we, ge = qdq(x2, sx, E4M3), qdq(w.detach(), sw, E4M3), qdq(g2, sg, bwd)
-    out = ((xe @ we.t()).to(dt) + b.detach().to(dt)).reshape(*x.shape[:-1], n)
+    out = ((xe @ we.t()) + b.detach().to(dt).float()).to(dt).reshape(*x.shape[:-1], n)
     if backward_scaled:
-        gx, gw = (ge @ we).to(dt), (ge.t() @ xe).to(dt)
+        gx, gw = (ge @ we).to(dt), (ge.t() @ xe).to(w.dtype)
     else:
         gx, gw = ge.to(dt) @ we.to(dt), ge.to(dt).t() @ xe.to(dt)
     return out, gx.reshape(x.shape).to(x.dtype), gw.to(w.dtype), g2.sum(0).to(b.dtype)
@@ -403,6 +404,45 @@ def test_the_scaled_mm_path_computes_its_definition_on_the_cpu(scaling, monkeypa
     from ampkit import _fp8
     monkeypatch.setattr(_fp8, "SCALED_MM_DEVICES", {"cuda", "cpu"})
     _check_scaled_mm_path(scaling, "cpu")
+
+
+def test_the_scaled_mm_path_adds_the_bias_before_its_one_rounding(monkeypatch):
+    """The output is _scaled_mm's with the bias in its epilogue, bit for bit: the bias added
+    to the float32 sums, then one rounding to bfloat16 (as torch's addmm under autocast), not
+    the product rounded and the bias added in bfloat16 after it."""
+    from ampkit import _fp8
+    monkeypatch.setattr(_fp8, "SCALED_MM_DEVICES", {"cuda", "cpu"})
+    policy = FP8.with_fp8_recipe("cpu", scaling="tensorwise")
+    x, w, b, g = data(lead=(4, 16), k=64, n=32)
+    y, _, _, _, _ = _run(policy, x, w, b, g, "cpu")
+    x2 = x.reshape(-1, 64)
+    sx, sw = tensor_scale(x2, E4M3), tensor_scale(w, E4M3)
+    xq, wq = (x2 * sx).clamp(-448, 448).to(E4M3), (w * sw).clamp(-448, 448).to(E4M3)
+    args = dict(scale_a=1 / sx, scale_b=1 / sw, out_dtype=torch.bfloat16)
+    want = torch._scaled_mm(xq, wq.t(), bias=b.to(torch.bfloat16), **args)
+    assert_same(y.reshape(-1, 32), want)
+    rounded_twice = torch._scaled_mm(xq, wq.t(), **args) + b.to(torch.bfloat16)
+    assert not torch.equal(y.reshape(-1, 32), rounded_twice)
+
+
+def test_the_scaled_mm_path_writes_a_float32_weight_grad_once_unrounded(monkeypatch):
+    """grad_w is the float32 output of the same _scaled_mm on the same fp8 operands, bit for
+    bit, and not rounded to bfloat16 on the way (the emulation's bf16 product, widened, is
+    not it); grad_x keeps the region's rounding, as torch.autocast's linear does."""
+    from ampkit import _fp8
+    monkeypatch.setattr(_fp8, "SCALED_MM_DEVICES", {"cuda", "cpu"})
+    policy = FP8.with_fp8_recipe("cpu", scaling="tensorwise")
+    x, w, b, g = data(lead=(4, 16), k=64, n=32)
+    _, gx, gw, _, _ = _run(policy, x, w, b, g, "cpu")
+    x2, g2 = x.reshape(-1, 64), g.to(torch.bfloat16).reshape(-1, 32)
+    sx, sg = tensor_scale(x2, E4M3), tensor_scale(g2, E5M2)
+    xq = (x2 * sx).clamp(-448, 448).to(E4M3)
+    gq = (g2.float() * sg).clamp(-57344, 57344).to(E5M2)
+    want = torch._scaled_mm(gq.t().contiguous(), xq.t().contiguous().t(), scale_a=1 / sg, scale_b=1 / sx,
+                            out_dtype=torch.float32)
+    assert_same(gw, want)
+    assert not torch.equal(gw, gw.to(torch.bfloat16).float())  # (a bf16 rounding on the way would show)
+    assert torch.equal(gx, gx.to(torch.bfloat16).float())  # grad_x: rounded to bf16, then widened
 
 
 @pytest.mark.cuda

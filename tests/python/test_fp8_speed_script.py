@@ -1,6 +1,7 @@
 """benchmarks/gpu/fp8_speed.py's --smoke mode (tiny sizes, the CPU, aot_eager) runs every arm
-on both shapes and writes its results, so the GPU script cannot rot between GPU runs. Its
-timings mean nothing here; the losses are checked against the bf16 arm."""
+on both shapes, with --breakdown, and writes its results, so the GPU script cannot rot between
+GPU runs. Its timings mean nothing here; the losses are checked against the bf16 arm, and the
+breakdown's kinds against its own top kernels."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ ARMS = ("bf16_compile", "ampkit_bf16_compile", "ampkit_fp8_tensorwise", "ampkit_
 def test_smoke_run_times_every_arm_of_both_shapes(tmp_path):
     out = tmp_path / "fp8.json"
     env = dict(os.environ, PYTHONPATH=str(REPO / "python"), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--arms", ",".join(ARMS), "--out", str(out)],
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--breakdown", "--arms", ",".join(ARMS), "--out", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
@@ -43,3 +44,52 @@ def test_smoke_run_times_every_arm_of_both_shapes(tmp_path):
             assert math.isfinite(rec["loss"]) and abs(rec["loss"] - ref) < 0.01 * abs(ref), (name, rec["loss"], ref)
             assert name in proc.stdout
         assert arms["bf16_compile"]["vs_bf16_compile"] == 1.0
+        for name, rec in arms.items():
+            if rec["status"] == "ok":
+                check_breakdown(name, rec["breakdown"], proc.stdout)
+
+
+KINDS = ["fp8_gemm", "gemm", "attention", "optimizer", "triton", "other"]
+
+
+def check_breakdown(name, bd, stdout):
+    """Every kind is reported; the top kernels are the largest, each counted in its kind, and
+    together no more than the total; a model of linears spends time in matrix multiplies."""
+    assert bd["device"] == "cpu" and bd["steps"] == 3
+    assert list(bd["kinds_ms"]) == KINDS and all(v >= 0 for v in bd["kinds_ms"].values())
+    assert math.isclose(bd["total_ms"], sum(bd["kinds_ms"].values()))
+    top = bd["top"]
+    assert len(top) == 15 and [k["ms"] for k in top] == sorted((k["ms"] for k in top), reverse=True)
+    for kind in KINDS:
+        assert sum(k["ms"] for k in top if k["kind"] == kind) <= bd["kinds_ms"][kind] + 1e-9, (name, kind)
+    assert all(k["count"] > 0 for k in top)
+    assert bd["kinds_ms"]["gemm"] > 0, (name, bd)
+    assert any(line.split()[:2] == [line.split()[0], name] and "device ms a step" in line
+               for line in stdout.splitlines()), name
+
+
+def test_kernel_kinds_name_the_gpu_kernels_each_kind_holds():
+    """The categoriser both GPU scripts share, on kernel names of an H100 step: inductor's
+    kernels by prefix, fp8 GEMMs by name or by having been launched by aten::_scaled_mm
+    (an nvjet name says nothing of fp8), the rest by cuBLAS / attention / optimizer names."""
+    sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
+    try:
+        from kernel_kinds import KINDS, kernel_kind
+    finally:
+        sys.path.pop(0)
+    launched_by_scaled_mm = frozenset({"nvjet_qqtst_128x128_128x6_1x2_h_bz_coopA_TNT"})
+    cases = {
+        "triton_red_fused__to_copy_abs_amax_0": "triton",
+        "triton_poi_fused_add_gelu_view_3": "triton",
+        "sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x128_cga1x2x1": "fp8_gemm",
+        "nvjet_qqtst_128x128_128x6_1x2_h_bz_coopA_TNT": "fp8_gemm",
+        "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTT": "gemm",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64": "gemm",
+        "pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>": "attention",
+        "void at::native::(anonymous namespace)::fused_adamw_kernel<float>": "optimizer",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>": "other",
+    }
+    got = {name: kernel_kind(name, launched_by_scaled_mm) for name in cases}
+    assert got == cases
+    assert kernel_kind("nvjet_qqtst_128x128_128x6_1x2_h_bz_coopA_TNT") == "gemm"  # (not launched by it)
+    assert set(cases.values()) == set(KINDS)

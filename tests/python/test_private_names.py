@@ -34,6 +34,9 @@ ALLOWED = {
     ("tests/python/test_fp8_compile.py", "ampkit._fp8"):
         "the compiled-model tests trace the _scaled_mm path on the CPU too (SCALED_MM_DEVICES), "
         "so that a graph break in the GPU's path shows where CI runs",
+    ("benchmarks/fp8_linear_graphs.py", "ampkit._fp8"):
+        "prints the compiled graphs of the GPU's _scaled_mm path on the CPU (SCALED_MM_DEVICES), "
+        "to count an fp8 linear's passes where no GPU is: a measurement, never a shipped path",
     ("benchmarks/eager_step_parts.py", "ampkit._train_step"):
         "a measurement that switches the eager step's safety parts off one at a time (why_copy, "
         "HeldSignals, the kept buffers, the attribute copy) to see what each costs: internals by "

@@ -1,0 +1,125 @@
+"""Where a training step's device time goes: torch.profiler over a few steps, each kernel
+put in one kind, the time per step by kind and the kernels that take the most.
+
+Imported by the GPU scripts beside it (fp8_speed.py, compiled_step_probe.py), run as
+``python3 benchmarks/gpu/<script>.py`` (this folder is then the first entry of sys.path).
+
+Kinds, the first that matches (a kernel's name, lower-cased; on the CPU, where there are no
+kernels, the ops' self CPU time, so that the CPU smoke run exercises the same code):
+
+  triton     inductor's generated kernels (``triton_poi_fused_...``, ``triton_red_...``,
+             ``triton_per_...``): fused elementwise and reductions, named as inductor named them
+  fp8_gemm   a kernel launched by ``aten::_scaled_mm``, or whose name says fp8
+             (e4m3, e5m2, f8f8, ``_scaled_mm``)
+  gemm       the other matrix multiplies (cuBLAS / cutlass / nvjet names; aten::mm on the CPU)
+  attention  flash / memory-efficient / cuDNN attention, sdpa
+  optimizer  fused and multi-tensor optimizer kernels
+  other      everything else (copies, torch's own elementwise kernels, reductions)
+
+>>> kernel_kind("triton_poi_fused__to_copy_abs_amax_0")
+'triton'
+>>> kernel_kind("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTT"), kernel_kind("aten::_scaled_mm")
+('gemm', 'fp8_gemm')
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import torch
+
+KINDS = ("fp8_gemm", "gemm", "attention", "optimizer", "triton", "other")
+TRITON = ("triton_",)
+FP8_GEMM = ("scaled_mm", "e4m3", "e5m2", "f8f8")
+GEMM = ("gemm", "gemv", "cutlass", "nvjet", "xmma", "sm90_", "sm80_", "aten::mm", "aten::addmm", "aten::bmm")
+ATTENTION = ("flash", "fmha", "attention", "sdpa", "cudnn", "scaled_dot_product")
+OPTIMIZER = ("sgd", "adam", "multi_tensor_apply")
+
+
+def kernel_kind(name: str, fp8_kernels=frozenset()) -> str:
+    """The kind of a kernel (or, on the CPU, an op) called ``name``; ``fp8_kernels``: the names
+    of kernels that ``aten::_scaled_mm`` launched, fp8 GEMMs whatever they are called."""
+    n = name.lower()
+    if n.startswith(TRITON):
+        return "triton"
+    if name in fp8_kernels or any(k in n for k in FP8_GEMM):
+        return "fp8_gemm"
+    for kind, keys in (("gemm", GEMM), ("attention", ATTENTION), ("optimizer", OPTIMIZER)):
+        if any(k in n for k in keys):
+            return kind
+    return "other"
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelTotal:
+    """One kernel's share of a step: device ms and calls per step."""
+
+    name: str
+    kind: str
+    ms: float
+    count: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Breakdown:
+    """Device ms per step by kind (every kind of KINDS, zeros included) and the ``top``
+    kernels by total time, over ``steps`` profiled steps on ``device`` ("cuda": kernels;
+    "cpu": ops' self CPU time)."""
+
+    device: str
+    steps: int
+    kinds: dict
+    top: tuple
+
+    def to_dict(self) -> dict:
+        return {"device": self.device, "steps": self.steps, "kinds_ms": dict(self.kinds),
+                "total_ms": sum(self.kinds.values()), "top": [dataclasses.asdict(k) for k in self.top]}
+
+    def lines(self, width=100):
+        """Printable: one line of kinds, then one line per top kernel."""
+        out = ["device ms a step: " + ", ".join("%s %.3f" % (k, self.kinds[k]) for k in KINDS)
+               + ", total %.3f" % sum(self.kinds.values())]
+        for k in self.top:
+            name = k.name if len(k.name) <= width else k.name[:width - 3] + "..."
+            out.append("  %8.3f ms %6.1fx  %-9s %s" % (k.ms, k.count, k.kind, name))
+        return out
+
+
+def profile_breakdown(step, batches, steps=3, device="cuda", top=15) -> Breakdown:
+    """Run ``step(x, y)`` over ``steps`` of ``batches`` under torch.profiler (the device
+    synced before and after) and break its time down (module docstring)."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        for i in range(steps):
+            step(*batches[i % len(batches)])
+        if cuda:
+            torch.cuda.synchronize()
+    return breakdown_of(prof.events(), steps, device, top)
+
+
+def breakdown_of(events, steps, device, top=15) -> Breakdown:
+    """A :class:`Breakdown` of torch.profiler's FunctionEvents."""
+    cuda = device == "cuda"
+    fp8 = frozenset(k.name for e in events if e.name == "aten::_scaled_mm" for k in e.kernels)
+    times, counts = collections.Counter(), collections.Counter()
+    for e in events:
+        if cuda:
+            if e.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+        else:
+            if e.device_type != torch.autograd.DeviceType.CPU or e.name.startswith("ProfilerStep"):
+                continue
+            us = e.self_cpu_time_total
+        times[e.name] += us
+        counts[e.name] += 1
+    kinds = dict.fromkeys(KINDS, 0.0)
+    for name, us in times.items():
+        kinds[kernel_kind(name, fp8)] += us / 1e3 / steps
+    top_k = tuple(KernelTotal(name, kernel_kind(name, fp8), us / 1e3 / steps, counts[name] / steps)
+                  for name, us in times.most_common(top))
+    return Breakdown(device, steps, kinds, top_k)
