@@ -55,12 +55,9 @@ __all__ = ["HeldSignals", "KeptCopies", "ModelBuffers", "OptimizerCopy", "PLAIN"
 
 PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensors with a foreach copy (KeptCopies)
 _GRAD = operator.attrgetter("grad")
+_LAYOUT = operator.attrgetter("layout")
 _PARAMS = operator.itemgetter("params")
 _DEREF = weakref.ref.__call__
-
-
-def _group_flags(group):
-    return bool(group.get("fused")), group.get("momentum"), len(group["params"])
 
 
 _is_not_none = functools.partial(operator.is_not, None)
@@ -289,11 +286,39 @@ def why_copy(optimizer, scaler, kept=None):
     (foreach and per-tensor steps do: an out-of-memory error can stop them half-way), and
     a first step creates state (allocations again): both copy.
 
-    ``kept``: a dict the caller keeps between calls, where the verdict on the parameters,
-    gradients and state is kept with its key (``_tensors_key``); it is looked at again only
-    when the key differs. The checks on the optimizer, its hooks, the scaler and the
-    hyperparameters (a handful of values) run every call.
+    ``kept``: a dict the caller keeps between calls, where the verdicts on the param
+    groups' hyperparameters and on the tensors are kept, each with its key: the versions of
+    the group dicts (``dict_versions``: a hyperparameter set or a group replaced or added
+    changes them; an LR scheduler's float lr misses only this one), and ``_tensors_key``
+    with the tensors whose dtype, shape or device the verdict read (``SameMeta``: one C++
+    pass). Each is found again only when its key differs. The checks on the optimizer's
+    class, step, hooks and the scaler (a handful of values) run every call.
     """
+    why = _optimizer_why_copy(optimizer, scaler)
+    if why is not None:
+        return why
+    if kept is None or dict_versions is None:
+        return _hyperparameters_why_copy(optimizer)[0] or _tensors_why_copy(optimizer)[0]
+    versions = dict_versions(optimizer.param_groups)
+    if kept.get("groups") != versions:
+        why, keep = _hyperparameters_why_copy(optimizer)
+        kept["groups"], kept["hyperparameters"] = (versions if keep else None), why
+    if kept["hyperparameters"] is not None:
+        return kept["hyperparameters"]
+    key = _tensors_key(optimizer)
+    if kept.get("key") == key and (kept["same"] is None or kept["same"](list(map(_DEREF, kept["read"])))):
+        return kept["why"]
+    kept.pop("key", None)
+    why, read = _tensors_why_copy(optimizer, [])
+    if read is not None:
+        kept["why"] = why
+        kept["read"], kept["ids"] = _watch(read, optimizer, kept)
+        kept["same"] = SameMeta(read) if read else None
+        kept["key"] = key
+    return why
+
+
+def _optimizer_why_copy(optimizer, scaler):
     kind = type(optimizer)
     name = kind.__name__
     if kind not in _CHECKED_OPTIMIZERS:
@@ -308,69 +333,66 @@ def why_copy(optimizer, scaler, kept=None):
             or _optim_module._global_optimizer_pre_hooks
             or _optim_module._global_optimizer_post_hooks):
         return f"{name} has step hooks"
-    why = _scaler_why_copy(scaler)
-    if why is not None:
-        return why
+    return _scaler_why_copy(scaler)
+
+
+def _hyperparameters_why_copy(optimizer):
+    """(why the param groups' hyperparameters need a copy or None, whether that verdict may
+    be kept against the groups' versions: not where a value of a mutable type, a list, could
+    change in place without changing its group's version)."""
+    name, keep = type(optimizer).__name__, True
     for group in optimizer.param_groups:
         for k, v in group.items():
-            if type(v) not in _SCALARS and k != "params" and not plain_value(v):
-                return f"{name} has a {type(v).__name__} {k!r}"
+            if type(v) not in _SCALARS and k != "params":
+                keep = keep and _immutable(v)
+                if not plain_value(v):
+                    return f"{name} has a {type(v).__name__} {k!r}", keep
         if group.get("differentiable"):
-            return f"{name} was built with differentiable=True"
-    if kept is None:
-        return _tensors_why_copy(optimizer)
-    key, tensors = _tensors_key(optimizer)
-    # (an unchanged key names the same state tensors as when the verdict was kept: they are
-    # taken from its weak references, not listed again)
-    if kept.get("key") != key or not kept["same"](tensors + list(map(_DEREF, kept["state"]))):
-        kept["why"] = _tensors_why_copy(optimizer)
-        kept["key"] = key
-        kept["state"], kept["watch"] = _watch(optimizer, kept)
-        kept["same"] = SameMeta(tensors + list(map(_DEREF, kept["state"])))
-    return kept["why"]
+            return f"{name} was built with differentiable=True", keep
+    return None, keep
 
 
-def _watch(optimizer, kept):
-    """Weak references to the state's tensors, and to the other tensors the key names by
-    identity (parameters, the state's keys): when one is freed, the key is forgotten, so
-    that a tensor made later at its address (same id) is never taken for it. Weak: a state
+def _tensors_key(optimizer):
+    """What ``_tensors_why_copy`` reads but the metadata of the tensors it names, as values
+    compared in C: the versions of the state's dicts (``dict_versions``: a state created,
+    replaced or added to changes them); per param group whether it is fused or has momentum
+    and how many parameters it has; per parameter its identity (watched: freed, it drops
+    the key, ``_watch``) and its gradient's class (None too); each gradient's layout.
+    C-level maps, no Python loop over the parameters: this runs on every eager call."""
+    state, groups = optimizer.state, optimizer.param_groups
+    params = list(chain.from_iterable(map(_PARAMS, groups)))
+    grads = list(map(_GRAD, params))
+    return [dict_versions((state, *state.values())), list(map(_group_flags, groups)),
+            list(map(id, params)), list(map(type, grads)), list(map(_LAYOUT, filter(_is_not_none, grads)))]
+
+
+def _group_flags(group):
+    return bool(group.get("fused")), group.get("momentum"), len(group["params"])
+
+
+def _immutable(v):
+    return type(v) in _SCALARS or isinstance(v, torch.Tensor) or (
+        type(v) is tuple and all(map(_immutable, v)))
+
+
+def _watch(read, optimizer, kept):
+    """Weak references to the tensors whose metadata the verdict read, and to the
+    parameters the key names by identity: when one is freed, the key is forgotten, so that
+    a tensor made later at its address (same id) is never taken for it. Weak: a state
     replaced by load_state_dict is freed at once, not held through the next call's
     forward."""
     def forget(_, kept=kept):
         kept.pop("key", None)
 
-    values = chain.from_iterable(map(dict.values, optimizer.state.values()))
-    others = chain(optimizer.state, (p for g in optimizer.param_groups for p in g["params"]))
-    return ([weakref.ref(t, forget) for t in values if isinstance(t, torch.Tensor)],
-            [weakref.ref(t, forget) for t in others if isinstance(t, torch.Tensor)])
+    params = chain.from_iterable(map(_PARAMS, optimizer.param_groups))
+    return ([weakref.ref(t, forget) for t in read],
+            [weakref.ref(t, forget) for t in params if isinstance(t, torch.Tensor)])
 
 
-def _tensors_key(optimizer):
-    """What ``_tensors_why_copy`` looks at: a key of values compared in C, and the tensors
-    whose class, dtype, shape, device and layout ``SameMeta`` checks in one C++ pass (the
-    parameters and the gradients there are; the caller adds the state's tensors). The key
-    holds the state: the versions of its dicts (``dict_versions``: a state created,
-    replaced or added to changes them) or, where Python has none, which parameters have
-    state and the identities and classes of their state's values; per param group whether
-    it is fused or has momentum and how many parameters it has; per parameter its identity
-    and its gradient's class (None too). A tensor named by identity is watched
-    (``_watch``): freed, it drops the key. C-level maps, no Python loop over the
-    parameters: this runs on every eager call."""
-    state, groups = optimizer.state, optimizer.param_groups
-    params = list(chain.from_iterable(map(_PARAMS, groups)))
-    grads = list(map(_GRAD, params))
-    if dict_versions is not None:
-        key = [dict_versions((state, *state.values()))]
-    else:  # (the state walked as a dict, not looked up per parameter: a tensor's hash is Python)
-        values = list(chain.from_iterable(map(dict.values, state.values())))
-        key = [list(map(id, state)), list(map(len, state.values())), list(map(id, values)),
-               list(map(type, values))]
-    key += list(map(_group_flags, groups)), list(map(id, params)), list(map(type, grads))
-    params += filter(_is_not_none, grads)
-    return key, params
-
-
-def _tensors_why_copy(optimizer):
+def _tensors_why_copy(optimizer, read=None):
+    # read: a list to which the tensors whose metadata decided the verdict are added (set
+    # to None, returned, where one is a tensor subclass: its local shard is read through an
+    # attribute no key follows), or None
     name = type(optimizer).__name__
     state, strided, tensor = optimizer.state, torch.strided, torch.Tensor
     for group in optimizer.param_groups:
@@ -380,31 +402,40 @@ def _tensors_why_copy(optimizer):
             grad = p.grad
             if grad is None:
                 continue
+            if read is not None and (type(p) not in PLAIN or type(grad) not in PLAIN):
+                read = None
             local = _local(p)
             if local is None:
-                return f"a parameter is a {type(p).__name__}"
+                return f"a parameter is a {type(p).__name__}", read
             grad = _local(grad)
             if grad is None or grad.layout is not strided:
-                return f"a gradient is {grad.layout if grad is not None else type(p.grad).__name__}"
+                return f"a gradient is {grad.layout if grad is not None else type(p.grad).__name__}", read
+            s = state.get(p)
+            if read is not None and (s or not any_device):  # (its dtype, shape or device read below)
+                read.append(p)
             if not (any_device or local.is_cpu):
                 return (f"{name} without fused=True allocates while it writes on "
-                        f"{local.device.type} (an out-of-memory error could stop it half-way)")
-            s = state.get(p)
+                        f"{local.device.type} (an out-of-memory error could stop it half-way)"), read
             if not s:
                 if stateless:
                     continue
-                return f"{name} creates its state in this step"
+                return f"{name} creates its state in this step", read
             dtype, device, shape = local.dtype, local.device, local.shape
             for k, v in s.items():
                 if not isinstance(v, tensor) or k == "step":
                     continue
+                if read is not None:
+                    if type(v) in PLAIN:
+                        read.append(v)
+                    else:
+                        read = None
                 v = _local(v)
                 if v is None:
-                    return f"{name}'s state {k!r} is a {type(s[k]).__name__}"
+                    return f"{name}'s state {k!r} is a {type(s[k]).__name__}", read
                 if v.dtype is not dtype or v.device != device or v.shape != shape:
                     return (f"{name}'s state {k!r} ({v.dtype}, {v.device}) does not match its "
-                            f"parameter ({dtype}, {device})")
-    return None
+                            f"parameter ({dtype}, {device})"), read
+    return None, read
 
 
 def _local(t):
