@@ -120,6 +120,7 @@ class ModelBuffers:
         self._found = None  # (the ids of every module's children, then of every module's buffers)
         self._dicts = self._tensors = []
         self._others = self._other_copies = []
+        self._need_no_grad = False
 
     def _look(self):
         # One C-level walk of the kept modules' dicts, children's then buffers' (the objects
@@ -150,19 +151,24 @@ class ModelBuffers:
         self._plain = [(group, [torch.empty_like(b, memory_format=torch.preserve_format) for b in group])
                        for group in groups.values()]
         self._others = [b for b in buffers if type(b) not in PLAIN]
-
-    def _current(self):
-        if self._look() != self._found or not self._same(self._tensors):
-            self._find()
+        self._need_no_grad = any(b.requires_grad for b in buffers)
 
     def save(self):
-        self._current()
-        if not self._tensors:  # (no buffers: nothing to copy, no grad mode to enter)
+        # (one Python frame: this runs on every eager call, with or without buffers)
+        tensors = self._tensors
+        if self._look() != self._found or tensors and not self._same(tensors):
+            self._find()
+            tensors = self._tensors
+        if not tensors:  # (no buffers: nothing to copy, no grad mode to enter)
             return
-        with torch.no_grad():
+        if self._others or self._need_no_grad:
+            with torch.no_grad():
+                for group, copies in self._plain:
+                    torch._foreach_copy_(copies, group)
+                self._other_copies = [b.detach().clone() for b in self._others]
+        else:  # (no buffer requires grad, which SameMeta checks: the copy records nothing)
             for group, copies in self._plain:
                 torch._foreach_copy_(copies, group)
-            self._other_copies = [b.detach().clone() for b in self._others]
 
     def restore(self):
         with torch.no_grad():
@@ -185,28 +191,40 @@ class HeldSignals:
     __slots__ = ("saved", "came")
 
     def __init__(self):
-        self.saved, self.came = {}, []
+        self.saved, self.came = (), []
 
     def _hold(self, signum, frame):
         self.came.append((signum, frame))
 
     def __enter__(self):
-        if _thread.get_ident() == _MAIN_THREAD:
-            for s in self.SIGNALS:
-                handler = _signal.getsignal(s)
-                if callable(handler):
-                    self.saved[s] = handler
-                    _signal.signal(s, self._hold)
+        if _get_ident() == _MAIN_THREAD:
+            int_handler, term_handler = _getsignal(_SIGINT), _getsignal(_SIGTERM)
+            # (Python's default SIGTERM action is the C one, SIG_DFL: not callable, not held)
+            if callable(int_handler):
+                if callable(term_handler):
+                    self.saved = ((_SIGINT, int_handler), (_SIGTERM, term_handler))
+                    _signal.signal(_SIGTERM, self._hold)
+                else:
+                    self.saved = ((_SIGINT, int_handler),)
+                _signal.signal(_SIGINT, self._hold)
+            elif callable(term_handler):
+                self.saved = ((_SIGTERM, term_handler),)
+                _signal.signal(_SIGTERM, self._hold)
         return self
 
     def __exit__(self, *exc):
-        for s, handler in self.saved.items():
+        for s, handler in self.saved:
             _signal.signal(s, handler)
         return False
 
     def deliver(self):
+        saved = dict(self.saved)
         for signum, frame in self.came:
-            self.saved[signum](signum, frame)
+            saved[signum](signum, frame)
+
+
+_SIGINT, _SIGTERM = HeldSignals.SIGNALS
+_getsignal, _get_ident = _signal.getsignal, _thread.get_ident
 
 
 def zero_grads_the_graph_had(params, owned):
