@@ -47,7 +47,7 @@ try:
 except ImportError:  # (not CPython)
     _signal = signal
 
-from ampkit._unchanged import SameMeta, dict_versions
+from ampkit._unchanged import SameMeta, dict_version
 from ampkit._scaler import GradScaler
 
 __all__ = ["HeldSignals", "KeptCopies", "ModelBuffers", "OptimizerCopy", "PLAIN",
@@ -56,6 +56,7 @@ __all__ = ["HeldSignals", "KeptCopies", "ModelBuffers", "OptimizerCopy", "PLAIN"
 PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensors with a foreach copy (KeptCopies)
 _GRAD = operator.attrgetter("grad")
 _LAYOUT = operator.attrgetter("layout")
+_NONE = type(None)
 _PARAMS = operator.itemgetter("params")
 _DEREF = weakref.ref.__call__
 
@@ -127,8 +128,8 @@ class ModelBuffers:
         # they name are kept alive by self, and by the model: no identity is reused while
         # compared; a None, a removed buffer's slot, is named too)
         # (or, where dicts have versions, the version of each: one C call a dict)
-        if dict_versions is not None:
-            return dict_versions(self._dicts)
+        if dict_version is not None:
+            return [*map(dict_version, self._dicts)]
         return list(map(id, chain.from_iterable(map(dict.values, self._dicts))))
 
     def _find(self):
@@ -307,24 +308,42 @@ def why_copy(optimizer, scaler, kept=None):
     ``kept``: a dict the caller keeps between calls, where the verdicts on the param
     groups' hyperparameters and on the tensors are kept, each with its key: the versions of
     the group dicts (``dict_versions``: a hyperparameter set or a group replaced or added
-    changes them; an LR scheduler's float lr misses only this one), and ``_tensors_key``
-    with the tensors whose dtype, shape or device the verdict read (``SameMeta``: one C++
+    changes them; an LR scheduler's float lr misses only this one), and a key of what the
+    tensors' verdict reads (see below), with the tensors whose dtype, shape or device the verdict read (``SameMeta``: one C++
     pass). Each is found again only when its key differs. The checks on the optimizer's
     class, step, hooks and the scaler (a handful of values) run every call.
     """
     why = _optimizer_why_copy(optimizer, scaler)
     if why is not None:
         return why
-    if kept is None or dict_versions is None:
+    if kept is None or dict_version is None:
         return _hyperparameters_why_copy(optimizer)[0] or _tensors_why_copy(optimizer)[0]
-    versions = dict_versions(optimizer.param_groups)
+    groups = optimizer.param_groups
+    versions = [*map(dict_version, groups)]
     if kept.get("groups") != versions:
         why, keep = _hyperparameters_why_copy(optimizer)
         kept["groups"], kept["hyperparameters"] = (versions if keep else None), why
+        # (what the tensors' verdict reads of the groups: found again whenever a group changed)
+        kept["flags"] = list(map(_group_flags, groups))
     if kept["hyperparameters"] is not None:
         return kept["hyperparameters"]
-    key = _tensors_key(optimizer)
-    if kept.get("key") == key and (kept["same"] is None or kept["same"](list(map(_DEREF, kept["read"])))):
+    # The key of the tensors' verdict: what _tensors_why_copy reads but the metadata of the
+    # tensors it names (kept["read"], checked below), in one flat list compared in C, each
+    # part's length fixed by what comes before it: the number of groups, each one's flags
+    # (found above whenever a group changed) and number of parameters; each parameter's
+    # identity (watched: freed, it drops the key, _watch) and its gradient's class (None
+    # too); each gradient's layout; the number of states and the versions of the state's
+    # dicts (a state created, replaced or added to changes them). C-level maps, no Python
+    # loop over the parameters and no Python frame: this runs on every eager call.
+    state = optimizer.state
+    lists = [*map(_PARAMS, groups)]
+    params = [*chain.from_iterable(lists)]
+    grads = [*map(_GRAD, params)]
+    types = [*map(type, grads)]
+    key = [kept["flags"], *map(len, lists), *map(id, params), *types,
+           *map(_LAYOUT, filter(_is_not_none, grads) if _NONE in types else grads),
+           len(state), *map(dict_version, (state, *state.values()))]
+    if kept.get("key") == key and (kept["same"] is None or kept["same"]([*map(_DEREF, kept["read"])])):
         return kept["why"]
     kept.pop("key", None)
     why, read = _tensors_why_copy(optimizer, [])
@@ -370,22 +389,8 @@ def _hyperparameters_why_copy(optimizer):
     return None, keep
 
 
-def _tensors_key(optimizer):
-    """What ``_tensors_why_copy`` reads but the metadata of the tensors it names, as values
-    compared in C: the versions of the state's dicts (``dict_versions``: a state created,
-    replaced or added to changes them); per param group whether it is fused or has momentum
-    and how many parameters it has; per parameter its identity (watched: freed, it drops
-    the key, ``_watch``) and its gradient's class (None too); each gradient's layout.
-    C-level maps, no Python loop over the parameters: this runs on every eager call."""
-    state, groups = optimizer.state, optimizer.param_groups
-    params = list(chain.from_iterable(map(_PARAMS, groups)))
-    grads = list(map(_GRAD, params))
-    return [dict_versions((state, *state.values())), list(map(_group_flags, groups)),
-            list(map(id, params)), list(map(type, grads)), list(map(_LAYOUT, filter(_is_not_none, grads)))]
-
-
 def _group_flags(group):
-    return bool(group.get("fused")), group.get("momentum"), len(group["params"])
+    return bool(group.get("fused")), group.get("momentum")
 
 
 def _immutable(v):
