@@ -336,11 +336,15 @@ def why_copy(optimizer, scaler, kept=None):
     # dicts (a state created, replaced or added to changes them). C-level maps, no Python
     # loop over the parameters and no Python frame: this runs on every eager call.
     state = optimizer.state
-    lists = [*map(_PARAMS, groups)]
-    params = [*chain.from_iterable(lists)]
+    if len(groups) == 1:  # (the common case: the group's own list, not a copy)
+        params = groups[0]["params"]
+        lengths = (len(params),)
+    else:
+        lists = [*map(_PARAMS, groups)]
+        params, lengths = [*chain.from_iterable(lists)], map(len, lists)
     grads = [*map(_GRAD, params)]
     types = [*map(type, grads)]
-    key = [kept["flags"], *map(len, lists), *map(id, params), *types,
+    key = [kept["flags"], *lengths, *map(id, params), *types,
            *map(_LAYOUT, filter(_is_not_none, grads) if _NONE in types else grads),
            len(state), *map(dict_version, (state, *state.values()))]
     if kept.get("key") == key and (kept["same"] is None or kept["same"]([*map(_DEREF, kept["read"])])):
@@ -356,21 +360,24 @@ def why_copy(optimizer, scaler, kept=None):
 
 
 def _optimizer_why_copy(optimizer, scaler):
+    # (run every call: plain loads and dict lookups, the reasons' names made only for one)
     kind = type(optimizer)
-    name = kind.__name__
     if kind not in _CHECKED_OPTIMIZERS:
-        return f"{name} is not torch's SGD, Adam or AdamW, whose steps can be checked beforehand"
-    own = vars(optimizer).get("step")
+        return f"{kind.__name__} is not torch's SGD, Adam or AdamW, whose steps can be checked beforehand"
+    own = vars(optimizer)  # (torch's own classes: the hooks' dicts are instance attributes)
+    step = own.get("step")
     # (an LR scheduler wraps step() on the instance, to note that it was called)
-    if own is not None and not (getattr(own, "_wrapped_by_lr_sched", False)
-                                and getattr(own, "__wrapped__", None) is kind.step):
-        return f"{name}.step is replaced on the instance"
-    if (getattr(optimizer, "_optimizer_step_pre_hooks", None)
-            or getattr(optimizer, "_optimizer_step_post_hooks", None)
-            or _optim_module._global_optimizer_pre_hooks
-            or _optim_module._global_optimizer_post_hooks):
-        return f"{name} has step hooks"
-    return _scaler_why_copy(scaler)
+    if step is not None and not (getattr(step, "_wrapped_by_lr_sched", False)
+                                 and getattr(step, "__wrapped__", None) is kind.step):
+        return f"{kind.__name__}.step is replaced on the instance"
+    if (own.get("_optimizer_step_pre_hooks") or own.get("_optimizer_step_post_hooks")
+            or _optim_module._global_optimizer_pre_hooks or _optim_module._global_optimizer_post_hooks):
+        return f"{kind.__name__} has step hooks"
+    # (_scaler_why_copy, its class's verdict looked up here: one Python frame less a call)
+    own = vars(scaler)
+    if _scaler_types_checked.get(type(scaler)) is not True or "step" in own or "update" in own:
+        return _scaler_why_copy(scaler)
+    return None
 
 
 def _hyperparameters_why_copy(optimizer):
