@@ -157,7 +157,8 @@ class ModelBuffers:
     def save(self):
         # (one Python frame: this runs on every eager call, with or without buffers)
         tensors = self._tensors
-        if self._look() != self._found or tensors and not self._same(tensors):
+        found = [*map(dict_version, self._dicts)] if dict_version is not None else self._look()
+        if found != self._found or tensors and not self._same(tensors):
             self._find()
             tensors = self._tensors
         if not tensors:  # (no buffers: nothing to copy, no grad mode to enter)
