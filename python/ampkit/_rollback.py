@@ -12,10 +12,13 @@ An eager step writes in place in three stages, and keeps what each would need pu
                      -> else: OptimizerCopy, put back if the step raises
 
 The host work of each call is kept near what the hand-written loop does: the buffer list
-and the verdict of ``why_copy`` are found once and kept, with a key (identities, lengths
-and classes: lists compared in C) and a check of the tensors' dtypes, shapes, devices and
-layouts (``SameMeta``: one C++ pass) that fail whenever what they were found from changes;
-then each call costs one comparison, one check and, for the buffers, one foreach copy.
+and the verdict of ``why_copy`` are found once and kept, with a key (dict versions,
+identities, lengths and classes: lists compared in C) and a check of the dtypes, shapes,
+devices and layouts of the tensors whose metadata they read (``SameMeta``: one C++ pass)
+that fail whenever what they were found from changes; then each call costs one
+comparison, one check and, for the buffers, one foreach copy. (The verdict on the param
+groups' hyperparameters is kept apart, against the groups' versions alone, so that an LR
+scheduler's float lr, written every step, finds only it again.)
 
 >>> import torch
 >>> from ampkit._rollback import ModelBuffers
@@ -203,12 +206,17 @@ class HeldSignals:
             int_handler, term_handler = _getsignal(_SIGINT), _getsignal(_SIGTERM)
             # (Python's default SIGTERM action is the C one, SIG_DFL: not callable, not held)
             if callable(int_handler):
-                if callable(term_handler):
-                    self.saved = ((_SIGINT, int_handler), (_SIGTERM, term_handler))
-                    _signal.signal(_SIGTERM, self._hold)
-                else:
-                    self.saved = ((_SIGINT, int_handler),)
+                self.saved = ((_SIGINT, int_handler),)
                 _signal.signal(_SIGINT, self._hold)
+                if callable(term_handler):
+                    # (signal() first runs the handlers of signals pending: one that raises
+                    # here leaves nothing of this hold installed)
+                    try:
+                        _signal.signal(_SIGTERM, self._hold)
+                    except BaseException:
+                        _signal.signal(_SIGINT, int_handler)
+                        raise
+                    self.saved = ((_SIGINT, int_handler), (_SIGTERM, term_handler))
             elif callable(term_handler):
                 self.saved = ((_SIGTERM, term_handler),)
                 _signal.signal(_SIGTERM, self._hold)
