@@ -12,10 +12,13 @@ An eager step writes in place in three stages, and keeps what each would need pu
                      -> else: OptimizerCopy, put back if the step raises
 
 The host work of each call is kept near what the hand-written loop does: the buffer list
-and the verdict of ``why_copy`` are found once and kept, with a key (identities, lengths
-and classes: lists compared in C) and a check of the tensors' dtypes, shapes, devices and
-layouts (``SameMeta``: one C++ pass) that fail whenever what they were found from changes;
-then each call costs one comparison, one check and, for the buffers, one foreach copy.
+and the verdict of ``why_copy`` are found once and kept, with a key (dict versions,
+identities, lengths and classes: lists compared in C) and a check of the dtypes, shapes,
+devices and layouts of the tensors whose metadata they read (``SameMeta``: one C++ pass)
+that fail whenever what they were found from changes; then each call costs one
+comparison, one check and, for the buffers, one foreach copy. (The verdict on the param
+groups' hyperparameters is kept apart, against the groups' versions alone, so that an LR
+scheduler's float lr, written every step, finds only it again.)
 
 >>> import torch
 >>> from ampkit._rollback import ModelBuffers
@@ -47,7 +50,7 @@ try:
 except ImportError:  # (not CPython)
     _signal = signal
 
-from ampkit._unchanged import SameMeta, dict_versions
+from ampkit._unchanged import SameMeta, dict_version
 from ampkit._scaler import GradScaler
 
 __all__ = ["HeldSignals", "KeptCopies", "ModelBuffers", "OptimizerCopy", "PLAIN",
@@ -55,12 +58,10 @@ __all__ = ["HeldSignals", "KeptCopies", "ModelBuffers", "OptimizerCopy", "PLAIN"
 
 PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensors with a foreach copy (KeptCopies)
 _GRAD = operator.attrgetter("grad")
+_LAYOUT = operator.attrgetter("layout")
+_NONE = type(None)
 _PARAMS = operator.itemgetter("params")
 _DEREF = weakref.ref.__call__
-
-
-def _group_flags(group):
-    return bool(group.get("fused")), group.get("momentum"), len(group["params"])
 
 
 _is_not_none = functools.partial(operator.is_not, None)
@@ -123,14 +124,15 @@ class ModelBuffers:
         self._found = None  # (the ids of every module's children, then of every module's buffers)
         self._dicts = self._tensors = []
         self._others = self._other_copies = []
+        self._need_no_grad = False
 
     def _look(self):
         # One C-level walk of the kept modules' dicts, children's then buffers' (the objects
         # they name are kept alive by self, and by the model: no identity is reused while
         # compared; a None, a removed buffer's slot, is named too)
         # (or, where dicts have versions, the version of each: one C call a dict)
-        if dict_versions is not None:
-            return dict_versions(self._dicts)
+        if dict_version is not None:
+            return [*map(dict_version, self._dicts)]
         return list(map(id, chain.from_iterable(map(dict.values, self._dicts))))
 
     def _find(self):
@@ -153,19 +155,25 @@ class ModelBuffers:
         self._plain = [(group, [torch.empty_like(b, memory_format=torch.preserve_format) for b in group])
                        for group in groups.values()]
         self._others = [b for b in buffers if type(b) not in PLAIN]
-
-    def _current(self):
-        if self._look() != self._found or not self._same(self._tensors):
-            self._find()
+        self._need_no_grad = any(b.requires_grad for b in buffers)
 
     def save(self):
-        self._current()
-        if not self._tensors:  # (no buffers: nothing to copy, no grad mode to enter)
+        # (one Python frame: this runs on every eager call, with or without buffers)
+        tensors = self._tensors
+        found = [*map(dict_version, self._dicts)] if dict_version is not None else self._look()
+        if found != self._found or tensors and not self._same(tensors):
+            self._find()
+            tensors = self._tensors
+        if not tensors:  # (no buffers: nothing to copy, no grad mode to enter)
             return
-        with torch.no_grad():
+        if self._others or self._need_no_grad:
+            with torch.no_grad():
+                for group, copies in self._plain:
+                    torch._foreach_copy_(copies, group)
+                self._other_copies = [b.detach().clone() for b in self._others]
+        else:  # (no buffer requires grad, which SameMeta checks: the copy records nothing)
             for group, copies in self._plain:
                 torch._foreach_copy_(copies, group)
-            self._other_copies = [b.detach().clone() for b in self._others]
 
     def restore(self):
         with torch.no_grad():
@@ -188,28 +196,45 @@ class HeldSignals:
     __slots__ = ("saved", "came")
 
     def __init__(self):
-        self.saved, self.came = {}, []
+        self.saved, self.came = (), []
 
     def _hold(self, signum, frame):
         self.came.append((signum, frame))
 
     def __enter__(self):
-        if _thread.get_ident() == _MAIN_THREAD:
-            for s in self.SIGNALS:
-                handler = _signal.getsignal(s)
-                if callable(handler):
-                    self.saved[s] = handler
-                    _signal.signal(s, self._hold)
+        if _get_ident() == _MAIN_THREAD:
+            int_handler, term_handler = _getsignal(_SIGINT), _getsignal(_SIGTERM)
+            # (Python's default SIGTERM action is the C one, SIG_DFL: not callable, not held)
+            if callable(int_handler):
+                self.saved = ((_SIGINT, int_handler),)
+                _signal.signal(_SIGINT, self._hold)
+                if callable(term_handler):
+                    # (signal() first runs the handlers of signals pending: one that raises
+                    # here leaves nothing of this hold installed)
+                    try:
+                        _signal.signal(_SIGTERM, self._hold)
+                    except BaseException:
+                        _signal.signal(_SIGINT, int_handler)
+                        raise
+                    self.saved = ((_SIGINT, int_handler), (_SIGTERM, term_handler))
+            elif callable(term_handler):
+                self.saved = ((_SIGTERM, term_handler),)
+                _signal.signal(_SIGTERM, self._hold)
         return self
 
     def __exit__(self, *exc):
-        for s, handler in self.saved.items():
+        for s, handler in self.saved:
             _signal.signal(s, handler)
         return False
 
     def deliver(self):
+        saved = dict(self.saved)
         for signum, frame in self.came:
-            self.saved[signum](signum, frame)
+            saved[signum](signum, frame)
+
+
+_SIGINT, _SIGTERM = HeldSignals.SIGNALS
+_getsignal, _get_ident = _signal.getsignal, _thread.get_ident
 
 
 def zero_grads_the_graph_had(params, owned):
@@ -289,88 +314,124 @@ def why_copy(optimizer, scaler, kept=None):
     (foreach and per-tensor steps do: an out-of-memory error can stop them half-way), and
     a first step creates state (allocations again): both copy.
 
-    ``kept``: a dict the caller keeps between calls, where the verdict on the parameters,
-    gradients and state is kept with its key (``_tensors_key``); it is looked at again only
-    when the key differs. The checks on the optimizer, its hooks, the scaler and the
-    hyperparameters (a handful of values) run every call.
+    ``kept``: a dict the caller keeps between calls, where the verdicts on the param
+    groups' hyperparameters and on the tensors are kept, each with its key: the versions of
+    the group dicts (``dict_versions``: a hyperparameter set or a group replaced or added
+    changes them; an LR scheduler's float lr misses only this one), and a key of what the
+    tensors' verdict reads (see below), with the tensors whose dtype, shape or device the verdict read (``SameMeta``: one C++
+    pass). Each is found again only when its key differs. The checks on the optimizer's
+    class, step, hooks and the scaler (a handful of values) run every call.
     """
-    kind = type(optimizer)
-    name = kind.__name__
-    if kind not in _CHECKED_OPTIMIZERS:
-        return f"{name} is not torch's SGD, Adam or AdamW, whose steps can be checked beforehand"
-    own = vars(optimizer).get("step")
-    # (an LR scheduler wraps step() on the instance, to note that it was called)
-    if own is not None and not (getattr(own, "_wrapped_by_lr_sched", False)
-                                and getattr(own, "__wrapped__", None) is kind.step):
-        return f"{name}.step is replaced on the instance"
-    if (getattr(optimizer, "_optimizer_step_pre_hooks", None)
-            or getattr(optimizer, "_optimizer_step_post_hooks", None)
-            or _optim_module._global_optimizer_pre_hooks
-            or _optim_module._global_optimizer_post_hooks):
-        return f"{name} has step hooks"
-    why = _scaler_why_copy(scaler)
+    why = _optimizer_why_copy(optimizer, scaler)
     if why is not None:
         return why
+    if kept is None or dict_version is None:
+        return _hyperparameters_why_copy(optimizer)[0] or _tensors_why_copy(optimizer)[0]
+    groups = optimizer.param_groups
+    versions = [*map(dict_version, groups)]
+    if kept.get("groups") != versions:
+        why, keep = _hyperparameters_why_copy(optimizer)
+        kept["groups"], kept["hyperparameters"] = (versions if keep else None), why
+        # (what the tensors' verdict reads of the groups: found again whenever a group changed)
+        kept["flags"] = list(map(_group_flags, groups))
+    if kept["hyperparameters"] is not None:
+        return kept["hyperparameters"]
+    # The key of the tensors' verdict: what _tensors_why_copy reads but the metadata of the
+    # tensors it names (kept["read"], checked below), in one flat list compared in C, each
+    # part's length fixed by what comes before it: the number of groups, each one's flags
+    # (found above whenever a group changed) and number of parameters; each parameter's
+    # identity (watched: freed, it drops the key, _watch) and its gradient's class (None
+    # too); each gradient's layout; the number of states and the versions of the state's
+    # dicts (a state created, replaced or added to changes them). C-level maps, no Python
+    # loop over the parameters and no Python frame: this runs on every eager call.
+    state = optimizer.state
+    if len(groups) == 1:  # (the common case: the group's own list, not a copy)
+        params = groups[0]["params"]
+        lengths = (len(params),)
+    else:
+        lists = [*map(_PARAMS, groups)]
+        params, lengths = [*chain.from_iterable(lists)], map(len, lists)
+    grads = [*map(_GRAD, params)]
+    types = [*map(type, grads)]
+    key = [kept["flags"], *lengths, *map(id, params), *types,
+           *map(_LAYOUT, filter(_is_not_none, grads) if _NONE in types else grads),
+           len(state), *map(dict_version, (state, *state.values()))]
+    if kept.get("key") == key and (kept["same"] is None or kept["same"]([*map(_DEREF, kept["read"])])):
+        return kept["why"]
+    kept.pop("key", None)
+    why, read = _tensors_why_copy(optimizer, [])
+    if read is not None:
+        kept["why"] = why
+        kept["read"], kept["ids"] = _watch(read, optimizer, kept)
+        kept["same"] = SameMeta(read) if read else None
+        kept["key"] = key
+    return why
+
+
+def _optimizer_why_copy(optimizer, scaler):
+    # (run every call: plain loads and dict lookups, the reasons' names made only for one)
+    kind = type(optimizer)
+    if kind not in _CHECKED_OPTIMIZERS:
+        return f"{kind.__name__} is not torch's SGD, Adam or AdamW, whose steps can be checked beforehand"
+    own = vars(optimizer)  # (torch's own classes: the hooks' dicts are instance attributes)
+    step = own.get("step")
+    # (an LR scheduler wraps step() on the instance, to note that it was called)
+    if step is not None and not (getattr(step, "_wrapped_by_lr_sched", False)
+                                 and getattr(step, "__wrapped__", None) is kind.step):
+        return f"{kind.__name__}.step is replaced on the instance"
+    if (own.get("_optimizer_step_pre_hooks") or own.get("_optimizer_step_post_hooks")
+            or _optim_module._global_optimizer_pre_hooks or _optim_module._global_optimizer_post_hooks):
+        return f"{kind.__name__} has step hooks"
+    # (_scaler_why_copy, its class's verdict looked up here: one Python frame less a call)
+    own = vars(scaler)
+    if _scaler_types_checked.get(type(scaler)) is not True or "step" in own or "update" in own:
+        return _scaler_why_copy(scaler)
+    return None
+
+
+def _hyperparameters_why_copy(optimizer):
+    """(why the param groups' hyperparameters need a copy or None, whether that verdict may
+    be kept against the groups' versions: not where a value of a mutable type, a list, could
+    change in place without changing its group's version)."""
+    name, keep = type(optimizer).__name__, True
     for group in optimizer.param_groups:
         for k, v in group.items():
-            if type(v) not in _SCALARS and k != "params" and not plain_value(v):
-                return f"{name} has a {type(v).__name__} {k!r}"
+            if type(v) not in _SCALARS and k != "params":
+                keep = keep and _immutable(v)
+                if not plain_value(v):
+                    return f"{name} has a {type(v).__name__} {k!r}", keep
         if group.get("differentiable"):
-            return f"{name} was built with differentiable=True"
-    if kept is None:
-        return _tensors_why_copy(optimizer)
-    key, tensors = _tensors_key(optimizer)
-    # (an unchanged key names the same state tensors as when the verdict was kept: they are
-    # taken from its weak references, not listed again)
-    if kept.get("key") != key or not kept["same"](tensors + list(map(_DEREF, kept["state"]))):
-        kept["why"] = _tensors_why_copy(optimizer)
-        kept["key"] = key
-        kept["state"], kept["watch"] = _watch(optimizer, kept)
-        kept["same"] = SameMeta(tensors + list(map(_DEREF, kept["state"])))
-    return kept["why"]
+            return f"{name} was built with differentiable=True", keep
+    return None, keep
 
 
-def _watch(optimizer, kept):
-    """Weak references to the state's tensors, and to the other tensors the key names by
-    identity (parameters, the state's keys): when one is freed, the key is forgotten, so
-    that a tensor made later at its address (same id) is never taken for it. Weak: a state
+def _group_flags(group):
+    return bool(group.get("fused")), group.get("momentum")
+
+
+def _immutable(v):
+    return type(v) in _SCALARS or isinstance(v, torch.Tensor) or (
+        type(v) is tuple and all(map(_immutable, v)))
+
+
+def _watch(read, optimizer, kept):
+    """Weak references to the tensors whose metadata the verdict read, and to the
+    parameters the key names by identity: when one is freed, the key is forgotten, so that
+    a tensor made later at its address (same id) is never taken for it. Weak: a state
     replaced by load_state_dict is freed at once, not held through the next call's
     forward."""
     def forget(_, kept=kept):
         kept.pop("key", None)
 
-    values = chain.from_iterable(map(dict.values, optimizer.state.values()))
-    others = chain(optimizer.state, (p for g in optimizer.param_groups for p in g["params"]))
-    return ([weakref.ref(t, forget) for t in values if isinstance(t, torch.Tensor)],
-            [weakref.ref(t, forget) for t in others if isinstance(t, torch.Tensor)])
+    params = chain.from_iterable(map(_PARAMS, optimizer.param_groups))
+    return ([weakref.ref(t, forget) for t in read],
+            [weakref.ref(t, forget) for t in params if isinstance(t, torch.Tensor)])
 
 
-def _tensors_key(optimizer):
-    """What ``_tensors_why_copy`` looks at: a key of values compared in C, and the tensors
-    whose class, dtype, shape, device and layout ``SameMeta`` checks in one C++ pass (the
-    parameters and the gradients there are; the caller adds the state's tensors). The key
-    holds the state: the versions of its dicts (``dict_versions``: a state created,
-    replaced or added to changes them) or, where Python has none, which parameters have
-    state and the identities and classes of their state's values; per param group whether
-    it is fused or has momentum and how many parameters it has; per parameter its identity
-    and its gradient's class (None too). A tensor named by identity is watched
-    (``_watch``): freed, it drops the key. C-level maps, no Python loop over the
-    parameters: this runs on every eager call."""
-    state, groups = optimizer.state, optimizer.param_groups
-    params = list(chain.from_iterable(map(_PARAMS, groups)))
-    grads = list(map(_GRAD, params))
-    if dict_versions is not None:
-        key = [dict_versions((state, *state.values()))]
-    else:  # (the state walked as a dict, not looked up per parameter: a tensor's hash is Python)
-        values = list(chain.from_iterable(map(dict.values, state.values())))
-        key = [list(map(id, state)), list(map(len, state.values())), list(map(id, values)),
-               list(map(type, values))]
-    key += list(map(_group_flags, groups)), list(map(id, params)), list(map(type, grads))
-    params += filter(_is_not_none, grads)
-    return key, params
-
-
-def _tensors_why_copy(optimizer):
+def _tensors_why_copy(optimizer, read=None):
+    # read: a list to which the tensors whose metadata decided the verdict are added (set
+    # to None, returned, where one is a tensor subclass: its local shard is read through an
+    # attribute no key follows), or None
     name = type(optimizer).__name__
     state, strided, tensor = optimizer.state, torch.strided, torch.Tensor
     for group in optimizer.param_groups:
@@ -380,31 +441,40 @@ def _tensors_why_copy(optimizer):
             grad = p.grad
             if grad is None:
                 continue
+            if read is not None and (type(p) not in PLAIN or type(grad) not in PLAIN):
+                read = None
             local = _local(p)
             if local is None:
-                return f"a parameter is a {type(p).__name__}"
+                return f"a parameter is a {type(p).__name__}", read
             grad = _local(grad)
             if grad is None or grad.layout is not strided:
-                return f"a gradient is {grad.layout if grad is not None else type(p.grad).__name__}"
+                return f"a gradient is {grad.layout if grad is not None else type(p.grad).__name__}", read
+            s = state.get(p)
+            if read is not None and (s or not any_device):  # (its dtype, shape or device read below)
+                read.append(p)
             if not (any_device or local.is_cpu):
                 return (f"{name} without fused=True allocates while it writes on "
-                        f"{local.device.type} (an out-of-memory error could stop it half-way)")
-            s = state.get(p)
+                        f"{local.device.type} (an out-of-memory error could stop it half-way)"), read
             if not s:
                 if stateless:
                     continue
-                return f"{name} creates its state in this step"
+                return f"{name} creates its state in this step", read
             dtype, device, shape = local.dtype, local.device, local.shape
             for k, v in s.items():
                 if not isinstance(v, tensor) or k == "step":
                     continue
+                if read is not None:
+                    if type(v) in PLAIN:
+                        read.append(v)
+                    else:
+                        read = None
                 v = _local(v)
                 if v is None:
-                    return f"{name}'s state {k!r} is a {type(s[k]).__name__}"
+                    return f"{name}'s state {k!r} is a {type(s[k]).__name__}", read
                 if v.dtype is not dtype or v.device != device or v.shape != shape:
                     return (f"{name}'s state {k!r} ({v.dtype}, {v.device}) does not match its "
-                            f"parameter ({dtype}, {device})")
-    return None
+                            f"parameter ({dtype}, {device})"), read
+    return None, read
 
 
 def _local(t):

@@ -286,8 +286,10 @@ class TrainStep:
                 self._run_uncompiled(e)
                 return self(inputs, targets)  # the same call again, uncompiled
             raise
-        self._deliver_held_signals()  # a Ctrl-C held while the optimizer wrote: raised now
-        self._compile_pending = False
+        if self._held is not None:  # a Ctrl-C held while the optimizer wrote: raised now
+            self._deliver_held_signals()
+        if self._compile_pending:
+            self._compile_pending = False
         return loss
 
     def _run_uncompiled(self, error):
@@ -387,6 +389,8 @@ class TrainStep:
             with held:
                 self.scaler.step(self.optimizer)
                 self.scaler.update()
+            if not held.came:  # (nothing to deliver; a raise above leaves it to the rollback)
+                self._held = None
         else:
             before = OptimizerCopy(self.optimizer, pool.setdefault("optimizer", {}))
             try:
@@ -688,6 +692,8 @@ def _optimizer_refusals(optimizer, scaler):
 
 
 def _as_tensors(what, value):
+    if isinstance(value, torch.Tensor):  # (the common case, every call: one check)
+        return [value]
     items = list(value) if isinstance(value, (tuple, list)) else [value]
     for i, t in enumerate(items):
         if not isinstance(t, torch.Tensor):

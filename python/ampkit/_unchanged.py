@@ -26,7 +26,8 @@ False
 A dict's version (CPython's ``ma_version_tag``, read by torch.compile's guards) changes
 whenever the dict does (an item added, removed, or set to another object) and is never
 given to two dicts; ``None`` where this torch or Python has none that behaves so (then
-callers compare the dicts' contents):
+callers compare the dicts' contents). ``dict_version`` is the same for one dict (None
+likewise), for callers that map it over dicts themselves:
 
 >>> from ampkit._unchanged import dict_versions
 >>> d = {"a": 1}
@@ -51,7 +52,7 @@ try:
 except ImportError:  # pragma: no cover
     _dict_version = None
 
-__all__ = ["SameMeta", "dict_versions"]
+__all__ = ["SameMeta", "dict_version", "dict_versions"]
 
 _META = operator.attrgetter("dtype", "shape", "device", "layout", "requires_grad")
 
@@ -112,4 +113,6 @@ def _versions(dicts):
     return list(map(_dict_version, dicts))
 
 
-dict_versions = _versions if _dict_version is not None and _versions_behave(_dict_version) else None
+_BEHAVE = _dict_version is not None and _versions_behave(_dict_version)
+dict_version = _dict_version if _BEHAVE else None  # (one dict's: in a map, without a Python frame)
+dict_versions = _versions if _BEHAVE else None

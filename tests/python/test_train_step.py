@@ -831,6 +831,9 @@ VERDICT_CHANGES = {
                           lambda model, opt: opt.add_param_group({"params": list(model.emb.parameters())})),
     "momentum_turned_on": (_sgd_without_momentum,
                            lambda model, opt: [g.update(momentum=0.9) for g in opt.param_groups]),
+    # (the group's own list grows in place: its dict's version stays, its length does not)
+    "parameter_appended_in_place": (_lin_then_emb_adam,
+                                    lambda model, opt: opt.param_groups[0]["params"].extend(model.emb.parameters())),
 }
 
 
@@ -861,6 +864,66 @@ def test_the_kept_verdict_follows_the_optimizer_between_calls(change):
         assert step.rollback_copy == fresh.rollback_copy
     assert verdicts[0] is not None and verdicts[1] is None  # (state created, then there)
     assert_bitwise(list(model.parameters()), list(fresh_model.parameters()))
+
+
+def test_a_hyperparameter_list_changed_in_place_is_seen_at_the_next_call():
+    """A param group's value of a mutable type (a list) can change without its group dict
+    changing: the step does not keep its verdict on such a group, and sees a tensor put
+    into the list between calls as a step built afresh does (SGD ignores the key)."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, fused=True)
+    opt.param_groups[0]["notes"] = [0.5]
+    step = ampkit.make_train_step(model, torch.nn.functional.mse_loss, opt, scaler=make_scaler(),
+                                  autocast=FP16, capture=False)
+    batches = make_batches(n=4, poison=False)
+    for x, y in batches[:2]:
+        step(x, y)
+    assert step.rollback_copy is None
+    opt.param_groups[0]["notes"].append(torch.tensor(1.0))
+    step(*batches[2])
+    assert step.rollback_copy == "SGD has a list 'notes'"
+    opt.param_groups[0]["notes"].pop()
+    step(*batches[3])
+    assert step.rollback_copy is None
+
+
+def test_a_sigterm_while_the_optimizer_writes_is_held_as_a_ctrl_c_is():
+    """With a Python SIGTERM handler installed (Python's default is the C one, not held),
+    a SIGTERM arriving inside the fused kernel's call runs that handler once the step is
+    whole, as SIGINT does, and both handlers are back in place after the call."""
+    import signal
+
+    came = []
+
+    def on_term(signum, frame):
+        came.append((signum, step.calls, float(model[0].weight.detach().sum())))
+
+    model, opt, step = _failing_step("none", "sgd_fused", Once())
+    real, armed = torch._fused_sgd_, [False]
+
+    def kernel_then_sigterm(*a, **k):
+        out = real(*a, **k)
+        if armed[0]:
+            armed[0] = False
+            signal.raise_signal(signal.SIGTERM)
+            assert not came  # (held: not run inside the optimizer step)
+        return out
+
+    int_handler = signal.getsignal(signal.SIGINT)
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(torch, "_fused_sgd_", kernel_then_sigterm)
+            x, y = make_batches(n=1, poison=False)[0]
+            step(x, y)
+            armed[0] = True
+            step(x, y)
+        assert not armed[0] and step.rollback_copy is None
+        assert came == [(signal.SIGTERM, 2, float(model[0].weight.detach().sum()))]  # after the step
+        assert signal.getsignal(signal.SIGTERM) is on_term
+        assert signal.getsignal(signal.SIGINT) is int_handler
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class _Tally(torch.nn.Module):

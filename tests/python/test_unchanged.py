@@ -96,7 +96,7 @@ def checks(request, monkeypatch):
     """The step's checks as shipped, and as where torch has no guards or Python's dicts no
     versions (both fallbacks on): each test below runs both."""
     if request.param == "python_fallback":
-        monkeypatch.setattr(_rollback, "dict_versions", None)
+        monkeypatch.setattr(_rollback, "dict_version", None)
         monkeypatch.setattr(_rollback, "SameMeta", lambda tensors: SameMeta(tensors, in_cpp=False))
     return request.param
 
