@@ -11,10 +11,15 @@ kernels, the ops' self CPU time, so that the CPU smoke run exercises the same co
              ``triton_per_...``): fused elementwise and reductions, named as inductor named them
   fp8_gemm   a kernel launched by ``aten::_scaled_mm``, or whose name says fp8
              (e4m3, e5m2, f8f8, ``_scaled_mm``)
+  attention  flash / memory-efficient / cuDNN attention, sdpa (before gemm: cuDNN's sdpa
+             kernels carry sm90_ and wgmma in their names)
   gemm       the other matrix multiplies (cuBLAS / cutlass / nvjet names; aten::mm on the CPU)
-  attention  flash / memory-efficient / cuDNN attention, sdpa
   optimizer  fused and multi-tensor optimizer kernels
   other      everything else (copies, torch's own elementwise kernels, reductions)
+
+Ranges that torch.profiler shows on the device timeline but that are no kernel (user
+annotations such as ``Optimizer.step#AdamW.step``, which span the kernels they hold) are
+left out: counted, they would count those kernels twice.
 
 >>> kernel_kind("triton_poi_fused__to_copy_abs_amax_0")
 'triton'
@@ -32,7 +37,8 @@ KINDS = ("fp8_gemm", "gemm", "attention", "optimizer", "triton", "other")
 TRITON = ("triton_",)
 FP8_GEMM = ("scaled_mm", "e4m3", "e5m2", "f8f8")
 GEMM = ("gemm", "gemv", "cutlass", "nvjet", "xmma", "sm90_", "sm80_", "aten::mm", "aten::addmm", "aten::bmm")
-ATTENTION = ("flash", "fmha", "attention", "sdpa", "cudnn", "scaled_dot_product")
+ATTENTION = ("flash", "fmha", "attention", "sdpa", "scaled_dot_product")
+ANNOTATIONS = ("Optimizer.", "ProfilerStep")  # user-annotation ranges, by their name
 OPTIMIZER = ("sgd", "adam", "multi_tensor_apply")
 
 
@@ -44,10 +50,20 @@ def kernel_kind(name: str, fp8_kernels=frozenset()) -> str:
         return "triton"
     if name in fp8_kernels or any(k in n for k in FP8_GEMM):
         return "fp8_gemm"
-    for kind, keys in (("gemm", GEMM), ("attention", ATTENTION), ("optimizer", OPTIMIZER)):
+    for kind, keys in (("attention", ATTENTION), ("gemm", GEMM), ("optimizer", OPTIMIZER)):
         if any(k in n for k in keys):
             return kind
     return "other"
+
+
+def is_annotation(event) -> bool:
+    """Whether a device-side profiler event is a user-annotation range, not a kernel.
+
+    >>> class E: name, is_user_annotation = "Optimizer.step#AdamW.step", False
+    >>> is_annotation(E())
+    True
+    """
+    return bool(getattr(event, "is_user_annotation", False)) or event.name.startswith(ANNOTATIONS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +124,7 @@ def breakdown_of(events, steps, device, top=15) -> Breakdown:
     times, counts = collections.Counter(), collections.Counter()
     for e in events:
         if cuda:
-            if e.device_type != torch.autograd.DeviceType.CUDA:
+            if e.device_type != torch.autograd.DeviceType.CUDA or is_annotation(e):
                 continue
             us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
         else:

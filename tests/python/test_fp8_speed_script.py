@@ -86,6 +86,9 @@ def test_kernel_kinds_name_the_gpu_kernels_each_kind_holds():
         "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTT": "gemm",
         "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64": "gemm",
         "pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>": "attention",
+        # cuDNN's sdpa kernels (the H100 run at 93f01db) say sm90_ and wgmma: attention all the same
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x128_1x4x1": "attention",
+        "sm90_xmma_fprop_implicit_gemm_f16f16_f16f32_f32_nhwckrsc_nhwc_tilesize128x128x64": "gemm",
         "void at::native::(anonymous namespace)::fused_adamw_kernel<float>": "optimizer",
         "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>": "other",
     }
