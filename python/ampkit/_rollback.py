@@ -122,7 +122,7 @@ class ModelBuffers:
     def __init__(self, model):
         self.model = model
         self._found = None  # (the ids of every module's children, then of every module's buffers)
-        self._dicts = self._tensors = []
+        self._dicts = self._tensors = self._empty = []
         self._others = self._other_copies = []
         self._need_no_grad = False
 
@@ -130,14 +130,22 @@ class ModelBuffers:
         # One C-level walk of the kept modules' dicts, children's then buffers' (the objects
         # they name are kept alive by self, and by the model: no identity is reused while
         # compared; a None, a removed buffer's slot, is named too)
-        # (or, where dicts have versions, the version of each: one C call a dict)
+        # (or, where dicts have versions, the version of each non-empty one: one C call a
+        # dict; the empty ones, most of a model's, are checked still empty by any())
         if dict_version is not None:
             return [*map(dict_version, self._dicts)]
         return list(map(id, chain.from_iterable(map(dict.values, self._dicts))))
 
     def _find(self):
         modules = list(self.model.modules())
-        self._dicts = [m._modules for m in modules] + [m._buffers for m in modules]
+        dicts = [m._modules for m in modules] + [m._buffers for m in modules]
+        if dict_version is not None:
+            # (an empty dict is unchanged exactly while it stays empty: a child or buffer
+            # added to a leaf, by any route, makes it non-empty)
+            self._dicts = [d for d in dicts if d]
+            self._empty = [d for d in dicts if not d]
+        else:
+            self._dicts, self._empty = dicts, []
         self._kept = modules
         buffers = [b for m in modules for b in m._buffers.values() if b is not None]
         self._tensors, self._same = buffers, SameMeta(buffers)
@@ -161,7 +169,7 @@ class ModelBuffers:
         # (one Python frame: this runs on every eager call, with or without buffers)
         tensors = self._tensors
         found = [*map(dict_version, self._dicts)] if dict_version is not None else self._look()
-        if found != self._found or tensors and not self._same(tensors):
+        if found != self._found or any(self._empty) or tensors and not self._same(tensors):
             self._find()
             tensors = self._tensors
         if not tensors:  # (no buffers: nothing to copy, no grad mode to enter)

@@ -979,9 +979,30 @@ def _insert_bn(model):
     model.insert(2, torch.nn.BatchNorm1d(32))  # (ModuleList/Sequential.insert: no registration hook)
 
 
+def _register_on_a_leaf(model):
+    # a buffer on a module that had none (the step keeps no version of an empty dict),
+    # written by the forward through a hook
+    def count(m, args, out):
+        m.seen.add_(out.detach().float().mean())
+
+    model[0].register_buffer("seen", torch.zeros(()))
+    model[0].register_forward_hook(count)
+
+
+def _add_to_a_leaf(model):
+    # a module with a buffer under a module that had no children, run by a forward hook
+    def run(m, args, out):
+        m.tally(out)
+
+    model[3].add_module("tally", _Tally())
+    model[3].register_forward_hook(run)
+
+
 # Changes to the model's buffers between calls, by routes that do and do not go through
 # torch's registration hooks: the step keeps its list of buffers between calls.
 BUFFER_CHANGES = {
+    "buffer_registered_on_a_leaf": _register_on_a_leaf,
+    "module_added_to_a_leaf": _add_to_a_leaf,
     "buffer_reassigned": lambda model: setattr(model[1], "running_mean", torch.randn(32)),
     "buffer_data_replaced": lambda model: setattr(model[1].running_var, "data", torch.rand(32) + 0.5),
     "module_converted": lambda model: model[1].bfloat16().float(),  # (new buffer tensors)
