@@ -248,9 +248,13 @@ _getsignal, _get_ident = _signal.getsignal, _thread.get_ident
 def zero_grads_the_graph_had(params, owned):
     # As zero_grad(set_to_none=False) left them: a parameter that had a gradient in the
     # graph and got none in this step is stepped with zeros (fresh ones: the graph's stay
-    # untouched until the step has succeeded).
-    for p, g in zip(params, owned):
-        if g is not None and p.grad is None:
+    # untouched until the step has succeeded). (Every parameter got one, the common case:
+    # C-level maps, no Python loop.)
+    grads = [*map(_GRAD, params)]
+    if _NONE not in map(type, grads):
+        return
+    for p, g, now in zip(params, owned, grads):
+        if g is not None and now is None:
             p.grad = torch.zeros_like(g)
 
 
