@@ -340,7 +340,8 @@ def why_copy(optimizer, scaler, kept=None):
     if kept is None or dict_version is None:
         return _hyperparameters_why_copy(optimizer)[0] or _tensors_why_copy(optimizer)[0]
     groups = optimizer.param_groups
-    versions = [*map(dict_version, groups)]
+    single = len(groups) == 1  # (the common case: one version, no list built by a map)
+    versions = (dict_version(groups[0]),) if single else [*map(dict_version, groups)]
     if kept.get("groups") != versions:
         why, keep = _hyperparameters_why_copy(optimizer)
         kept["groups"], kept["hyperparameters"] = (versions if keep else None), why
@@ -355,9 +356,10 @@ def why_copy(optimizer, scaler, kept=None):
     # identity (watched: freed, it drops the key, _watch) and its gradient's class (None
     # too); each gradient's layout; the number of states and the versions of the state's
     # dicts (a state created, replaced or added to changes them). C-level maps, no Python
-    # loop over the parameters and no Python frame: this runs on every eager call.
+    # loop over the parameters and no Python frame: this runs on every eager call. (An empty
+    # state is unchanged exactly while it stays empty: its length says so, no version.)
     state = optimizer.state
-    if len(groups) == 1:  # (the common case: the group's own list, not a copy)
+    if single:  # (the group's own list, not a copy)
         params = groups[0]["params"]
         lengths = (len(params),)
     else:
@@ -366,8 +368,9 @@ def why_copy(optimizer, scaler, kept=None):
     grads = [*map(_GRAD, params)]
     types = [*map(type, grads)]
     key = [kept["flags"], *lengths, *map(id, params), *types,
-           *map(_LAYOUT, filter(_is_not_none, grads) if _NONE in types else grads),
-           len(state), *map(dict_version, (state, *state.values()))]
+           *map(_LAYOUT, filter(_is_not_none, grads) if _NONE in types else grads), len(state)]
+    if state:
+        key += map(dict_version, (state, *state.values()))
     if kept.get("key") == key and (kept["same"] is None or kept["same"]([*map(_DEREF, kept["read"])])):
         return kept["why"]
     kept.pop("key", None)

@@ -272,8 +272,9 @@ class TrainStep:
         return self._compile_reason
 
     def __call__(self, inputs, targets) -> torch.Tensor:
-        flat_in = _as_tensors("inputs", inputs)
-        flat_tg = _as_tensors("targets", targets)
+        # (a tensor each, the common case: no frame to find that out)
+        flat_in = [inputs] if isinstance(inputs, torch.Tensor) else _as_tensors("inputs", inputs)
+        flat_tg = [targets] if isinstance(targets, torch.Tensor) else _as_tensors("targets", targets)
         # All or nothing: a call that raises (in the forward, the loss, backward,
         # optimizer.step or the scaler) leaves the step object, the gradients, the model's
         # buffers, the parameters, the optimizer state and the scaler as they were.
@@ -711,7 +712,7 @@ def _optimizer_refusals(optimizer, scaler):
 
 
 def _as_tensors(what, value):
-    if isinstance(value, torch.Tensor):  # (the common case, every call: one check)
+    if isinstance(value, torch.Tensor):
         return [value]
     items = list(value) if isinstance(value, (tuple, list)) else [value]
     for i, t in enumerate(items):
