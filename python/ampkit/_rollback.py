@@ -350,8 +350,8 @@ def why_copy(optimizer, scaler, kept=None):
     if kept["hyperparameters"] is not None:
         return kept["hyperparameters"]
     # The key of the tensors' verdict: what _tensors_why_copy reads but the metadata of the
-    # tensors it names (kept["read"], checked below), in one flat list compared in C, each
-    # part's length fixed by what comes before it: the number of groups, each one's flags
+    # tensors it names (kept["params_read"], kept["read"]: checked below), in one flat list
+    # compared in C, each part's length fixed by what comes before it: the number of groups, each one's flags
     # (found above whenever a group changed) and number of parameters; each parameter's
     # identity (watched: freed, it drops the key, _watch) and its gradient's class (None
     # too); each gradient's layout; the number of states and the versions of the state's
@@ -371,14 +371,22 @@ def why_copy(optimizer, scaler, kept=None):
            *map(_LAYOUT, filter(_is_not_none, grads) if _NONE in types else grads), len(state)]
     if state:
         key += map(dict_version, (state, *state.values()))
-    if kept.get("key") == key and (kept["same"] is None or kept["same"]([*map(_DEREF, kept["read"])])):
+    if kept.get("key") == key and (kept["same"] is None or kept["same"](
+            [*kept["params_read"], *map(_DEREF, kept["read"])])):
         return kept["why"]
     kept.pop("key", None)
+    kept["params_read"] = ()
     why, read = _tensors_why_copy(optimizer, [])
     if read is not None:
         kept["why"] = why
-        kept["read"], kept["ids"] = _watch(read, optimizer, kept)
-        kept["same"] = SameMeta(read) if read else None
+        # The parameters among them are held as they are (a train step holds them anyway:
+        # no call through a weak reference each), the state weakly (_watch); parameters first.
+        named = set(map(id, chain.from_iterable(map(_PARAMS, groups))))
+        params_read = [t for t in read if id(t) in named]
+        state_read = [t for t in read if id(t) not in named]
+        kept["params_read"] = params_read
+        kept["read"], kept["ids"] = _watch(state_read, optimizer, kept)
+        kept["same"] = SameMeta(params_read + state_read) if read else None
         kept["key"] = key
     return why
 
@@ -430,7 +438,7 @@ def _immutable(v):
 
 
 def _watch(read, optimizer, kept):
-    """Weak references to the tensors whose metadata the verdict read, and to the
+    """Weak references to the state tensors whose metadata the verdict read, and to the
     parameters the key names by identity: when one is freed, the key is forgotten, so that
     a tensor made later at its address (same id) is never taken for it. Weak: a state
     replaced by load_state_dict is freed at once, not held through the next call's
