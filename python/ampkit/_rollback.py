@@ -201,13 +201,13 @@ class HeldSignals:
     cost of holding.)"""
 
     SIGNALS = (int(signal.SIGINT), int(signal.SIGTERM))
-    __slots__ = ("saved", "came")
-
-    def __init__(self):
-        self.saved, self.came = (), []
+    # (class defaults, no __init__: one is made at every eager call; the instance's own
+    # values are set only where there is something to hold, or that came)
+    saved = ()  # ((signal, handler put back by __exit__), ...)
+    came = ()  # ((signal, frame), ...): the signals that came while held
 
     def _hold(self, signum, frame):
-        self.came.append((signum, frame))
+        self.came = (*self.came, (signum, frame))
 
     def __enter__(self):
         if _get_ident() == _MAIN_THREAD:
