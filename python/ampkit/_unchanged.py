@@ -1,5 +1,6 @@
 """Whether what the eager train step found out between calls still holds: tensors' metadata
-(``SameMeta``, one C++ pass) and dicts' contents (``dict_versions``).
+(``SameMeta``, one C++ pass), dicts' contents (``dict_versions``) and, for a captured step,
+a batch's shapes, dtypes and devices (``SameSignature``).
 
 The eager train step keeps what it found out about the model's buffers and the optimizer's
 parameters between calls, and must notice when one of them changes in place: its ``.data``
