@@ -40,6 +40,8 @@ VARIANTS = ("hand", "full", "no_why_copy", "no_hold", "no_buffers", "no_step_cop
 
 
 class _NoHold:
+    came = ()  # (the step reads which signals came while it held them: none)
+
     def __enter__(self):
         return self
 

@@ -122,7 +122,7 @@ class ModelBuffers:
     def __init__(self, model):
         self.model = model
         self._found = None  # (the ids of every module's children, then of every module's buffers)
-        self._dicts = self._tensors = []
+        self._dicts = self._tensors = self._empty = []
         self._others = self._other_copies = []
         self._need_no_grad = False
 
@@ -130,14 +130,22 @@ class ModelBuffers:
         # One C-level walk of the kept modules' dicts, children's then buffers' (the objects
         # they name are kept alive by self, and by the model: no identity is reused while
         # compared; a None, a removed buffer's slot, is named too)
-        # (or, where dicts have versions, the version of each: one C call a dict)
+        # (or, where dicts have versions, the version of each non-empty one: one C call a
+        # dict; the empty ones, most of a model's, are checked still empty by any())
         if dict_version is not None:
             return [*map(dict_version, self._dicts)]
         return list(map(id, chain.from_iterable(map(dict.values, self._dicts))))
 
     def _find(self):
         modules = list(self.model.modules())
-        self._dicts = [m._modules for m in modules] + [m._buffers for m in modules]
+        dicts = [m._modules for m in modules] + [m._buffers for m in modules]
+        if dict_version is not None:
+            # (an empty dict is unchanged exactly while it stays empty: a child or buffer
+            # added to a leaf, by any route, makes it non-empty)
+            self._dicts = [d for d in dicts if d]
+            self._empty = [d for d in dicts if not d]
+        else:
+            self._dicts, self._empty = dicts, []
         self._kept = modules
         buffers = [b for m in modules for b in m._buffers.values() if b is not None]
         self._tensors, self._same = buffers, SameMeta(buffers)
@@ -161,7 +169,7 @@ class ModelBuffers:
         # (one Python frame: this runs on every eager call, with or without buffers)
         tensors = self._tensors
         found = [*map(dict_version, self._dicts)] if dict_version is not None else self._look()
-        if found != self._found or tensors and not self._same(tensors):
+        if found != self._found or any(self._empty) or tensors and not self._same(tensors):
             self._find()
             tensors = self._tensors
         if not tensors:  # (no buffers: nothing to copy, no grad mode to enter)
@@ -193,13 +201,13 @@ class HeldSignals:
     cost of holding.)"""
 
     SIGNALS = (int(signal.SIGINT), int(signal.SIGTERM))
-    __slots__ = ("saved", "came")
-
-    def __init__(self):
-        self.saved, self.came = (), []
+    # (class defaults, no __init__: one is made at every eager call; the instance's own
+    # values are set only where there is something to hold, or that came)
+    saved = ()  # ((signal, handler put back by __exit__), ...)
+    came = ()  # ((signal, frame), ...): the signals that came while held
 
     def _hold(self, signum, frame):
-        self.came.append((signum, frame))
+        self.came = (*self.came, (signum, frame))
 
     def __enter__(self):
         if _get_ident() == _MAIN_THREAD:
@@ -240,9 +248,13 @@ _getsignal, _get_ident = _signal.getsignal, _thread.get_ident
 def zero_grads_the_graph_had(params, owned):
     # As zero_grad(set_to_none=False) left them: a parameter that had a gradient in the
     # graph and got none in this step is stepped with zeros (fresh ones: the graph's stay
-    # untouched until the step has succeeded).
-    for p, g in zip(params, owned):
-        if g is not None and p.grad is None:
+    # untouched until the step has succeeded). (Every parameter got one, the common case:
+    # C-level maps, no Python loop.)
+    grads = [*map(_GRAD, params)]
+    if _NONE not in map(type, grads):
+        return
+    for p, g, now in zip(params, owned, grads):
+        if g is not None and now is None:
             p.grad = torch.zeros_like(g)
 
 
@@ -328,7 +340,8 @@ def why_copy(optimizer, scaler, kept=None):
     if kept is None or dict_version is None:
         return _hyperparameters_why_copy(optimizer)[0] or _tensors_why_copy(optimizer)[0]
     groups = optimizer.param_groups
-    versions = [*map(dict_version, groups)]
+    single = len(groups) == 1  # (the common case: one version, no list built by a map)
+    versions = (dict_version(groups[0]),) if single else [*map(dict_version, groups)]
     if kept.get("groups") != versions:
         why, keep = _hyperparameters_why_copy(optimizer)
         kept["groups"], kept["hyperparameters"] = (versions if keep else None), why
@@ -337,15 +350,16 @@ def why_copy(optimizer, scaler, kept=None):
     if kept["hyperparameters"] is not None:
         return kept["hyperparameters"]
     # The key of the tensors' verdict: what _tensors_why_copy reads but the metadata of the
-    # tensors it names (kept["read"], checked below), in one flat list compared in C, each
-    # part's length fixed by what comes before it: the number of groups, each one's flags
+    # tensors it names (kept["params_read"], kept["read"]: checked below), in one flat list
+    # compared in C, each part's length fixed by what comes before it: the number of groups, each one's flags
     # (found above whenever a group changed) and number of parameters; each parameter's
     # identity (watched: freed, it drops the key, _watch) and its gradient's class (None
     # too); each gradient's layout; the number of states and the versions of the state's
     # dicts (a state created, replaced or added to changes them). C-level maps, no Python
-    # loop over the parameters and no Python frame: this runs on every eager call.
+    # loop over the parameters and no Python frame: this runs on every eager call. (An empty
+    # state is unchanged exactly while it stays empty: its length says so, no version.)
     state = optimizer.state
-    if len(groups) == 1:  # (the common case: the group's own list, not a copy)
+    if single:  # (the group's own list, not a copy)
         params = groups[0]["params"]
         lengths = (len(params),)
     else:
@@ -354,16 +368,25 @@ def why_copy(optimizer, scaler, kept=None):
     grads = [*map(_GRAD, params)]
     types = [*map(type, grads)]
     key = [kept["flags"], *lengths, *map(id, params), *types,
-           *map(_LAYOUT, filter(_is_not_none, grads) if _NONE in types else grads),
-           len(state), *map(dict_version, (state, *state.values()))]
-    if kept.get("key") == key and (kept["same"] is None or kept["same"]([*map(_DEREF, kept["read"])])):
+           *map(_LAYOUT, filter(_is_not_none, grads) if _NONE in types else grads), len(state)]
+    if state:
+        key += map(dict_version, (state, *state.values()))
+    if kept.get("key") == key and (kept["same"] is None or kept["same"](
+            [*kept["params_read"], *map(_DEREF, kept["read"])])):
         return kept["why"]
     kept.pop("key", None)
+    kept["params_read"] = ()
     why, read = _tensors_why_copy(optimizer, [])
     if read is not None:
         kept["why"] = why
-        kept["read"], kept["ids"] = _watch(read, optimizer, kept)
-        kept["same"] = SameMeta(read) if read else None
+        # The parameters among them are held as they are (a train step holds them anyway:
+        # no call through a weak reference each), the state weakly (_watch); parameters first.
+        named = set(map(id, chain.from_iterable(map(_PARAMS, groups))))
+        params_read = [t for t in read if id(t) in named]
+        state_read = [t for t in read if id(t) not in named]
+        kept["params_read"] = params_read
+        kept["read"], kept["ids"] = _watch(state_read, optimizer, kept)
+        kept["same"] = SameMeta(params_read + state_read) if read else None
         kept["key"] = key
     return why
 
@@ -415,7 +438,7 @@ def _immutable(v):
 
 
 def _watch(read, optimizer, kept):
-    """Weak references to the tensors whose metadata the verdict read, and to the
+    """Weak references to the state tensors whose metadata the verdict read, and to the
     parameters the key names by identity: when one is freed, the key is forgotten, so that
     a tensor made later at its address (same id) is never taken for it. Weak: a state
     replaced by load_state_dict is freed at once, not held through the next call's

@@ -62,6 +62,7 @@ from ampkit._policy import load_policy
 from ampkit._rollback import (HeldSignals, ModelBuffers, OptimizerCopy, plain_value, why_copy,
                               zero_grads_the_graph_had)
 from ampkit._scaler import GradScaler
+from ampkit._unchanged import SameSignature, signature
 
 __all__ = ["TrainStep", "make_train_step"]
 
@@ -271,8 +272,9 @@ class TrainStep:
         return self._compile_reason
 
     def __call__(self, inputs, targets) -> torch.Tensor:
-        flat_in = _as_tensors("inputs", inputs)
-        flat_tg = _as_tensors("targets", targets)
+        # (a tensor each, the common case: no frame to find that out)
+        flat_in = [inputs] if isinstance(inputs, torch.Tensor) else _as_tensors("inputs", inputs)
+        flat_tg = [targets] if isinstance(targets, torch.Tensor) else _as_tensors("targets", targets)
         # All or nothing: a call that raises (in the forward, the loss, backward,
         # optimizer.step or the scaler) leaves the step object, the gradients, the model's
         # buffers, the parameters, the optimizer state and the scaler as they were.
@@ -315,18 +317,16 @@ class TrainStep:
         if not self._eligible:  # (a step that gave up has dropped its graph)
             return self._eager(flat_in, flat_tg)
         if self._graph is not None:
-            sig = _signature(flat_in, flat_tg)
-            if sig != self._sig:
-                if sig != self._other_sig:  # (the reason is written once per other shape)
-                    self._other_sig = sig
-                    self._other_why = (
-                        f"this batch has {_describe(sig)} but the graph was captured for "
-                        f"{_describe(self._sig)} (dynamic shapes run eagerly)")
+            batch = [*flat_in, *flat_tg]
+            other = self._other_sig
+            if not self._sig.quick(batch) and (
+                    other is not None and other.quick(batch) or self._other_batch(batch)):
                 why = self._other_why
                 if self._capture is True:
                     raise RuntimeError(f"make_train_step(capture=True): {why}")
                 self.reason = why
-                self._warn(why)
+                if not self._warned:
+                    self._warn(why)
                 return self._eager(flat_in, flat_tg, beside_graph=True)
             if not self._same_state():
                 self._drop_graph()
@@ -345,6 +345,21 @@ class TrainStep:
             self._warm_left -= 1
             return self._warmup(flat_in, flat_tg)
         return self._capture_and_replay(flat_in, flat_tg)
+
+    def _other_batch(self, batch):
+        # Whether this batch, which the quick checks matched neither with the captured one
+        # nor with the last fallback's (a run of other batches alike pays those alone), has
+        # other shapes, dtypes or devices than the captured one.
+        other = self._other_sig
+        sig = signature(batch)
+        if sig == self._sig.signature:
+            return False
+        if other is None or sig != other.signature:  # (the reason is written once per other shape)
+            self._other_sig = SameSignature(batch)
+            self._other_why = (
+                f"this batch has {_describe(sig)} but the graph was captured for "
+                f"{_describe(self._sig.signature)} (dynamic shapes run eagerly)")
+        return True
 
     def __repr__(self) -> str:
         mode = "graph" if self._graph is not None else (
@@ -509,17 +524,22 @@ class TrainStep:
             if self._capture is True:
                 raise RuntimeError(f"make_train_step(capture=True): {why}")
             return self._give_up(why, flat_in, flat_tg)
+        self._keep_graph(graph, static_loss, flat_in, flat_tg)
+        # The capture recorded the work without running it: run it for this batch.
+        return self._replay(flat_in, flat_tg)
+
+    def _keep_graph(self, graph, static_loss, flat_in, flat_tg):
+        # What later calls read to replay the graph, or to run beside it (batches of other
+        # shapes), and to notice that it no longer holds (the optimizer's state, the modes).
         self._graph = graph
         self._graph_grads = [p.grad for p in self._params]  # (the capture's: in its pool)
         self._static_loss = static_loss
-        self._sig = _signature(flat_in, flat_tg)
+        self._sig = SameSignature([*flat_in, *flat_tg])
         self._key = self._state_key()
         # optimizer.load_state_dict() installs new state/param_groups objects (new tensors).
         self._opt_objs = (self.optimizer.state, self.optimizer.param_groups)
         self.captures += 1
         self.reason = None
-        # The capture recorded the work without running it: run it for this batch.
-        return self._replay(flat_in, flat_tg)
 
     def _replay(self, flat_in, flat_tg) -> torch.Tensor:
         if self._grads_beside_graph:  # an eager fallback's gradients were .grad until now
@@ -692,7 +712,7 @@ def _optimizer_refusals(optimizer, scaler):
 
 
 def _as_tensors(what, value):
-    if isinstance(value, torch.Tensor):  # (the common case, every call: one check)
+    if isinstance(value, torch.Tensor):
         return [value]
     items = list(value) if isinstance(value, (tuple, list)) else [value]
     for i, t in enumerate(items):
@@ -702,14 +722,6 @@ def _as_tensors(what, value):
             raise TypeError(f"{where} must be a torch.Tensor (or {what} a tuple/list of "
                             f"tensors), got {type(t).__name__}")
     return items
-
-
-_SHAPE_DTYPE_DEVICE = operator.attrgetter("shape", "dtype", "device")
-
-
-def _signature(flat_in, flat_tg):
-    # (a C-level map: every replay and every fallback call compares it)
-    return tuple(map(_SHAPE_DTYPE_DEVICE, (*flat_in, *flat_tg)))
 
 
 def _describe(sig):

@@ -1,5 +1,6 @@
 """Whether what the eager train step found out between calls still holds: tensors' metadata
-(``SameMeta``, one C++ pass) and dicts' contents (``dict_versions``).
+(``SameMeta``, one C++ pass), dicts' contents (``dict_versions``) and, for a captured step,
+a batch's shapes, dtypes and devices (``SameSignature``).
 
 The eager train step keeps what it found out about the model's buffers and the optimizer's
 parameters between calls, and must notice when one of them changes in place: its ``.data``
@@ -52,9 +53,10 @@ try:
 except ImportError:  # pragma: no cover
     _dict_version = None
 
-__all__ = ["SameMeta", "dict_version", "dict_versions"]
+__all__ = ["SameMeta", "SameSignature", "dict_version", "dict_versions", "signature"]
 
 _META = operator.attrgetter("dtype", "shape", "device", "layout", "requires_grad")
+_SHAPE_DTYPE_DEVICE = operator.attrgetter("shape", "dtype", "device")
 
 
 class SameMeta:
@@ -83,6 +85,45 @@ class SameMeta:
         if self._check is not None:
             return self._check(*tensors)
         return _metas(tensors) == self._metas
+
+
+def signature(tensors) -> tuple:
+    """The shape, dtype and device of each tensor, as a tuple of tuples (compared with ``==``)."""
+    return tuple(map(_SHAPE_DTYPE_DEVICE, tensors))
+
+
+class SameSignature:
+    """A batch's ``signature``, kept, and a quick check that another batch has it.
+
+    ``quick(tensors)`` is True only where the tensors have this signature (one ``SameMeta``
+    pass, which reads no Python attribute; ``in_cpp`` as for ``SameMeta``); False where they
+    may not: ``SameMeta`` compares
+    strides and requires_grad too, so a caller that must know compares ``signature(tensors)``
+    with ``.signature`` (which reads every attribute from Python, a thousand instructions
+    or so each).
+
+    >>> import torch
+    >>> batch = [torch.zeros(4, 3), torch.zeros(4)]
+    >>> kept = SameSignature(batch)
+    >>> kept.quick([torch.ones(4, 3), torch.ones(4)])
+    True
+    >>> other = [torch.zeros(3, 4).t(), torch.zeros(4)]   # the same shape, other strides
+    >>> kept.quick(other), signature(other) == kept.signature
+    (False, True)
+    """
+
+    __slots__ = ("signature", "_check", "_same", "_count")
+
+    def __init__(self, tensors, in_cpp=True):
+        tensors = list(tensors)
+        self.signature = signature(tensors)
+        self._same, self._count = SameMeta(tensors, in_cpp=in_cpp), len(tensors)
+        self._check = self._same._check  # (C++, called here: one Python frame a check)
+
+    def quick(self, tensors) -> bool:
+        if len(tensors) != self._count:
+            return False
+        return self._check(*tensors) if self._check is not None else self._same(tensors)
 
 
 def _metas(tensors):

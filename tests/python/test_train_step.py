@@ -816,6 +816,49 @@ def test_the_fallback_beside_a_graph_leaves_the_graphs_gradients_and_gives_them_
     assert all(p.grad is g for p, g in zip(model.parameters(), owned))
 
 
+class _StandInGraph:
+    """Counts replays: what a captured graph would run is of no matter to the batch checks."""
+
+    def __init__(self):
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+
+
+def test_a_captured_step_replays_the_captured_shapes_whatever_the_strides_and_runs_others_beside():
+    """A captured step (a stand-in graph, kept as a capture keeps its graph: no CUDA graph
+    on the CPU) replays a batch of the captured shapes, dtypes and devices, also one laid
+    out with other strides, and runs every other batch eagerly beside the graph (fewer rows,
+    another dtype); the reason names the shapes, written once a shape."""
+    model = _bn_model()
+    opt = OPTIMIZERS["sgd_fused"](model.parameters())
+    step = ampkit.make_train_step(model, torch.nn.functional.mse_loss, opt, scaler=make_scaler(),
+                                  autocast=FP16, capture=False)
+    (x, y), (x2, y2) = make_batches(n=2, poison=False)
+    step(x, y)  # (eager on the CPU: the gradients a graph would own)
+    graph = _StandInGraph()
+    step._eligible = True
+    step._static_in, step._static_tg = [x.clone()], [y.clone()]
+    step._keep_graph(graph, torch.zeros(()), [x], [y])
+
+    def call(*batch):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            step(*batch)
+        return step.captured
+
+    assert call(x2, y2) and graph.replays == 1
+    strided = x2.t().contiguous().t()  # (the same shape, column-major)
+    assert strided.stride() != x2.stride()
+    assert call(strided, y2) and graph.replays == 2
+    assert not call(x2[:-1], y2[:-1]) and graph.replays == 2
+    reason = step.reason
+    assert "[11, 16] float32" in reason and "[12, 16] float32" in reason
+    assert not call(x2[1:], y2[1:]) and step.reason is reason  # (the same shapes again)
+    assert not call(x2.half(), y2) and "[12, 16] float16" in step.reason
+
+
 def _lin_then_emb_adam(model):
     return torch.optim.Adam(model.lin.parameters(), lr=1e-2, foreach=True)
 
@@ -979,9 +1022,30 @@ def _insert_bn(model):
     model.insert(2, torch.nn.BatchNorm1d(32))  # (ModuleList/Sequential.insert: no registration hook)
 
 
+def _register_on_a_leaf(model):
+    # a buffer on a module that had none (the step keeps no version of an empty dict),
+    # written by the forward through a hook
+    def count(m, args, out):
+        m.seen.add_(out.detach().float().mean())
+
+    model[0].register_buffer("seen", torch.zeros(()))
+    model[0].register_forward_hook(count)
+
+
+def _add_to_a_leaf(model):
+    # a module with a buffer under a module that had no children, run by a forward hook
+    def run(m, args, out):
+        m.tally(out)
+
+    model[3].add_module("tally", _Tally())
+    model[3].register_forward_hook(run)
+
+
 # Changes to the model's buffers between calls, by routes that do and do not go through
 # torch's registration hooks: the step keeps its list of buffers between calls.
 BUFFER_CHANGES = {
+    "buffer_registered_on_a_leaf": _register_on_a_leaf,
+    "module_added_to_a_leaf": _add_to_a_leaf,
     "buffer_reassigned": lambda model: setattr(model[1], "running_mean", torch.randn(32)),
     "buffer_data_replaced": lambda model: setattr(model[1].running_var, "data", torch.rand(32) + 0.5),
     "module_converted": lambda model: model[1].bfloat16().float(),  # (new buffer tensors)

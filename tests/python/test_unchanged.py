@@ -8,7 +8,7 @@ import torch
 
 import ampkit
 from ampkit import _rollback
-from ampkit._unchanged import SameMeta, dict_versions
+from ampkit._unchanged import SameMeta, SameSignature, dict_versions, signature
 
 
 def _retype(t):
@@ -126,3 +126,53 @@ def test_the_kept_verdict_holds_no_state_the_optimizer_dropped(checks):
 
 def test_the_step_trains_as_the_hand_written_loop(checks):
     step_tests.test_the_step_copies_only_where_the_optimizer_step_could_fail_half_way("adam")
+
+
+def _fewer_rows(batch):
+    return [batch[0][:-1], batch[1][:-1]]
+
+
+def _other_dtype(batch):
+    return [batch[0].double(), batch[1]]
+
+
+def _other_device(batch):
+    return [batch[0].to("meta"), batch[1]]
+
+
+def _one_fewer(batch):
+    return batch[:1]
+
+
+def _one_more(batch):
+    return [*batch, batch[1]]
+
+
+SIGNATURE_CHANGES = {f.__name__[1:]: f for f in (_fewer_rows, _other_dtype, _other_device, _one_fewer, _one_more)}
+
+
+@pytest.mark.parametrize("in_cpp", [True, False], ids=["cpp", "python"])
+@pytest.mark.parametrize("change", sorted(SIGNATURE_CHANGES))
+def test_the_quick_signature_check_fails_for_each_other_signature(change, in_cpp):
+    batch = [torch.randn(4, 3), torch.arange(4)]
+    kept = SameSignature(batch, in_cpp=in_cpp)
+    assert kept.signature == signature(batch)
+    assert kept.quick([torch.zeros(4, 3), torch.ones(4, dtype=torch.int64)])  # (values: no matter)
+    other = SIGNATURE_CHANGES[change](batch)
+    assert signature(other) != kept.signature
+    assert not kept.quick(other)
+
+
+def test_zero_grads_the_graph_had_fills_only_the_parameters_that_lost_theirs():
+    params = [torch.nn.Parameter(torch.randn(3)) for _ in range(3)]
+    owned = [torch.randn(3), None, torch.randn(3)]
+    got = params[0].grad = torch.randn(3)
+    everyone = [torch.randn(3) for _ in params]
+    for p, g in zip(params, everyone):
+        p.grad = g
+    _rollback.zero_grads_the_graph_had(params, owned)  # (every parameter has one: untouched)
+    assert all(p.grad is g for p, g in zip(params, everyone))
+    params[0].grad, params[1].grad, params[2].grad = got, None, None
+    _rollback.zero_grads_the_graph_had(params, owned)
+    assert params[0].grad is got and params[1].grad is None  # (the graph had none for it)
+    assert params[2].grad is not owned[2] and torch.equal(params[2].grad, torch.zeros(3))
