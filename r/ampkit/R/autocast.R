@@ -140,8 +140,14 @@ run_region <- function(expr, env, device_type, dtype, enabled, cache_enabled, po
 region_error <- function(e) py_rethrow(e, REGION_CONTEXT)
 
 # run_region()'s checks and conversions of the options, for the compiled region's
-# (src/region.c) options that are not passed on as they are: a pairlist of them.
-region_options <- function(device_type, dtype, enabled, cache_enabled, policy) {
+# (src/region.c) options that are not passed on as they are (a list of the five): a
+# pairlist of them.
+region_options <- function(options) {
+  device_type <- options[[1]]
+  dtype <- options[[2]]
+  enabled <- options[[3]]
+  cache_enabled <- options[[4]]
+  policy <- options[[5]]
   if (!is_device_type(device_type)) device_type <- as_device_type(device_type)
   if (!is.null(dtype)) dtype <- as_py_dtype(dtype)
   if (!is_true(enabled)) enabled <- as_py_bool(enabled, "enabled")

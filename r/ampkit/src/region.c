@@ -178,10 +178,11 @@ SEXP ampkit_region_code(SEXP args) {
   SEXP rho = CAR(args), opts = CDR(args);
   if (py_enter == NULL || !Rf_isEnvironment(rho))
     Rf_error("ampkit: the compiled region is not ready for these arguments");
-  if (!plain_options(opts)) {
-    SEXP call = PROTECT(Rf_lcons(r_region_options, opts));
+  if (!plain_options(opts)) {  /* (as one list: the values are not evaluated again) */
+    SEXP list = PROTECT(Rf_PairToVectorList(opts));
+    SEXP call = PROTECT(Rf_lang2(r_region_options, list));
     opts = Rf_eval(call, rho);
-    UNPROTECT(1);
+    UNPROTECT(2);
   }
   PROTECT(opts);
   call_args a;

@@ -128,6 +128,7 @@ test_that("the step's lines return the same values, visibly or not, and fail the
          update = seen(withVisible(scaler$update())),
          zero = seen(withVisible(opt$zero_grad())),
          bad_region = condition_of(with_autocast(device_type = "gpu", 1)),
+         bad_dtype = condition_of(with_autocast(device_type = "cpu", dtype = as.name("float16"), 1)),
          region_dtype = with_autocast(device_type = "cpu", dtype = "bfloat16", net(x))$dtype$is_floating_point,
          region_fn = with_autocast(device_type = "cpu", function() 7),
          weight = net$weight$sum()$item(), scale = scaler$get_scale())
