@@ -63,6 +63,11 @@
 #' }
 with_autocast <- function(code, ..., device_type, dtype = NULL, enabled = TRUE,
                           cache_enabled = NULL, policy = NULL) {
+  # The common call, all in compiled code (src/region.c): the options checked, then
+  # `code` forced in the region (its own byte code, in the caller's frame).
+  if (.x$on && !missing(device_type) && !missing(code) && !...length()) {
+    return(.External(.x$region_code, environment(), device_type, dtype, enabled, cache_enabled, policy))
+  }
   env <- parent.frame()
   expr <- substitute(code)
   if (missing(device_type)) {
@@ -133,6 +138,27 @@ run_region <- function(expr, env, device_type, dtype, enabled, cache_enabled, po
 }
 
 region_error <- function(e) py_rethrow(e, REGION_CONTEXT)
+
+# run_region()'s checks and conversions of the options, for the compiled region's
+# (src/region.c) options that are not passed on as they are (a list of the five): a
+# pairlist of them.
+region_options <- function(options) {
+  device_type <- options[[1]]
+  dtype <- options[[2]]
+  enabled <- options[[3]]
+  cache_enabled <- options[[4]]
+  policy <- options[[5]]
+  if (!is_device_type(device_type)) device_type <- as_device_type(device_type)
+  if (!is.null(dtype)) dtype <- as_py_dtype(dtype)
+  if (!is_true(enabled)) enabled <- as_py_bool(enabled, "enabled")
+  if (!is.null(cache_enabled)) cache_enabled <- as_py_bool(cache_enabled, "cache_enabled")
+  if (!is.null(policy)) policy <- as_py_policy(policy)
+  as.pairlist(list(device_type, dtype, enabled, cache_enabled, policy))
+}
+
+# The compiled region's `eval(expr, env)` (src/region.c): `expr` is with_autocast()'s
+# promise `code`, forced here.
+force_code <- function(expr, env) expr
 
 #' @rdname with_autocast
 #' @export

@@ -62,9 +62,16 @@ start_crossing <- function() {
         .x$callx <- routine("ampkit_callx")
         .x$module <- routine("ampkit_module")
         .Call(routine("ampkit_region_setup"),
-              list(.h$fn$enter_autocast, .h$fn$exit_autocast, region_error))
+              list(.h$fn$enter_autocast, .h$fn$exit_autocast, region_error, region_options, force_code))
         .x$region <- routine("ampkit_region")
+        .x$region_code <- routine("ampkit_region_code")
         .x$scaled_loss <- routine("ampkit_scaled_loss")
+        .Call(routine("ampkit_scaler_setup"),
+              list(scaled_tensor, watch_memory, .mem, routine("ampkit_scaled_backward")))
+        .x$scale <- routine("ampkit_scale")
+        .x$backward_function <- routine("ampkit_backward_function")
+        .x$scaler_step <- routine("ampkit_scaler_step")
+        .x$zero_grad <- routine("ampkit_zero_grad")
         .x$scaled_done <- routine("ampkit_scaled_done")
         .x$defer_update <- routine("ampkit_defer_update")
         .x$compiled_methods <- routine("ampkit_compiled_methods")

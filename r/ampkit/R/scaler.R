@@ -165,10 +165,9 @@ GradScalerR6 <- R6::R6Class("ampkit_grad_scaler",
       }
     },
     scale = function(x) {
-      if (inherits(x, "torch.Tensor")) {
-        if (.x$on) return(.Call(.x$scaled_loss, private$pyobj, x, private$hot$scale_backward))
-        return(scaled_loss(private$pyobj, x, private$hot$scale_backward))
-      }
+      # (a tensor: the scaled loss, made in compiled code with the compiled crossing)
+      if (.x$on && !is.null(scaled <- .Call(.x$scale, private, x))) return(scaled)
+      if (inherits(x, "torch.Tensor")) return(scaled_loss(private$pyobj, x, private$hot$scale_backward))
       if (!is_tensor_list(x)) {
         abort(sprintf("`$scale()` takes a torch tensor (the loss) or a list of tensors, not %s.", describe(x)),
               class = "ampkit_bad_argument")
@@ -177,6 +176,11 @@ GradScalerR6 <- R6::R6Class("ampkit_grad_scaler",
       py_try(private$f$scale(x), "$scale()")
     },
     step = function(optimizer, ...) {
+      # (the compiled crossing makes the call and marks the scaler stepped: src/scaler.c;
+      # oldClass() and any() are primitives, inherits() a closure)
+      if (.x$on && any(oldClass(optimizer) == "torch.optim.optimizer.Optimizer")) {
+        return(invisible(.External(.x$scaler_step, private, optimizer, ...)))
+      }
       if (!inherits(optimizer, "torch.optim.optimizer.Optimizer")) {
         abort(sprintf("`$step()` takes a torch optimizer (from optim_sgd(), optim_adam(), ...), not %s.",
                       describe(optimizer)), class = "ampkit_bad_argument")
@@ -283,7 +287,8 @@ scaled_tensor <- function(x) {
 
 #' @export
 `$.ampkit_scaled_loss` <- function(x, name) {
-  if (name == "backward") return(scaled_backward(x))
+  # (with the compiled crossing, its compiled twin: src/scaler.c)
+  if (name == "backward") return(if (.x$on) .Call(.x$backward_function, x) else scaled_backward(x))
   t <- scaled_tensor(x)
   `$`(t, name)
 }

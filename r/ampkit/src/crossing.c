@@ -493,17 +493,31 @@ SEXP ampkit_callx(SEXP args) {
   args = CDR(args);
   int mode = Rf_asInteger(CAR(args));
   args = CDR(args);
-  SEXP f = CAR(args), rest = CDR(args);
+  return callx(context, mode, CAR(args), NULL, CDR(args));
+}
+
+SEXP callx(SEXP context, int mode, SEXP f, SEXP first, SEXP rest) {
   int convert = 1;
   call_args a;
   PyObject *fobj = crossing_ready ? env_object(f, &convert) : NULL;
-  if (fobj == NULL || !args_from_pairlist(&a, rest)) {
+  int ok = fobj != NULL && args_from_pairlist(&a, rest);
+  if (ok && first != NULL) {  /* `first` before the others, with no pairlist made for it */
+    ok = a.npos < MAX_ARGS && convertible(first);
+    if (ok) {
+      for (int i = a.npos; i > 0; i--) a.pos[i] = a.pos[i - 1];
+      a.pos[0] = first;
+      a.npos++;
+    }
+  }
+  if (!ok) {
     /* callx_fallback(context, mode, f, list(...)): the R path, through reticulate */
+    if (first != NULL) rest = Rf_cons(first, rest);
+    PROTECT(rest);
     SEXP list = PROTECT(Rf_PairToVectorList(rest));
     SEXP m = PROTECT(Rf_ScalarInteger(mode));
     SEXP call = PROTECT(Rf_lang5(r_callx_fallback, context, m, f, list));
     SEXP res = Rf_eval(call, R_GlobalEnv);
-    UNPROTECT(3);
+    UNPROTECT(4);
     return res;
   }
   SEXP keep;
@@ -662,6 +676,9 @@ static const R_CallMethodDef call_methods[] = {
   {"ampkit_region_setup", (DL_FUNC) &ampkit_region_setup, 1},
   {"ampkit_scaled_loss", (DL_FUNC) &ampkit_scaled_loss, 3},
   {"ampkit_scaled_done", (DL_FUNC) &ampkit_scaled_done, 1},
+  {"ampkit_scaler_setup", (DL_FUNC) &ampkit_scaler_setup, 1},
+  {"ampkit_scale", (DL_FUNC) &ampkit_scale, 2},
+  {"ampkit_backward_function", (DL_FUNC) &ampkit_backward_function, 1},
   {"ampkit_defer_update", (DL_FUNC) &ampkit_defer_update, 2},
   {"ampkit_compiled_methods", (DL_FUNC) &ampkit_compiled_methods, 2},
   {NULL, NULL, 0}
@@ -671,6 +688,10 @@ static const R_ExternalMethodDef external_methods[] = {
   {"ampkit_module", (DL_FUNC) &ampkit_module, -1},
   {"ampkit_callx", (DL_FUNC) &ampkit_callx, -1},
   {"ampkit_region", (DL_FUNC) &ampkit_region, -1},
+  {"ampkit_region_code", (DL_FUNC) &ampkit_region_code, -1},
+  {"ampkit_scaled_backward", (DL_FUNC) &ampkit_scaled_backward, -1},
+  {"ampkit_scaler_step", (DL_FUNC) &ampkit_scaler_step, -1},
+  {"ampkit_zero_grad", (DL_FUNC) &ampkit_zero_grad, -1},
   {NULL, NULL, 0}
 };
 

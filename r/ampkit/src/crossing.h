@@ -82,6 +82,10 @@ SEXP eval_r(SEXP f, SEXP x);
 
 SEXP ampkit_callx(SEXP args);
 
+/* ampkit_callx()'s call of `f` (a reticulate object) with `first` (unless NULL), then the
+ * arguments of the pairlist `rest`. */
+SEXP callx(SEXP context, int mode, SEXP f, SEXP first, SEXP rest);
+
 /* R's call of reticulate's py_call_impl(f, args, kwargs). */
 SEXP via_reticulate(SEXP f, SEXP args, SEXP kwargs);
 
@@ -100,9 +104,16 @@ void set_class(SEXP x, SEXP klass);
 
 /* region.c, scaler.c */
 SEXP ampkit_region(SEXP args);
+SEXP ampkit_region_code(SEXP args);
 SEXP ampkit_region_setup(SEXP fns);
 SEXP ampkit_scaled_loss(SEXP scaler, SEXP loss, SEXP backward);
 SEXP ampkit_scaled_done(SEXP x);
+SEXP ampkit_scaler_setup(SEXP fns);
+SEXP ampkit_scale(SEXP private_env, SEXP x);
+SEXP ampkit_backward_function(SEXP x);
+SEXP ampkit_scaled_backward(SEXP args);
+SEXP ampkit_scaler_step(SEXP args);
+SEXP ampkit_zero_grad(SEXP args);
 SEXP ampkit_defer_update(SEXP private_env, SEXP pend);
 SEXP ampkit_compiled_methods(SEXP self, SEXP methods);
 

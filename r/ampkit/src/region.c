@@ -7,18 +7,26 @@
  *
  * .External(ampkit_region, expr, env, device_type, dtype, enabled, cache_enabled, policy)
  */
+#include <string.h>
+
 #include "crossing.h"
 
 static PyObject *py_enter, *py_exit;
-static SEXP r_region_error, r_enter_context, sym_expr, sym_env, sym_value, call_eval, call_value;
+static SEXP r_region_error, r_region_options, r_force_code, r_enter_context, sym_expr, sym_env,
+    sym_value, sym_code, sym_eval, call_eval, call_value;
 
 SEXP ampkit_region_setup(SEXP fns) {
-  if (TYPEOF(fns) != VECSXP || XLENGTH(fns) != 3) Rf_error("ampkit_region_setup: bad arguments");
+  if (TYPEOF(fns) != VECSXP || XLENGTH(fns) != 5) Rf_error("ampkit_region_setup: bad arguments");
   py_enter = env_object(VECTOR_ELT(fns, 0), NULL);
   py_exit = env_object(VECTOR_ELT(fns, 1), NULL);
   r_region_error = VECTOR_ELT(fns, 2);
-  if (py_enter == NULL || py_exit == NULL || !Rf_isFunction(r_region_error))
+  r_region_options = VECTOR_ELT(fns, 3);
+  r_force_code = VECTOR_ELT(fns, 4);
+  if (py_enter == NULL || py_exit == NULL || !Rf_isFunction(r_region_error) ||
+      !Rf_isFunction(r_region_options) || !Rf_isFunction(r_force_code))
     Rf_error("ampkit_region_setup: bad arguments");
+  sym_code = Rf_install("code");
+  sym_eval = Rf_install("eval");
   R_PreserveObject(fns);  /* keeps the Python functions alive */
   sym_expr = Rf_install("expr");
   sym_env = Rf_install("env");
@@ -110,6 +118,22 @@ static void cleanup(void *data, Rboolean jump) {
   R_tryCatchError(leave_body, data, ignore, NULL);
 }
 
+/* Enter, run the block of `frame`, leave: the value of the block. */
+static SEXP run(region *r, const call_args *a) {
+  r->convert = 1;
+  SEXP keep;
+  PyObject *before = pending_update(&keep);
+  PROTECT(keep);
+  r->token = PROTECT(call_python(before, py_enter, NULL, 0, a, 1, r_enter_context, MODE_TO_R));
+  SEXP cont = PROTECT(R_MakeUnwindCont());
+  SEXP value = PROTECT(R_UnwindProtect(guarded_block, r, cleanup, r, cont));
+  SETCAR(cont, R_NilValue);  /* R_UnwindProtect() keeps the value there: one R reference more */
+  clear_frame(r->frame);
+  leave(r, R_NilValue);
+  UNPROTECT(4);
+  return value;
+}
+
 SEXP ampkit_region(SEXP args) {
   args = CDR(args);
   region r;
@@ -120,17 +144,55 @@ SEXP ampkit_region(SEXP args) {
   call_args a;
   if (py_enter == NULL || !Rf_isEnvironment(r.env) || !args_from_pairlist(&a, args))
     Rf_error("ampkit: the compiled region is not ready for these arguments");
-  r.convert = 1;
-  SEXP keep;
-  PyObject *before = pending_update(&keep);
-  PROTECT(keep);
-  r.token = PROTECT(call_python(before, py_enter, NULL, 0, &a, 1, r_enter_context, MODE_TO_R));
   r.frame = PROTECT(new_frame(r.expr, r.env));
-  SEXP cont = PROTECT(R_MakeUnwindCont());
-  SEXP value = PROTECT(R_UnwindProtect(guarded_block, &r, cleanup, &r, cont));
-  SETCAR(cont, R_NilValue);  /* R_UnwindProtect() keeps the value there: one R reference more */
-  clear_frame(r.frame);
-  leave(&r, R_NilValue);
-  UNPROTECT(5);
+  SEXP value = run(&r, &a);
+  UNPROTECT(1);
+  return value;
+}
+
+/* Whether the region's options are as run_region() passes them on unchanged: a device
+ * type, no dtype or a torch dtype, `enabled` TRUE, no cache option, no policy. */
+static int plain_options(SEXP opts) {
+  SEXP device = CAR(opts), dtype = CADR(opts), enabled = CADDR(opts);
+  if (TYPEOF(device) != STRSXP || XLENGTH(device) != 1 || ATTRIB(device) != R_NilValue ||
+      STRING_ELT(device, 0) == NA_STRING)
+    return 0;
+  const char *d = CHAR(STRING_ELT(device, 0));
+  if (strcmp(d, "cpu") != 0 && strcmp(d, "cuda") != 0) return 0;
+  if (dtype != R_NilValue && !(OBJECT(dtype) && Rf_inherits(dtype, "torch.dtype"))) return 0;
+  if (TYPEOF(enabled) != LGLSXP || XLENGTH(enabled) != 1 || ATTRIB(enabled) != R_NilValue ||
+      LOGICAL(enabled)[0] != TRUE)
+    return 0;
+  return CADDDR(opts) == R_NilValue && CAD4R(opts) == R_NilValue;
+}
+
+/* .External(ampkit_region_code, frame, device_type, dtype, enabled, cache_enabled, policy):
+ * with_autocast()'s common call, from its frame: the options checked (and converted by
+ * R/autocast.R's region_options() unless they are plain), then the region around the
+ * promise `code` of that frame. The block's frame binds `expr` to the promise and `eval`
+ * to R/autocast.R's force_code(), so that `eval(expr, env)` forces it: the code runs as
+ * its own byte code, in the caller's frame, under a call that reads as run_region()'s
+ * (an R error raised in the block has the same call as there). */
+SEXP ampkit_region_code(SEXP args) {
+  args = CDR(args);
+  SEXP rho = CAR(args), opts = CDR(args);
+  if (py_enter == NULL || !Rf_isEnvironment(rho))
+    Rf_error("ampkit: the compiled region is not ready for these arguments");
+  if (!plain_options(opts)) {  /* (as one list: the values are not evaluated again) */
+    SEXP list = PROTECT(Rf_PairToVectorList(opts));
+    SEXP call = PROTECT(Rf_lang2(r_region_options, list));
+    opts = Rf_eval(call, rho);
+    UNPROTECT(2);
+  }
+  PROTECT(opts);
+  call_args a;
+  if (!args_from_pairlist(&a, opts)) Rf_error("ampkit: the compiled region is not ready for these arguments");
+  region r;
+  r.expr = Rf_findVarInFrame(rho, sym_code);
+  r.env = R_NilValue;
+  r.frame = PROTECT(new_frame(r.expr, r.env));
+  Rf_defineVar(sym_eval, r_force_code, r.frame);
+  SEXP value = run(&r, &a);
+  UNPROTECT(2);
   return value;
 }

@@ -1,10 +1,17 @@
 /* The scaler's per-step R side with the compiled crossing (R/scaler.R): the scaled loss
  * that `scaler$scale(loss)` returns, made in one call, and `$update()` deferred to the
  * next call into Python (the rule is R/scaler.R's; this only makes it cheap). */
+#include <string.h>
+
 #include "crossing.h"
 
 static SEXP sym_scaler, sym_loss, sym_backward, sym_stepped, sym_deferred, sym_update, sym_option,
     klass;
+/* setup: R/scaler.R's scaled_tensor(), memory.R's watch_memory() and .mem, the routine of
+ * a scaled loss's `$backward()`, and what its functions are made of. */
+static SEXP r_scaled_tensor, r_watch_memory, r_mem, backward_routine, backward_formals, fn_invisible,
+    fn_external, ctx_backward, ctx_step, ctx_zero_grad;
+static SEXP sym_pyobj_, sym_hot, sym_base;
 
 /* ampkit_scaled_loss(scaler, loss, backward): R/scaler.R's scaled_loss(). */
 SEXP ampkit_scaled_loss(SEXP scaler, SEXP loss, SEXP backward) {
@@ -23,6 +30,105 @@ SEXP ampkit_scaled_loss(SEXP scaler, SEXP loss, SEXP backward) {
   set_class(x, klass);
   UNPROTECT(1);
   return x;
+}
+
+/* ampkit_scaler_setup(list(scaled_tensor, watch_memory, .mem, backward routine)). */
+SEXP ampkit_scaler_setup(SEXP fns) {
+  if (TYPEOF(fns) != VECSXP || XLENGTH(fns) != 4 || !Rf_isFunction(VECTOR_ELT(fns, 0)) ||
+      !Rf_isFunction(VECTOR_ELT(fns, 1)) || !Rf_isEnvironment(VECTOR_ELT(fns, 2)))
+    Rf_error("ampkit_scaler_setup: bad arguments");
+  R_PreserveObject(fns);
+  r_scaled_tensor = VECTOR_ELT(fns, 0);
+  r_watch_memory = VECTOR_ELT(fns, 1);
+  r_mem = VECTOR_ELT(fns, 2);
+  backward_routine = VECTOR_ELT(fns, 3);
+  backward_formals = Rf_cons(R_MissingArg, R_NilValue);
+  SET_TAG(backward_formals, R_DotsSymbol);
+  R_PreserveObject(backward_formals);
+  fn_invisible = Rf_eval(Rf_install("invisible"), R_BaseEnv);
+  fn_external = Rf_eval(Rf_install(".External"), R_BaseEnv);
+  ctx_backward = Rf_mkString("$scale(loss)$backward()");
+  R_PreserveObject(ctx_backward);
+  ctx_step = Rf_mkString("$step()");
+  R_PreserveObject(ctx_step);
+  ctx_zero_grad = Rf_mkString("$zero_grad()");
+  R_PreserveObject(ctx_zero_grad);
+  sym_pyobj_ = Rf_install("pyobj");
+  sym_hot = Rf_install("hot");
+  sym_base = Rf_install("base");
+  return R_NilValue;
+}
+
+static SEXP list_elt(SEXP list, const char *name) {
+  SEXP names = Rf_getAttrib(list, R_NamesSymbol);
+  if (TYPEOF(list) != VECSXP || TYPEOF(names) != STRSXP) return R_NilValue;
+  for (R_xlen_t i = 0; i < XLENGTH(list); i++)
+    if (strcmp(CHAR(STRING_ELT(names, i)), name) == 0) return VECTOR_ELT(list, i);
+  return R_NilValue;
+}
+
+/* ampkit_scale(private, x): `scaler$scale(x)` for a tensor `x`, the scaler's fields read
+ * from its private environment; NULL for anything else (R's path). */
+SEXP ampkit_scale(SEXP private_env, SEXP x) {
+  if (!OBJECT(x) || !Rf_inherits(x, "torch.Tensor")) return R_NilValue;
+  SEXP pyobj = Rf_findVarInFrame(private_env, sym_pyobj_);
+  SEXP hot = Rf_findVarInFrame(private_env, sym_hot);
+  return ampkit_scaled_loss(pyobj, x, list_elt(hot, "scale_backward"));
+}
+
+/* ampkit_backward_function(x): the function `x$backward` of a scaled loss, made here:
+ * function(...) invisible(.External(<ampkit_scaled_backward>, <x>, ...)) (R/scaler.R's
+ * scaled_backward() is its R twin). */
+SEXP ampkit_backward_function(SEXP x) {
+  SEXP body = PROTECT(Rf_lcons(fn_external, Rf_cons(backward_routine, Rf_cons(x, Rf_cons(R_DotsSymbol, R_NilValue)))));
+  body = PROTECT(Rf_lang2(fn_invisible, body));
+  SEXP f = Rf_allocSExp(CLOSXP);
+  SET_FORMALS(f, backward_formals);
+  SET_BODY(f, body);
+  SET_CLOENV(f, R_BaseEnv);
+  UNPROTECT(2);
+  return f;
+}
+
+/* .External(ampkit_scaled_backward, x, ...): `x$backward(...)` of a scaled loss: one
+ * Python call (scale_backward), then, without arguments, the loss let go. */
+SEXP ampkit_scaled_backward(SEXP args) {
+  args = CDR(args);
+  SEXP x = CAR(args), dots = CDR(args);
+  if (!Rf_isEnvironment(x)) Rf_error("ampkit_scaled_backward: bad argument");
+  SEXP loss = Rf_findVarInFrame(x, sym_loss);
+  if (loss == R_NilValue || loss == R_UnboundValue) return eval_r(r_scaled_tensor, x);  /* the error: used already */
+  callx(ctx_backward, MODE_NOTHING, Rf_findVarInFrame(x, sym_backward), loss, dots);
+  if (dots == R_NilValue) Rf_defineVar(sym_loss, R_NilValue, x);
+  return R_NilValue;
+}
+
+/* .External(ampkit_scaler_step, private, optimizer, ...): `scaler$step(optimizer, ...)`
+ * for an optimizer: the bound step, then the scaler marked stepped. */
+SEXP ampkit_scaler_step(SEXP args) {
+  args = CDR(args);
+  SEXP private_env = CAR(args), rest = CDR(args);
+  SEXP res = PROTECT(callx(ctx_step, MODE_VALUE, list_elt(Rf_findVarInFrame(private_env, sym_hot), "step"),
+                           NULL, rest));
+  Rf_defineVar(Rf_install("stepped"), Rf_ScalarLogical(TRUE), private_env);
+  UNPROTECT(1);
+  return res;
+}
+
+/* .External(ampkit_zero_grad, bound, ...): `opt$zero_grad(...)`, then memory.R's garbage
+ * watch on the bytes it returns, unless they are .mem$base (no growth). */
+SEXP ampkit_zero_grad(SEXP args) {
+  args = CDR(args);
+  SEXP bytes = PROTECT(callx(ctx_zero_grad, MODE_TO_R, CAR(args), NULL, CDR(args)));
+  SEXP base = Rf_findVarInFrame(r_mem, sym_base);
+  if (TYPEOF(bytes) == REALSXP && XLENGTH(bytes) == 1 && TYPEOF(base) == REALSXP && XLENGTH(base) == 1 &&
+      !ISNA(REAL(base)[0]) && !ISNA(REAL(bytes)[0]) && REAL(bytes)[0] == REAL(base)[0]) {
+    UNPROTECT(1);
+    return R_NilValue;
+  }
+  eval_r(r_watch_memory, bytes);
+  UNPROTECT(1);
+  return R_NilValue;
 }
 
 /* ampkit_scaled_done(x): `x$loss <- NULL` on a scaled loss, without `$<-`'s dispatch. */

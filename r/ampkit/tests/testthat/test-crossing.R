@@ -99,6 +99,47 @@ test_that("Python exceptions become the same R conditions through either crossin
   expect_identical(got$compiled$module$class, c("Rcpp::exception", "C++Error", "error", "condition"))
 })
 
+test_that("the step's lines return the same values, visibly or not, and fail the same way through either crossing", {
+  skip_if_no_crossing()
+  run <- function() {
+    torch_manual_seed(6)
+    net <- nn_linear(4, 2)
+    opt <- optim_sgd(net$parameters, lr = 0.1)
+    scaler <- amp_grad_scaler("cpu", init_scale = 2^4)
+    x <- torch_randn(3, 4)
+    y <- torch_randn(3, 2)
+    seen <- function(v) list(value = v$value, visible = v$visible)
+    region <- withVisible(with_autocast(device_type = "cpu", {
+      loss <- nn_mse_loss()(net(x), y)
+      loss
+    }))
+    scaled <- scaler$scale(loss)
+    kept <- withVisible(scaled$backward(retain_graph = TRUE))  # with arguments: the loss stays
+    again <- withVisible(scaled$backward())
+    used <- condition_of(scaled$backward())                    # used already
+    backward_fn <- scaler$scale(loss)$backward
+    list(region = list(visible = region$visible, same = identical(region$value$item(), loss$item()),
+                       class = class(region$value)),
+         scaled_class = class(scaled), kept = seen(kept), again = seen(again),
+         used = used, backward_fn = class(backward_fn),
+         bad_scale = condition_of(scaler$scale(1)),
+         step = seen(withVisible(scaler$step(opt))),
+         bad_step = condition_of(scaler$step(net)),
+         update = seen(withVisible(scaler$update())),
+         zero = seen(withVisible(opt$zero_grad())),
+         bad_region = condition_of(with_autocast(device_type = "gpu", 1)),
+         bad_dtype = condition_of(with_autocast(device_type = "cpu", dtype = as.name("float16"), 1)),
+         region_dtype = with_autocast(device_type = "cpu", dtype = "bfloat16", net(x))$dtype$is_floating_point,
+         region_fn = with_autocast(device_type = "cpu", function() 7),
+         weight = net$weight$sum()$item(), scale = scaler$get_scale())
+  }
+  got <- both(run)
+  expect_identical(got$compiled, got$reticulate)
+  expect_false(got$compiled$kept$visible)
+  expect_true("ampkit_bad_argument" %in% got$compiled$used$class)
+  expect_identical(got$compiled$region_fn, 7)
+})
+
 test_that("arguments the compiled crossing does not convert go through reticulate, with the same result", {
   skip_if_no_crossing()
   f <- reticulate::py_eval("lambda *a, **k: repr((a, sorted(k.items())))")
