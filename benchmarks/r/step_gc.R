@@ -16,28 +16,7 @@ rounds <- if (length(args) >= 2 && !is.na(args[[2]])) args[[2]] else 2L
 torch <- reticulate::import("torch")
 torch$set_num_threads(1L)
 source(file.path(Sys.getenv("AMPKIT_REPO", "."), "benchmarks", "r", "small_step.R"))  # data ... scaler, step(i)
-x_ <- ampkit:::.x
-private <- get("private", envir = scaler$.__enclos_env__)
-fn <- ampkit:::.h$fn
-net_py <- attr(net, "py_object")
-loss_py <- attr(loss_fn, "py_object")
-zero_grad <- ampkit:::py_fn(ampkit:::.h$bound_zero_grad(opt))
-pend <- ampkit:::.pend
-bare_step <- function(i) {  # as in step_layers.R
-  token <- .External(x_$callx, NULL, 1L, fn$enter_autocast, "cpu", NULL, TRUE, NULL, NULL)
-  output <- .External(x_$module, net_py, data[[i]])
-  loss <- .External(x_$module, loss_py, output, targets[[i]])
-  .External(x_$callx, NULL, 3L, fn$exit_autocast, token)
-  .External(x_$callx, NULL, 3L, private$hot$scale_backward, loss)
-  .External(x_$callx, NULL, 2L, private$hot$step, opt)
-  pend$update <- private$deferred
-  .External(x_$callx, NULL, 1L, zero_grad)
-}
-amp_step <- ampkit:::py_fn(reticulate::import("ampkit.r_bridge")$amp_step)
-opt_py <- reticulate::r_to_py(opt)
-one_crossing <- function(i) {
-  .External(x_$callx, NULL, 3L, amp_step, net_py, loss_py, opt_py, scaler$py, data[[i]], targets[[i]], "cpu")
-}
+source(file.path(Sys.getenv("AMPKIT_REPO", "."), "benchmarks", "r", "bare_step.R"))  # x_ ... bare_step(i), one_crossing(i)
 loops <- list(step = step, bare = bare_step, one_crossing = one_crossing)
 probe <- function(name) {
   f <- loops[[name]]

@@ -27,23 +27,7 @@ status <- ampkit:::crossing_status()
 if (!status$on) stop("the compiled crossing is not in use: ", status$why)
 source(file.path(Sys.getenv("AMPKIT_REPO", "."), "benchmarks", "r", "small_step.R"))  # data ... scaler, step(i)
 
-x_ <- ampkit:::.x
-pend <- ampkit:::.pend
-private <- get("private", envir = scaler$.__enclos_env__)
-fn <- ampkit:::.h$fn
-net_py <- attr(net, "py_object")
-loss_py <- attr(loss_fn, "py_object")
-zero_grad <- ampkit:::py_fn(ampkit:::.h$bound_zero_grad(opt))
-bare_step <- function(i) {
-  token <- .External(x_$callx, NULL, 1L, fn$enter_autocast, "cpu", NULL, TRUE, NULL, NULL)
-  output <- .External(x_$module, net_py, data[[i]])
-  loss <- .External(x_$module, loss_py, output, targets[[i]])
-  .External(x_$callx, NULL, 3L, fn$exit_autocast, token)
-  .External(x_$callx, NULL, 3L, private$hot$scale_backward, loss)
-  .External(x_$callx, NULL, 2L, private$hot$step, opt)
-  pend$update <- private$deferred  # scaler$update(), made in the next call
-  .External(x_$callx, NULL, 1L, zero_grad)
-}
+source(file.path(Sys.getenv("AMPKIT_REPO", "."), "benchmarks", "r", "bare_step.R"))  # x_ ... bare_step(i), one_crossing(i)
 # The step as written, but for one layer made bare.
 bare_region <- function(i) {
   token <- .External(x_$callx, NULL, 1L, fn$enter_autocast, "cpu", NULL, TRUE, NULL, NULL)
@@ -94,11 +78,6 @@ bare_zero_grad <- function(i) {
   scaler$step(opt)
   scaler$update()
   .External(x_$callx, NULL, 1L, zero_grad)
-}
-amp_step <- ampkit:::py_fn(reticulate::import("ampkit.r_bridge")$amp_step)
-opt_py <- reticulate::r_to_py(opt)
-one_crossing <- function(i) {
-  .External(x_$callx, NULL, 3L, amp_step, net_py, loss_py, opt_py, scaler$py, data[[i]], targets[[i]], "cpu")
 }
 py <- reticulate::py_run_string("
 import time
