@@ -674,6 +674,22 @@ def test_global_optimizer_hooks_make_the_step_copy():
     assert step.rollback_copy is None
 
 
+def _fused_sgd_then(signum, check=lambda: True):
+    """torch._fused_sgd_ that, once armed (``armed[0] = True``), raises ``signum`` right
+    after the kernel ran (inside the optimizer step), asserts ``check()`` there and disarms."""
+    real, armed = torch._fused_sgd_, [False]
+
+    def kernel_then_signal(*a, **k):
+        out = real(*a, **k)
+        if armed[0]:
+            armed[0] = False
+            signal.raise_signal(signum)
+            assert check()
+        return out
+
+    return kernel_then_signal, armed
+
+
 def test_a_ctrl_c_while_the_optimizer_writes_is_raised_once_the_step_is_whole(monkeypatch):
     """SIGINT arriving inside the fused SGD kernel's call (no copy to put back): the call
     completes the step, then raises KeyboardInterrupt; the run that goes on with the next
@@ -685,15 +701,7 @@ def test_a_ctrl_c_while_the_optimizer_writes_is_raised_once_the_step_is_whole(mo
     ref_losses = [ref_step(x, y) for x, y in batches]
 
     model, opt, step = _failing_step("none", "sgd_fused", Once())
-    real, armed = torch._fused_sgd_, [False]
-
-    def kernel_then_sigint(*a, **k):
-        out = real(*a, **k)
-        if armed[0]:
-            armed[0] = False
-            signal.raise_signal(signal.SIGINT)
-        return out
-
+    kernel_then_sigint, armed = _fused_sgd_then(signal.SIGINT)
     monkeypatch.setattr(torch, "_fused_sgd_", kernel_then_sigint)
     handler = signal.getsignal(signal.SIGINT)
     losses = []
@@ -942,15 +950,7 @@ def test_a_sigterm_while_the_optimizer_writes_is_held_as_a_ctrl_c_is():
         came.append((signum, step.calls, float(model[0].weight.detach().sum())))
 
     model, opt, step = _failing_step("none", "sgd_fused", Once())
-    real, armed = torch._fused_sgd_, [False]
-
-    def kernel_then_sigterm(*a, **k):
-        out = real(*a, **k)
-        if armed[0]:
-            armed[0] = False
-            signal.raise_signal(signal.SIGTERM)
-            assert not came  # (held: not run inside the optimizer step)
-        return out
+    kernel_then_sigterm, armed = _fused_sgd_then(signal.SIGTERM, check=lambda: not came)  # (held: not run inside the optimizer step)
 
     int_handler = signal.getsignal(signal.SIGINT)
     previous = signal.signal(signal.SIGTERM, on_term)
