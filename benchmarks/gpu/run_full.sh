@@ -3,7 +3,8 @@
 #
 # On the device machine, from the repository root (the lead's call; see docs/bench.md):
 #   bash benchmarks/gpu/run_full.sh "$OUT/gpu"
-# with .device-carry/ holding r-runtime.tar.xz and run-r.sh (../shared/tools/r-on-device).
+# with .device-carry/ holding r-runtime.tar.xz and run-r.sh (../shared/tools/r-on-device), and
+# optionally rlib-new/ampkit (R CMD INSTALL -l .device-carry/rlib-new r/ampkit here: used as it is).
 # Writes raw-<language>-<case>.json, results.json, report.md (and report.png where
 # matplotlib is installed), run.log and r-install.log under the folder given (default
 # benchmarks/results/gpu), and the whole folder as <folder>.tar.gz beside it.
@@ -30,8 +31,13 @@ runtime=.device-carry/r-runtime.tar.xz
 langs=python,r
 if [ -f "$runtime" ] && [ -f .device-carry/run-r.sh ]; then
   mkdir -p /tmp/rlib
-  bash .device-carry/run-r.sh "$runtime" -- R CMD INSTALL --no-multiarch -l /tmp/rlib r/ampkit > "$out/r-install.log" 2>&1 \
-    || { echo "R CMD INSTALL failed:"; tail -20 "$out/r-install.log"; }
+  if [ -d .device-carry/rlib-new/ampkit ]; then  # installed here beforehand: no compiler needed there
+    rm -rf /tmp/rlib/ampkit && cp -a .device-carry/rlib-new/ampkit /tmp/rlib/ \
+      && echo "R package: installed beforehand (.device-carry/rlib-new)" > "$out/r-install.log"
+  else
+    bash .device-carry/run-r.sh "$runtime" -- R CMD INSTALL --no-multiarch -l /tmp/rlib r/ampkit > "$out/r-install.log" 2>&1 \
+      || { echo "R CMD INSTALL failed:"; tail -20 "$out/r-install.log"; }
+  fi
   export R_LIBS=/tmp/rlib
 else
   echo "no .device-carry/r-runtime.tar.xz: the R runs are recorded as failed (see docs/bench.md)"
