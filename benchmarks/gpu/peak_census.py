@@ -59,13 +59,20 @@ def census(snapshot: dict, top: int) -> list:
         lines.append("device %d: %d events%s; highest live total in the history %.1f MiB (%d blocks)" % (
             dev, len(trace), " (the ring may have wrapped: older blocks are missing)" if wrapped else "",
             best / 2**20, len(best_at or {})))
-        groups = collections.defaultdict(lambda: [0, 0])
+        groups = collections.defaultdict(lambda: [0, 0, None])
         for e in (best_at or {}).values():
             g = groups[_frame(e.get("frames"))]
             g[0] += e["size"]
             g[1] += 1
-        for where, (size, n) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]:
+            if g[2] is None or e["size"] > g[2]["size"]:
+                g[2] = e
+        for where, (size, n, big) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]:
             lines.append("  %9.2f MiB %5d blocks  %s" % (size / 2**20, n, where))
+            if size >= 2**20 * 8:  # the largest block's stack, innermost first, for the big groups
+                frames = [f for f in big.get("frames") or () if f.get("filename", "").endswith(".py")][:8]
+                lines.append("      largest %.2f MiB (stream %s): %s" % (big["size"] / 2**20, big.get("stream"), " < ".join(
+                    "%s:%s %s" % (f["filename"].rsplit("/", 1)[-1], f.get("line"), f.get("name")) for f in frames)))
+        lines.append("  at event %d of %d" % (best_i, len(trace)))
     return lines
 
 
