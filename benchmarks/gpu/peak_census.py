@@ -72,7 +72,11 @@ def census(snapshot: dict, top: int) -> list:
                 frames = [f for f in big.get("frames") or () if f.get("filename", "").endswith(".py")][:8]
                 lines.append("      largest %.2f MiB (stream %s): %s" % (big["size"] / 2**20, big.get("stream"), " < ".join(
                     "%s:%s %s" % (f["filename"].rsplit("/", 1)[-1], f.get("line"), f.get("name")) for f in frames)))
-        lines.append("  at event %d of %d" % (best_i, len(trace)))
+        streams = collections.Counter()
+        for e in (best_at or {}).values():
+            streams[e.get("stream")] += e["size"]
+        lines.append("  at event %d of %d; by stream: %s" % (best_i, len(trace), ", ".join(
+            "%s %.1f MiB" % (k, v / 2**20) for k, v in streams.most_common())))
     return lines
 
 
