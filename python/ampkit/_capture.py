@@ -53,22 +53,6 @@ def collector_paused():
             gc.enable()
 
 
-def settle_frees(device) -> None:
-    """Let the allocator take back, before a capture, what the eager steps freed while a
-    stream still used it.
-
-    A block freed with uses on another stream (``record_stream``: the autograd engine's
-    gradients of a backward run on a side stream) goes back to the allocator only when it
-    next processes its CUDA events, at an allocation made outside any capture. A capture
-    started right after the last warm-up step would hold those blocks (that step's
-    gradients and backward buffers) allocated through the whole capture, beside the graph's
-    own: its peak memory counted them twice. A device sync and one allocation outside the
-    capture let the allocator return them first.
-    """
-    torch.cuda.synchronize(device)
-    torch.empty(1, device=device)
-
-
 def fresh_stream() -> torch.cuda.Stream:
     """A CUDA stream no kernel has run on: the one a step is captured on.
 

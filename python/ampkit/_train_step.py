@@ -55,7 +55,7 @@ import torch
 from ampkit._listeners import about_to_capture
 from ampkit._autocast import autocast as autocast_region
 from ampkit._capture import (CAPTURE_ERROR_MODE, AccumulationStreams, collector_paused, fresh_stream,
-                             holds_ddp, settle_frees)
+                             holds_ddp)
 from ampkit._compile import cache_off_for_capture, compile_failure, compile_model, no_compiling
 from ampkit._kernels import expect_compile
 from ampkit._policy import load_policy
@@ -494,7 +494,6 @@ class TrainStep:
         state_before = set(self.optimizer.state)
         scale_before = self.scaler.scale_tensor
         self.optimizer.zero_grad(set_to_none=True)
-        settle_frees(self._params[0].device if self._params else "cuda")
         graph = torch.cuda.CUDAGraph()
         about_to_capture.notify()
         stream = fresh_stream()
