@@ -22,8 +22,8 @@ fp8 for the fp8 arms:
                          in bf16 by a module scope (policy.with_module("head", lower_precision_fp=
                          ["linear"])) + torch.compile(model)
   ampkit_fp8_rowwise     the same, rowwise recipe
-  ampkit_fp8_delayed     the same, delayed recipe (amax_history 16; a graph break at each fp8 call:
-                         docs/autocast.md, "fp8")
+  ampkit_fp8_delayed     the same, delayed recipe (amax_history 16; its casts need no amax of
+                         their operand first: docs/autocast.md, "fp8")
   ampkit_fp8_auto        the policy ampkit.calibrate_fp8 gives for this model (base: the
                          tensorwise arm's policy; it keeps bf16 where fp8 does not pay)
   torchao_tensorwise     torchao's convert_to_float8_training (tensorwise; the head left out,
@@ -35,6 +35,8 @@ fp8 for the fp8 arms:
   ampkit_fp8_step        the same with the tensorwise arm's policy and head scope: ampkit_fp8_step
                          over ampkit_bf16_step is what fp8 gives inside the captured step,
                          ampkit_bf16_step over bf16_compile what the captured step gives
+  ampkit_fp8_delayed_step  the same with the delayed arm's policy (its histories written in
+                         the graph, no graph break)
 
 A step arm runs make_train_step's warm-up (its eager steps, then the call that captures)
 inside the arm's warm-up, and fails (FAILED, with the reason) where the step runs uncompiled
@@ -48,8 +50,7 @@ round by round, the device synced around each timed block. A warmed-up arm shoul
 compile again: graphs dynamo compiles inside an arm's timed blocks are counted
 (``timed_compiles`` in the JSON) and each round that compiled is printed as a warning, as the
 timings then include tracing (issue 27 was such a compile: another arm's policy had made
-dynamo give up the models' shared forward; ampkit_fp8_delayed's graph breaks can still make
-bf16_compile compile in its first timed round). Printed (flush=True, as it goes):
+dynamo give up the models' shared forward). Printed (flush=True, as it goes):
 median ms/step [min, max], bf16_compile's median over this arm's (x bf16: > 1 is faster),
 torchao's best median over this arm's, ampkit_bf16_step's median over this arm's (x bf16
 step), peak MiB above what was allocated before its build, held MiB (what the arm keeps on
@@ -70,8 +71,8 @@ and needs its step's transient on top (bf16: ~15 GiB with the grads; fp8: ~9); a
 step keeps its whole step for its life (weights, state, and a graph pool of its grads and
 activations: ~25 GiB bf16, ~19 fp8, estimated from the loop arms' peaks; held MiB measures
 it). So its default arms are four, the step arms are not among them, and an 80 GB card holds
-bf16_compile with both step arms (~70 GiB at bf16_compile's peak), or bf16_compile, the
-fp8 step and two fp8 loop arms (~64 GiB); name more with --arms only on a card that holds them.
+bf16_compile with both step arms (~70 GiB at bf16_compile's peak), or bf16_compile, one
+fp8 step and two fp8 loop arms (~65 GiB); name more with --arms only on a card that holds them.
 
 The lead's H100 run, one shape a command (each well inside 10 minutes):
 
@@ -91,6 +92,8 @@ and the compiled captured step, fp8 against bf16 (each call ~4-6 minutes, bf16_c
         --arms bf16_compile,ampkit_bf16_step,ampkit_fp8_step --out fp8_dec_step.json
     PYTHONPATH=$PWD/python python3 benchmarks/gpu/fp8_speed.py --shapes decoder16x2048 \
         --arms bf16_compile,ampkit_fp8_tensorwise,torchao_tensorwise,ampkit_fp8_step --out fp8_dec_step_ao.json
+    PYTHONPATH=$PWD/python python3 benchmarks/gpu/fp8_speed.py --shapes decoder16x2048 \
+        --arms bf16_compile,ampkit_fp8_tensorwise,ampkit_fp8_delayed,ampkit_fp8_delayed_step --out fp8_dec_delayed.json
 """
 from __future__ import annotations
 
@@ -113,8 +116,9 @@ from kernel_kinds import profile_breakdown  # (this folder: the kernel categoris
 
 ARMS = ("bf16_compile", "ampkit_bf16_compile", "ampkit_fp8_tensorwise", "ampkit_fp8_rowwise",
         "ampkit_fp8_delayed", "ampkit_fp8_auto", "torchao_tensorwise", "torchao_rowwise",
-        "ampkit_bf16_step", "ampkit_fp8_step")
-STEP_ARMS = {"ampkit_bf16_step": None, "ampkit_fp8_step": "tensorwise"}  # arm -> its fp8 recipe
+        "ampkit_bf16_step", "ampkit_fp8_step", "ampkit_fp8_delayed_step")
+# arm -> its fp8 recipe (None: bf16)
+STEP_ARMS = {"ampkit_bf16_step": None, "ampkit_fp8_step": "tensorwise", "ampkit_fp8_delayed_step": "delayed"}
 # what each shape runs unless --arms says otherwise (the whole default run: ~8 minutes on an H100)
 DEFAULT_ARMS = {
     "gpt2": ("bf16_compile", "ampkit_bf16_compile", "ampkit_fp8_tensorwise", "ampkit_fp8_rowwise",
@@ -284,19 +288,19 @@ def run_shape(shape, arms, args, device, backend):
             _sync(device)
             arm.check()
         except Skip as e:
-            print("%-22s SKIPPED: %s" % (name, e), flush=True)
+            print("%-24s SKIPPED: %s" % (name, e), flush=True)
             info[name] = {"status": "skipped", "reason": str(e)}
             continue
         except Exception as e:  # noqa: BLE001 - an arm that fails is recorded, the others run
             why = "".join(traceback.format_exception_only(e)).strip()[:800]
-            print("%-22s FAILED: %s" % (name, why), flush=True)
+            print("%-24s FAILED: %s" % (name, why), flush=True)
             info[name] = {"status": "failed", "reason": why}
             continue
         info[name] = {"status": "ok", "compile_s": time.perf_counter() - t0, "note": arm.note, "samples": [],
                       "base_bytes": before, "peak_mib": (_peak(device) - before) / 2 ** 20,
                       "warmup_loss": float(loss), "held_mib": (_held(device) - held_before) / 2 ** 20}
         live[name] = arm
-        print("%-22s built and warmed up in %.1f s%s" % (name, info[name]["compile_s"],
+        print("%-24s built and warmed up in %.1f s%s" % (name, info[name]["compile_s"],
                                                          "  (%s)" % arm.note if arm.note else ""), flush=True)
     names = list(live)
     batches = case.batches
@@ -311,7 +315,7 @@ def run_shape(shape, arms, args, device, backend):
             _sync(device)
             compiled = counters["stats"]["unique_graphs"] - graphs
             if compiled:
-                print("%-22s WARNING: compiled %d graph(s) in timed round %d (its time includes tracing)"
+                print("%-24s WARNING: compiled %d graph(s) in timed round %d (its time includes tracing)"
                       % (name, compiled, r + 1), flush=True)
             ms = (time.perf_counter() - t0) * 1e3 / args.steps_per_round
             rec = info[name]
@@ -324,7 +328,7 @@ def run_shape(shape, arms, args, device, backend):
         for name in names:
             bd = profile_breakdown(live[name].step, batches, BREAKDOWN_STEPS, device)
             info[name]["breakdown"] = bd.to_dict()
-            print("\n".join(["%-16s %-22s %s" % (shape, name, bd.lines()[0])] + bd.lines()[1:]), flush=True)
+            print("\n".join(["%-16s %-24s %s" % (shape, name, bd.lines()[0])] + bd.lines()[1:]), flush=True)
     return summarize(shape, info, device)
 
 
@@ -333,18 +337,18 @@ def summarize(shape, info, device):
     base, base_step = med.get("bf16_compile"), med.get("ampkit_bf16_step")
     ao = [med[n] for n in ("torchao_tensorwise", "torchao_rowwise") if n in med]
     best_ao = min(ao) if ao else None
-    print("%-16s %-22s %9s %19s %8s %10s %11s %9s %9s %9s %9s" % (
+    print("%-16s %-24s %9s %19s %8s %10s %11s %9s %9s %9s %9s" % (
         "shape", "arm", "ms/step", "[min, max]", "x bf16", "x torchao", "x bf16 step", "peak MiB", "held MiB",
         "compile s", "loss"))
     for n, r in info.items():
         if n not in med:
-            print("%-16s %-22s %s: %s" % (shape, n, r["status"].upper(), r.get("reason", "no timed rounds")))
+            print("%-16s %-24s %s: %s" % (shape, n, r["status"].upper(), r.get("reason", "no timed rounds")))
             continue
         m = med[n]
         r["median_ms"], r["vs_bf16_compile"] = m, (base / m if base else None)
         r["vs_torchao_best"] = best_ao / m if best_ao else None
         r["vs_bf16_step"] = base_step / m if base_step else None
-        print("%-16s %-22s %9.3f [%8.3f, %8.3f] %8s %10s %11s %9.0f %9.0f %9.1f %9.4f" % (
+        print("%-16s %-24s %9.3f [%8.3f, %8.3f] %8s %10s %11s %9.0f %9.0f %9.1f %9.4f" % (
             shape, n, m, min(r["samples"]), max(r["samples"]),
             "%.3f" % r["vs_bf16_compile"] if base else "-", "%.3f" % r["vs_torchao_best"] if best_ao else "-",
             "%.3f" % r["vs_bf16_step"] if base_step else "-", r["peak_mib"], r["held_mib"], r["compile_s"],
