@@ -344,6 +344,17 @@ def _function(scaling):
 FUNCTIONS = {s: _function(s) for s in ("tensorwise", "rowwise", "delayed")}
 
 
+@torch.compiler.disable
+def _apply_eagerly(Function, x, w, b, key, plan, n):
+    """Delayed scaling inside torch.compile with a weight that is not a parameter (a leaf
+    tensor the model makes, say): a graph break, the Function run eagerly. Only a parameter
+    is known at trace time to be the same tensor at every call, whose histories the graph can
+    take as inputs (a tensor made in the graph is another one at each call, with histories of
+    its own)."""
+    history, grad_history = HISTORIES.get(key, n)
+    return Function.apply(x, w, b, dataclasses.replace(plan, history=history, grad_history=grad_history))
+
+
 # -- the category's action ---------------------------------------------------------------
 def _operands(name, func, args, kwargs):
     """(x, w as (N, K), bias, the tensor that keys the history) of a call, or None when the
@@ -387,6 +398,9 @@ def runner(name, recipe, device_type, on):
         if ops is None or not all(on(t) for t in ops[:3] if t is not None):
             return _lower_precision(func, args, kwargs, dtype, on)
         x, w, b, key = ops
+        if delayed and torch.compiler.is_compiling() and not isinstance(key, torch.nn.Parameter):
+            return _apply_eagerly(Function, x, w, b, key, _Plan(name, device_type, dtype, fwd, bwd, None, None, sink),
+                                  recipe.amax_history)
         history, grad_history = HISTORIES.get(key, recipe.amax_history) if delayed else (None, None)
         plan = _Plan(name, device_type, dtype, fwd, bwd, history, grad_history, sink)
         return Function.apply(x, w, b, plan)

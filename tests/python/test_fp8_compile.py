@@ -317,3 +317,26 @@ def test_the_compiled_captured_fp8_step_equals_the_compiled_eager_fp8_step_on_cu
     with policy.apply(model), ampkit.trace() as tr, ampkit.autocast("cuda", policy=policy.without_modules()):
         model(case.batches[0][0])
     assert {r.fp8_path for r in tr.records if r.rule == "fp8"} == {"scaled_mm"}
+
+
+def test_a_delayed_weight_that_is_not_a_parameter_runs_eagerly_inside_compile_as_eager():
+    """Delayed scaling of a weight the compiled function makes itself (a leaf, not a
+    parameter: another tensor at each call, with fresh histories): the fp8 call runs eagerly
+    at a graph break, and each call's output equals the uncompiled function's bit for bit."""
+    policy = ampkit.load_policy("torch_default").with_ops("cpu", fp8=["mm"]).with_fp8_recipe(
+        scaling="delayed", amax_history=4)
+
+    def f(x):
+        return torch.mm(x, torch.linspace(-1, 1, 256).reshape(16, 16))
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(f, backend="aot_eager")
+    torch.manual_seed(0)
+    for _ in range(3):
+        x = torch.randn(16, 16)
+        with ampkit.autocast("cpu", policy=policy):
+            got, want = compiled(x), f(x)
+        assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(got, want)
+    reasons = list(counters["graph_break"])
+    assert len(reasons) == 1 and "_apply_eagerly" in reasons[0], reasons
