@@ -22,27 +22,40 @@ fp8 for the fp8 arms:
                          in bf16 by a module scope (policy.with_module("head", lower_precision_fp=
                          ["linear"])) + torch.compile(model)
   ampkit_fp8_rowwise     the same, rowwise recipe
-  ampkit_fp8_delayed     the same, delayed recipe (amax_history 16; a graph break at each fp8 call:
-                         docs/autocast.md, "fp8")
+  ampkit_fp8_delayed     the same, delayed recipe (amax_history 16; its casts need no amax of
+                         their operand first: docs/autocast.md, "fp8")
   ampkit_fp8_auto        the policy ampkit.calibrate_fp8 gives for this model (base: the
                          tensorwise arm's policy; it keeps bf16 where fp8 does not pay)
   torchao_tensorwise     torchao's convert_to_float8_training (tensorwise; the head left out,
                          ampkit.bench.convert_float8) + torch.autocast(bf16) + torch.compile(model)
   torchao_rowwise        the same, rowwise recipe
+  ampkit_bf16_step       ampkit.make_train_step(model, loss, fused AdamW, autocast=dict(dtype=bf16),
+                         compile=True): the model and the loss compiled together, the whole step
+                         (backward, fused AdamW) captured in one CUDA graph (docs/train_step.md)
+  ampkit_fp8_step        the same with the tensorwise arm's policy and head scope: ampkit_fp8_step
+                         over ampkit_bf16_step is what fp8 gives inside the captured step,
+                         ampkit_bf16_step over bf16_compile what the captured step gives
+  ampkit_fp8_delayed_step  the same with the delayed arm's policy (its histories written in
+                         the graph, no graph break)
+
+A step arm runs make_train_step's warm-up (its eager steps, then the call that captures)
+inside the arm's warm-up, and fails (FAILED, with the reason) where the step runs uncompiled
+or, on CUDA, does not replay its graph (capture=True); on the CPU (--smoke) it runs eagerly.
 
 An arm that cannot be built (torchao missing, an error) is printed as SKIPPED or FAILED with
 the reason and left out; the others run. Per shape: every arm is built and warmed up (its
-compile s: build + 3 warm-up steps, the device synced; for auto, calibration included), then
+compile s: build + 5 warm-up steps, the device synced; for auto, calibration included), then
 ``--rounds`` rounds of ``--steps-per-round`` steps of each arm, the arms' order rotating
 round by round, the device synced around each timed block. A warmed-up arm should never
 compile again: graphs dynamo compiles inside an arm's timed blocks are counted
 (``timed_compiles`` in the JSON) and each round that compiled is printed as a warning, as the
 timings then include tracing (issue 27 was such a compile: another arm's policy had made
-dynamo give up the models' shared forward; ampkit_fp8_delayed's graph breaks can still make
-bf16_compile compile in its first timed round). Printed (flush=True, as it goes):
+dynamo give up the models' shared forward). Printed (flush=True, as it goes):
 median ms/step [min, max], bf16_compile's median over this arm's (x bf16: > 1 is faster),
-torchao's best median over this arm's, peak MiB above what was allocated before its build,
-compile s, and the loss of the arm's last timed step (sanity: all arms should agree to about
+torchao's best median over this arm's, ampkit_bf16_step's median over this arm's (x bf16
+step), peak MiB above what was allocated before its build, held MiB (what the arm keeps on
+the device after its warm-up, the allocator's free cache released: a captured step's graph
+pool included, which peak MiB does not see), compile s, and the loss of the arm's last timed step (sanity: all arms should agree to about
 a percent). ``--out`` writes the same as JSON after each shape (a timeout keeps what ran).
 
 ``--breakdown``: after the timed rounds (never inside them), each arm's steps run 3 more
@@ -52,9 +65,14 @@ other; benchmarks/gpu/kernel_kinds.py, shared with compiled_step_probe.py) and t
 that take the most, with their calls a step; in the JSON as each arm's ``breakdown``. With
 --smoke, the CPU ops' self time stands in for kernels (so the code path runs in CI).
 
-Memory: arms live side by side (interleaved timing). On the big shape an arm holds ~14 GB
-(fp32 weights, grads, AdamW state of 0.9 B parameters), so its default arms are four; name
-more with --arms only on a card that holds them.
+Memory: arms live side by side (interleaved timing). On the big shape a loop arm keeps
+~10.2 GiB (fp32 weights and AdamW state of 0.91 B parameters; its grads are freed each step)
+and needs its step's transient on top (bf16: ~15 GiB with the grads; fp8: ~9); a captured
+step keeps its whole step for its life (weights, state, and a graph pool of its grads and
+activations: ~25 GiB bf16, ~19 fp8, estimated from the loop arms' peaks; held MiB measures
+it). So its default arms are four, the step arms are not among them, and an 80 GB card holds
+bf16_compile with both step arms (~70 GiB at bf16_compile's peak), or bf16_compile, one
+fp8 step and two fp8 loop arms (~65 GiB); name more with --arms only on a card that holds them.
 
 The lead's H100 run, one shape a command (each well inside 10 minutes):
 
@@ -67,6 +85,15 @@ and, to see where the fp8 arms' time goes (three arms, so each call stays well i
         --arms bf16_compile,ampkit_fp8_tensorwise,torchao_tensorwise --rounds 3 --out fp8_dec_breakdown.json
     PYTHONPATH=$PWD/python python3 benchmarks/gpu/fp8_speed.py --shapes gpt2 --breakdown \
         --arms bf16_compile,ampkit_fp8_tensorwise,torchao_tensorwise --out fp8_gpt2_breakdown.json
+
+and the compiled captured step, fp8 against bf16 (each call ~4-6 minutes, bf16_compile in each):
+
+    PYTHONPATH=$PWD/python python3 benchmarks/gpu/fp8_speed.py --shapes decoder16x2048 \
+        --arms bf16_compile,ampkit_bf16_step,ampkit_fp8_step --out fp8_dec_step.json
+    PYTHONPATH=$PWD/python python3 benchmarks/gpu/fp8_speed.py --shapes decoder16x2048 \
+        --arms bf16_compile,ampkit_fp8_tensorwise,torchao_tensorwise,ampkit_fp8_step --out fp8_dec_step_ao.json
+    PYTHONPATH=$PWD/python python3 benchmarks/gpu/fp8_speed.py --shapes decoder16x2048 \
+        --arms bf16_compile,ampkit_fp8_tensorwise,ampkit_fp8_delayed,ampkit_fp8_delayed_step --out fp8_dec_delayed.json
 """
 from __future__ import annotations
 
@@ -88,7 +115,10 @@ from ampkit.bench import build_case, convert_float8, float8_reason, load_case, l
 from kernel_kinds import profile_breakdown  # (this folder: the kernel categoriser compiled_step_probe.py shares)
 
 ARMS = ("bf16_compile", "ampkit_bf16_compile", "ampkit_fp8_tensorwise", "ampkit_fp8_rowwise",
-        "ampkit_fp8_delayed", "ampkit_fp8_auto", "torchao_tensorwise", "torchao_rowwise")
+        "ampkit_fp8_delayed", "ampkit_fp8_auto", "torchao_tensorwise", "torchao_rowwise",
+        "ampkit_bf16_step", "ampkit_fp8_step", "ampkit_fp8_delayed_step")
+# arm -> its fp8 recipe (None: bf16)
+STEP_ARMS = {"ampkit_bf16_step": None, "ampkit_fp8_step": "tensorwise", "ampkit_fp8_delayed_step": "delayed"}
 # what each shape runs unless --arms says otherwise (the whole default run: ~8 minutes on an H100)
 DEFAULT_ARMS = {
     "gpt2": ("bf16_compile", "ampkit_bf16_compile", "ampkit_fp8_tensorwise", "ampkit_fp8_rowwise",
@@ -102,7 +132,11 @@ SHAPES = {  # (profile of gpt2_small, sizes over it, batches)
 }
 SMOKE = {"gpt2": ("tiny", {}, 2), "decoder16x2048": ("tiny", dict(n_layers=2), 2)}
 BF16 = torch.bfloat16
-WARMUP_STEPS = 3
+# every arm's warm-up calls (the same for all: the same training step at each timed step);
+# a step arm's are make_train_step's eager steps (STEP_EAGER_WARMUP), then the call that
+# captures (and replays), then one replay, so that no timed round holds a capture
+WARMUP_STEPS = 5
+STEP_EAGER_WARMUP = WARMUP_STEPS - 2
 BREAKDOWN_STEPS = 3
 RECIPES = {"tensorwise": {"scaling": "tensorwise"}, "rowwise": {"scaling": "rowwise"},
            "delayed": {"scaling": "delayed", "amax_history": 16}}
@@ -130,10 +164,12 @@ def fp8_policy(recipe, device):
 
 
 class Arm:
-    """One arm ready to step: ``step(x, y) -> loss`` and what it holds (hooks, a note)."""
+    """One arm ready to step: ``step(x, y) -> loss`` and what it holds (hooks, a note);
+    ``check()``, called after the warm-up, raises where the arm is not what its name says
+    (a step that did not compile, or did not capture)."""
 
-    def __init__(self, step, held=(), note=""):
-        self.step, self.held, self.note = step, held, note
+    def __init__(self, step, held=(), note="", check=lambda: None):
+        self.step, self.held, self.note, self.check = step, held, note, check
 
 
 def build_arm(name, case, device, backend):
@@ -146,6 +182,8 @@ def build_arm(name, case, device, backend):
     if name == "ampkit_bf16_compile":
         opt = opt_for(model)
         return Arm(loop_step(compiled(model), case.loss_fn, opt, lambda: ampkit.autocast(device, dtype=BF16)))
+    if name in STEP_ARMS:
+        return step_arm(model, case, device, backend, STEP_ARMS[name])
     if name.startswith("ampkit_fp8_"):
         recipe = name[len("ampkit_fp8_"):]
         policy = fp8_policy("tensorwise" if recipe == "auto" else recipe, device)
@@ -174,6 +212,31 @@ def build_arm(name, case, device, backend):
     raise ValueError("unknown arm %r; valid: %s" % (name, ", ".join(ARMS)))
 
 
+def step_arm(model, case, device, backend, recipe):
+    """ampkit.make_train_step(compile=True), fused AdamW, the case's loss: the model and the
+    loss compiled together, the whole step captured in one CUDA graph (on the CPU, --smoke:
+    eager, as no CUDA graph exists there). ``recipe``: None for bf16, else the fp8 policy of
+    that recipe with the head's scope, as the ampkit_fp8_* arms."""
+    held, region = (), dict(device_type=device, dtype=BF16)
+    if recipe is not None:
+        policy = fp8_policy(recipe, device)
+        held = (policy.apply(model),)
+        region["policy"] = policy.without_modules()
+    cuda = device == "cuda"
+    step = ampkit.make_train_step(model, case.loss_fn, case.new_optimizer(model, fused=True), autocast=region,
+                                  compile=True if backend == "inductor" else dict(backend=backend),
+                                  capture=cuda, warmup=STEP_EAGER_WARMUP)
+
+    def check():
+        if not step.compiled:
+            raise RuntimeError("the step runs the model uncompiled: %s" % step.compile_reason)
+        if cuda and not step.captured:
+            raise RuntimeError("the step did not replay a CUDA graph after its warm-up: %s" % step.reason)
+
+    return Arm(step, held=held, note="captured" if cuda else "eager (no CUDA graph on the CPU)",
+               check=check)
+
+
 class Skip(Exception):
     """An arm that cannot run here, with the reason (not a failure)."""
 
@@ -196,6 +259,17 @@ def _reset_peak(device):
         torch.cuda.reset_peak_memory_stats()
 
 
+def _held(device):
+    """Bytes the process holds on the device once the allocator's free cache is released: a
+    captured step's graph keeps its private pool (its activations' peak, its gradients) for
+    its life, which memory_allocated does not count."""
+    if device != "cuda":
+        return 0
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved()
+
+
 def run_shape(shape, arms, args, device, backend):
     case = build_shape(shape, args.smoke, device)
     print("== %s: %s, %d batches of %s" % (shape, case.sizes, len(case.batches), tuple(case.batches[0][0].shape)),
@@ -203,6 +277,7 @@ def run_shape(shape, arms, args, device, backend):
     live, info = {}, {}
     for name in arms:
         _sync(device)
+        held_before = _held(device)
         before = _mem(device)
         _reset_peak(device)
         t0 = time.perf_counter()
@@ -211,20 +286,21 @@ def run_shape(shape, arms, args, device, backend):
             for i in range(WARMUP_STEPS):
                 loss = arm.step(*case.batches[i % len(case.batches)])
             _sync(device)
+            arm.check()
         except Skip as e:
-            print("%-22s SKIPPED: %s" % (name, e), flush=True)
+            print("%-24s SKIPPED: %s" % (name, e), flush=True)
             info[name] = {"status": "skipped", "reason": str(e)}
             continue
         except Exception as e:  # noqa: BLE001 - an arm that fails is recorded, the others run
             why = "".join(traceback.format_exception_only(e)).strip()[:800]
-            print("%-22s FAILED: %s" % (name, why), flush=True)
+            print("%-24s FAILED: %s" % (name, why), flush=True)
             info[name] = {"status": "failed", "reason": why}
             continue
         info[name] = {"status": "ok", "compile_s": time.perf_counter() - t0, "note": arm.note, "samples": [],
                       "base_bytes": before, "peak_mib": (_peak(device) - before) / 2 ** 20,
-                      "warmup_loss": float(loss)}
+                      "warmup_loss": float(loss), "held_mib": (_held(device) - held_before) / 2 ** 20}
         live[name] = arm
-        print("%-22s built and warmed up in %.1f s%s" % (name, info[name]["compile_s"],
+        print("%-24s built and warmed up in %.1f s%s" % (name, info[name]["compile_s"],
                                                          "  (%s)" % arm.note if arm.note else ""), flush=True)
     names = list(live)
     batches = case.batches
@@ -239,7 +315,7 @@ def run_shape(shape, arms, args, device, backend):
             _sync(device)
             compiled = counters["stats"]["unique_graphs"] - graphs
             if compiled:
-                print("%-22s WARNING: compiled %d graph(s) in timed round %d (its time includes tracing)"
+                print("%-24s WARNING: compiled %d graph(s) in timed round %d (its time includes tracing)"
                       % (name, compiled, r + 1), flush=True)
             ms = (time.perf_counter() - t0) * 1e3 / args.steps_per_round
             rec = info[name]
@@ -252,28 +328,31 @@ def run_shape(shape, arms, args, device, backend):
         for name in names:
             bd = profile_breakdown(live[name].step, batches, BREAKDOWN_STEPS, device)
             info[name]["breakdown"] = bd.to_dict()
-            print("\n".join(["%-16s %-22s %s" % (shape, name, bd.lines()[0])] + bd.lines()[1:]), flush=True)
+            print("\n".join(["%-16s %-24s %s" % (shape, name, bd.lines()[0])] + bd.lines()[1:]), flush=True)
     return summarize(shape, info, device)
 
 
 def summarize(shape, info, device):
     med = {n: statistics.median(r["samples"]) for n, r in info.items() if r["status"] == "ok" and r["samples"]}
-    base = med.get("bf16_compile")
+    base, base_step = med.get("bf16_compile"), med.get("ampkit_bf16_step")
     ao = [med[n] for n in ("torchao_tensorwise", "torchao_rowwise") if n in med]
     best_ao = min(ao) if ao else None
-    print("%-16s %-22s %9s %19s %8s %10s %9s %9s %9s" % ("shape", "arm", "ms/step", "[min, max]", "x bf16",
-                                                          "x torchao", "peak MiB", "compile s", "loss"))
+    print("%-16s %-24s %9s %19s %8s %10s %11s %9s %9s %9s %9s" % (
+        "shape", "arm", "ms/step", "[min, max]", "x bf16", "x torchao", "x bf16 step", "peak MiB", "held MiB",
+        "compile s", "loss"))
     for n, r in info.items():
         if n not in med:
-            print("%-16s %-22s %s: %s" % (shape, n, r["status"].upper(), r.get("reason", "no timed rounds")))
+            print("%-16s %-24s %s: %s" % (shape, n, r["status"].upper(), r.get("reason", "no timed rounds")))
             continue
         m = med[n]
         r["median_ms"], r["vs_bf16_compile"] = m, (base / m if base else None)
         r["vs_torchao_best"] = best_ao / m if best_ao else None
-        print("%-16s %-22s %9.3f [%8.3f, %8.3f] %8s %10s %9.0f %9.1f %9.4f" % (
+        r["vs_bf16_step"] = base_step / m if base_step else None
+        print("%-16s %-24s %9.3f [%8.3f, %8.3f] %8s %10s %11s %9.0f %9.0f %9.1f %9.4f" % (
             shape, n, m, min(r["samples"]), max(r["samples"]),
             "%.3f" % r["vs_bf16_compile"] if base else "-", "%.3f" % r["vs_torchao_best"] if best_ao else "-",
-            r["peak_mib"], r["compile_s"], r["loss"]), flush=True)
+            "%.3f" % r["vs_bf16_step"] if base_step else "-", r["peak_mib"], r["held_mib"], r["compile_s"],
+            r["loss"]), flush=True)
     for r in info.values():
         r.pop("base_bytes", None)
     return {"shape": shape, "device": device, "arms": info}

@@ -53,6 +53,7 @@ torch.bfloat16
 from __future__ import annotations
 
 import dataclasses
+import types
 import weakref
 
 import torch
@@ -128,31 +129,65 @@ def _cast_of(operand, dtype, scale) -> Fp8Cast:
 
 # -- delayed scaling's histories --------------------------------------------------------
 class _Histories:
-    """{id(weight): (weakref to it, (its (2, n) input and weight history, its (1, n)
-    grad_output history), float32 on its device)}: two tensors, the first written by the
+    """Each weight's delayed-scaling histories: its (2, n) input and weight history and its
+    (1, n) grad_output history, float32 on its device; two tensors, the first written by the
     forward, the second by the backward (torch.compile's partitioner refuses one input
-    mutated in both)."""
+    mutated in both). Kept per (weight, n) while the weight lives.
+
+    Inside torch.compile the histories are graph inputs, written in place by the forward
+    and by the backward (AOT autograd's functionalization writes them back), so delayed
+    scaling compiles into the model's graph like the other recipes. That needs them to exist
+    before the graph does: made while dynamo traces, they would be tensors the graph creates
+    and hands out, which its backward then writes, and the partitioner refuses a forward
+    output that depends on the backward (torch 2.13: "Node ... was invalid, but is output").
+    So ``_ensure_histories``, which dynamo runs at trace time, makes them outside the graph
+    and returns the name of the attribute of ``tensors`` that holds them. Attributes, not a
+    dict: dynamo reads a dict once per trace and keeps that snapshot, which lacks the
+    histories made after it (see ampkit._compiled_regions._Tables)."""
 
     def __init__(self):
-        self.by_id = {}
+        self.tensors = types.SimpleNamespace()  # h<i>: (history, grad_history)
+        self.by_key = {}  # (id(weight), n) -> (weakref to the weight, attribute name)
+        self.made = 0
 
     def get(self, weight, n):
-        hit = self.by_id.get(id(weight))
-        if hit is not None and hit[0]() is weight and hit[1][0].shape[1] == n:
-            return hit[1]
         if not weight.is_leaf:
             raise RuntimeError(
                 "ampkit fp8: delayed scaling keeps one amax history per weight, and this call's "
                 "weight (second operand) is not a leaf tensor (a parameter), so it has no history "
                 "from one step to the next; give this op tensorwise or rowwise scaling (a module "
                 "scope can move it: policy.with_module(...)) or keep it out of the fp8 category")
-        h = (torch.zeros(2, n, dtype=F32, device=weight.device), torch.zeros(1, n, dtype=F32, device=weight.device))
-        key = id(weight)
-        self.by_id[key] = (weakref.ref(weight, lambda _, k=key: self.by_id.pop(k, None)), h)
-        return h
+        return getattr(self.tensors, _ensure_histories(weight, n))
+
+    def ensure(self, weight, n) -> str:
+        key = (id(weight), n)
+        hit = self.by_key.get(key)
+        if hit is not None and hit[0]() is weight:
+            return hit[1]
+        name = f"h{self.made}"
+        self.made += 1
+        setattr(self.tensors, name, (torch.zeros(2, n, dtype=F32, device=weight.device),
+                                     torch.zeros(1, n, dtype=F32, device=weight.device)))
+        self.by_key[key] = (weakref.ref(weight, lambda _, k=key, nm=name: self._forget(k, nm)), name)
+        return name
+
+    def _forget(self, key, name):
+        if self.by_key.get(key, (None, None))[1] == name:
+            del self.by_key[key]
+        if hasattr(self.tensors, name):
+            delattr(self.tensors, name)
 
 
 HISTORIES = _Histories()
+
+
+@torch._dynamo.assume_constant_result
+def _ensure_histories(weight, n) -> str:
+    """The attribute of ``HISTORIES.tensors`` that holds ``weight``'s histories of length
+    ``n``, made here if it has none. In code that torch.compile traces: run at trace time
+    with the real weight (a leaf: a parameter), outside the graph, which then reads the
+    histories as inputs."""
+    return HISTORIES.ensure(weight, n)
 
 
 # -- the Function ------------------------------------------------------------------------
@@ -310,12 +345,14 @@ FUNCTIONS = {s: _function(s) for s in ("tensorwise", "rowwise", "delayed")}
 
 
 @torch.compiler.disable
-def _apply_eagerly(Function, x, w, b, plan):
-    """Delayed scaling inside torch.compile: a graph break, the Function run eagerly. Its
-    backward writes the grad_output history in place, a mutation of a graph input in the
-    backward that the AOT partitioner refuses (torch 2.13: "Node ... was invalid, but is
-    output")."""
-    return Function.apply(x, w, b, plan)
+def _apply_eagerly(Function, x, w, b, key, plan, n):
+    """Delayed scaling inside torch.compile with a weight that is not a parameter (a leaf
+    tensor the model makes, say): a graph break, the Function run eagerly. Only a parameter
+    is known at trace time to be the same tensor at every call, whose histories the graph can
+    take as inputs (a tensor made in the graph is another one at each call, with histories of
+    its own)."""
+    history, grad_history = HISTORIES.get(key, n)
+    return Function.apply(x, w, b, dataclasses.replace(plan, history=history, grad_history=grad_history))
 
 
 # -- the category's action ---------------------------------------------------------------
@@ -361,10 +398,11 @@ def runner(name, recipe, device_type, on):
         if ops is None or not all(on(t) for t in ops[:3] if t is not None):
             return _lower_precision(func, args, kwargs, dtype, on)
         x, w, b, key = ops
+        if delayed and torch.compiler.is_compiling() and not isinstance(key, torch.nn.Parameter):
+            return _apply_eagerly(Function, x, w, b, key, _Plan(name, device_type, dtype, fwd, bwd, None, None, sink),
+                                  recipe.amax_history)
         history, grad_history = HISTORIES.get(key, recipe.amax_history) if delayed else (None, None)
         plan = _Plan(name, device_type, dtype, fwd, bwd, history, grad_history, sink)
-        if delayed and torch.compiler.is_compiling():
-            return _apply_eagerly(Function, x, w, b, plan)
         return Function.apply(x, w, b, plan)
 
     return run

@@ -1,7 +1,8 @@
 """benchmarks/gpu/fp8_speed.py's --smoke mode (tiny sizes, the CPU, aot_eager) runs every arm
-on both shapes, with --breakdown, and writes its results, so the GPU script cannot rot between
-GPU runs. Its timings mean nothing here; the losses are checked against the bf16 arm, and the
-breakdown's kinds against its own top kernels."""
+(make_train_step's included, eager on the CPU) on both shapes, with --breakdown, and writes
+its results, so the GPU script cannot rot between GPU runs. Its timings mean nothing here;
+the losses are checked against the bf16 arm, and the breakdown's kinds against its own top
+kernels."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from ampkit.bench import float8_reason
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "gpu" / "fp8_speed.py"
 ARMS = ("bf16_compile", "ampkit_bf16_compile", "ampkit_fp8_tensorwise", "ampkit_fp8_rowwise",
-        "ampkit_fp8_delayed", "ampkit_fp8_auto", "torchao_tensorwise", "torchao_rowwise")
+        "ampkit_fp8_delayed", "ampkit_fp8_auto", "torchao_tensorwise", "torchao_rowwise",
+        "ampkit_bf16_step", "ampkit_fp8_step", "ampkit_fp8_delayed_step")
 
 
 def test_smoke_run_times_every_arm_of_both_shapes(tmp_path):
@@ -44,6 +46,11 @@ def test_smoke_run_times_every_arm_of_both_shapes(tmp_path):
             assert math.isfinite(rec["loss"]) and abs(rec["loss"] - ref) < 0.01 * abs(ref), (name, rec["loss"], ref)
             assert name in proc.stdout
         assert arms["bf16_compile"]["vs_bf16_compile"] == 1.0
+        # the step arms' own ratio, on every arm; what each arm holds (nothing on the CPU)
+        assert arms["ampkit_bf16_step"]["vs_bf16_step"] == 1.0
+        step = arms["ampkit_fp8_step"]
+        assert step["vs_bf16_step"] == arms["ampkit_bf16_step"]["median_ms"] / step["median_ms"]
+        assert all(rec["held_mib"] == 0 for rec in arms.values() if rec["status"] == "ok")
         for name, rec in arms.items():
             if rec["status"] == "ok":
                 check_breakdown(name, rec["breakdown"], proc.stdout)

@@ -33,7 +33,8 @@ ALLOWED = {
         "GPU's layouts, scales and backward run where CI can check them",
     ("tests/python/test_fp8_compile.py", "ampkit._fp8"):
         "the compiled-model tests trace the _scaled_mm path on the CPU too (SCALED_MM_DEVICES), "
-        "so that a graph break in the GPU's path shows where CI runs",
+        "so that a graph break in the GPU's path shows where CI runs, and compare the delayed "
+        "histories (HISTORIES) the compiled graph writes in place with the eager model's",
     ("benchmarks/fp8_linear_graphs.py", "ampkit._fp8"):
         "prints the compiled graphs of the GPU's _scaled_mm path on the CPU (SCALED_MM_DEVICES), "
         "to count an fp8 linear's passes where no GPU is: a measurement, never a shipped path",
