@@ -32,7 +32,10 @@ stop_usage <- function(msg) {
   quit(save = "no", status = 2)
 }
 
-opts <- parse_args(commandArgs(trailingOnly = TRUE))
+# source()d (by benchmarks/r/peak_census.R, for make_step() and make_scaler()): the CPU
+# profile's plan, and nothing run; Rscript runs it (no frame above the script).
+sourced <- sys.nframe() > 0L
+opts <- parse_args(if (sourced) c("--device", "cpu", "--out", "-") else commandArgs(trailingOnly = TRUE))
 
 for (pkg in c("reticulate", "ampkit")) {
   if (!requireNamespace(pkg, quietly = TRUE)) {
@@ -228,21 +231,23 @@ run_variant <- function(built, v) {
   })
 }
 
-records <- list()
-total <- length(cases) * length(variants)
-for (case in cases) {
-  built <- bench$build_case(case, opts$profile, seed = seed, device = device,
-                            repeats = if (is.null(repeats)) NULL else repeats)
-  for (v in variants) {
-    rec <- run_variant(built, v)
-    records[[length(records) + 1]] <- rec
-    bench$progress("r", length(records), total, rec)
+if (!sourced) {
+  records <- list()
+  total <- length(cases) * length(variants)
+  for (case in cases) {
+    built <- bench$build_case(case, opts$profile, seed = seed, device = device,
+                              repeats = if (is.null(repeats)) NULL else repeats)
+    for (v in variants) {
+      rec <- run_variant(built, v)
+      records[[length(records) + 1]] <- rec
+      bench$progress("r", length(records), total, rec)
+    }
+    rm(built)
+    amp_gc()
   }
-  rm(built)
-  amp_gc()
-}
 
-ctx <- bench$context(opts$profile, device, "r", seed = seed,
-                     r_version = paste(R.version$major, R.version$minor, sep = "."),
-                     reticulate_version = as.character(utils::packageVersion("reticulate")))
-invisible(bench$write_document(opts$out, ctx, records))
+  ctx <- bench$context(opts$profile, device, "r", seed = seed,
+                       r_version = paste(R.version$major, R.version$minor, sep = "."),
+                       reticulate_version = as.character(utils::packageVersion("reticulate")))
+  invisible(bench$write_document(opts$out, ctx, records))
+}
