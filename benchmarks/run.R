@@ -107,12 +107,15 @@ make_step <- function(v, built, model, opt, scaler) {
     function(loss) { scaler$scale(loss)$backward(); scaler$step(opt); scaler$update() }
   }
   # The forward in the variant's autocast region (ampkit's, torch's or none), written
-  # out in each as an R user writes it: with_autocast()'s block is the seed's.
+  # out in each as an R user writes it, and as the Python runner writes it:
+  # loss_fn(model(x), y). A bound `output` (the seed's `output <- model(x)`) keeps the
+  # logits alive through backward, where Python's loop has freed them: ampkit_amp's R
+  # peak on the transformer was 512 MiB (its float16 logits) above Python's on an H200
+  # (ec17178); benchmarks/r/peak_census.R shows it on the CPU.
   switch(field(v, "autocast"),
     ampkit = function(x, y) {
       with_autocast(device_type = device, dtype = dtype, {
-        output <- model(x)
-        loss <- loss_fn(output, y)
+        loss <- loss_fn(model(x), y)
       })
       update(loss)
       zero_grad(set_to_none = TRUE)
@@ -123,16 +126,16 @@ make_step <- function(v, built, model, opt, scaler) {
     # logits) counted until R collected, and R's peak memory went to 60 GiB (88b461e).
     torch = function(x, y) {
       torch_region({
-        output <- model(x)
-        loss <- loss_fn(output, y)
+        loss <- loss_fn(model(x), y)
       })
       update(loss)
       zero_grad(set_to_none = TRUE)
       loss
     },
-    # No region: written as the Python runner writes it, loss_fn(model(x), y). A bound
-    # `output` kept the logits alive through backward, which nothing releases outside a
-    # region (fp32 transformer: R's peak 1.13x Python's on an H200, ec17178).
+    # No region. Unbound, the logits were still held through backward by their R object
+    # until the next step's first module call let go of them (fp32 transformer: R's peak
+    # 1.13x Python's on an H200, ec17178); the package now lets go of the outputs R
+    # dropped before each call of the step (src/module.c release_dropped()).
     function(x, y) {
       loss <- loss_fn(model(x), y)
       update(loss)
