@@ -144,6 +144,35 @@ make_step <- function(v, built, model, opt, scaler) {
     })
 }
 
+# The timed epochs (step 3 of the protocol): `reps` samples of ms/step and the last
+# epoch's losses. Each epoch's losses go in a list of their own and the previous epoch's
+# are held until it ends, as the Python runner holds them (VariantRun.epoch's
+# self.losses), and freed there, as Python frees them when their last reference goes (R
+# by a collection, after the clock). A loss holds memory after backward (mse_loss's:
+# its batch's errors, 8 MiB in seed_mlp's full profile): written as one list whose
+# elements each step replaced, R held up to an epoch of losses fewer than Python
+# (seed_mlp: R's peak 0.86x Python's on an H200, ec17178), not the same quantity.
+time_epochs <- function(step, batches, reps) {
+  n <- length(batches)
+  samples <- numeric(reps)
+  losses <- NULL
+  for (r in seq_len(reps)) {
+    epoch <- vector("list", n)
+    sync()
+    t0 <- now()
+    for (i in seq_len(n)) {
+      b <- batches[[i]]
+      epoch[[i]] <- step(b[[1]], b[[2]])
+    }
+    sync()
+    samples[[r]] <- (now() - t0) * 1000 / n
+    previous <- !is.null(losses)
+    losses <- epoch
+    if (previous) amp_gc()
+  }
+  list(samples = samples, losses = losses)
+}
+
 make_scaler <- function(v) {
   init <- py_to_r(runner$INIT_SCALE)
   interval <- py_to_r(runner$GROWTH_INTERVAL)
@@ -195,18 +224,10 @@ run_variant <- function(built, v) {
       }
     }
     counts_warm <- runner$compile_counts()
-    samples <- numeric(reps)
-    losses <- vector("list", n)
-    for (r in seq_len(reps)) {
-      sync()
-      t0 <- now()
-      for (i in seq_len(n)) {
-        b <- batches[[i]]
-        losses[[i]] <- step(b[[1]], b[[2]])
-      }
-      sync()
-      samples[[r]] <- (now() - t0) * 1000 / n
-    }
+    timed <- time_epochs(step, batches, reps)
+    samples <- timed$samples
+    losses <- timed$losses
+    timed <- NULL
     final_loss <- py_to_r(built$mean_loss(losses))
     final_scale <- scale_of(scaler)
     skipped <- if (is.null(final_scale)) NULL else

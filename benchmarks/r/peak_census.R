@@ -1,5 +1,5 @@
 # Peak memory of R's loop against Python's, on the CPU: what each runner's variant (build,
-# warm-up, one epoch) allocates above its start at its high point, read by the same census
+# warm-up, two timed epochs) allocates above its start at its high point, read by the same census
 # of torch's allocation records (peak_census.py: a stand-in for CUDA's max_memory_allocated,
 # which the CPU does not have), each from a collected start (R: amp_gc(); Python:
 # gc.collect()). The R side is benchmarks/run.R's own step (make_step(), make_scaler(),
@@ -17,7 +17,8 @@ census_variants <- strsplit(if (length(census_args) >= 2) census_args[[2]] else 
 census <- reticulate::import_from_path("peak_census", path = "benchmarks/r", convert = FALSE)
 all_variants <- bench$load_variants()
 
-# run.R's run_variant() without the clock: build, warm up, one epoch.
+# run.R's run_variant() without the record: build, warm up, EPOCHS timed epochs.
+EPOCHS <- 2L  # the second holds the first's losses, as the runners do
 r_peak <- function(built, v) {
   amp_gc()
   c <- census$Census()
@@ -32,13 +33,9 @@ r_peak <- function(built, v) {
     b <- batches[[(i - 1) %% n + 1]]
     step(b[[1]], b[[2]])
   }
-  losses <- vector("list", n)
-  for (i in seq_len(n)) {
-    b <- batches[[i]]
-    losses[[i]] <- step(b[[1]], b[[2]])
-  }
+  timed <- time_epochs(step, batches, EPOCHS)
   c$`__exit__`(NULL, NULL, NULL)
-  model <- opt <- scaler <- step <- losses <- NULL
+  model <- opt <- scaler <- step <- timed <- NULL
   amp_gc()
   py_to_r(c$peak_bytes)
 }
@@ -48,7 +45,7 @@ for (case in census_cases) {
   built <- bench$build_case(case, "cpu", seed = 0L, device = "cpu")
   for (name in census_variants) {
     v <- all_variants$`__getitem__`(name)
-    py <- py_to_r(census$python_peak(built, v))$peak_bytes
+    py <- py_to_r(census$python_peak(built, v, EPOCHS))$peak_bytes
     r <- r_peak(built, v)
     cat(sprintf("%-16s %-11s %9.2f %9.2f %6.3f\n", case, name, py / 2^20, r / 2^20, r / py))
   }

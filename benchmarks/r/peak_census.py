@@ -54,9 +54,9 @@ class Census:
         return False
 
 
-def python_peak(built, variant) -> dict:
-    """The Python runner's own code (``ampkit.bench.VariantRun``: build, warm-up, one timed
-    epoch) under a census, from a collected start: ``peak_bytes`` above what was allocated
+def python_peak(built, variant, epochs: int = 2) -> dict:
+    """The Python runner's own code (``ampkit.bench.VariantRun``: build, warm-up, ``epochs``
+    timed epochs) under a census, from a collected start: ``peak_bytes`` above what was allocated
     before the model was built (the case's batches), as the runners' CUDA peak reads it."""
     import gc
 
@@ -66,6 +66,7 @@ def python_peak(built, variant) -> dict:
     with Census() as c:
         run.build()
         run.warm_up()
-        run.epoch()
+        for _ in range(int(epochs)):
+            run.epoch()
     run.close()
     return dict(peak_bytes=c.peak_bytes, net_bytes=c.net_bytes)
