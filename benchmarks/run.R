@@ -32,7 +32,10 @@ stop_usage <- function(msg) {
   quit(save = "no", status = 2)
 }
 
-opts <- parse_args(commandArgs(trailingOnly = TRUE))
+# source()d (by benchmarks/r/peak_census.R, for make_step() and make_scaler()): the CPU
+# profile's plan, and nothing run; Rscript runs it (no frame above the script).
+sourced <- sys.nframe() > 0L
+opts <- parse_args(if (sourced) c("--device", "cpu", "--out", "-") else commandArgs(trailingOnly = TRUE))
 
 for (pkg in c("reticulate", "ampkit")) {
   if (!requireNamespace(pkg, quietly = TRUE)) {
@@ -104,12 +107,15 @@ make_step <- function(v, built, model, opt, scaler) {
     function(loss) { scaler$scale(loss)$backward(); scaler$step(opt); scaler$update() }
   }
   # The forward in the variant's autocast region (ampkit's, torch's or none), written
-  # out in each as an R user writes it: with_autocast()'s block is the seed's.
+  # out in each as an R user writes it, and as the Python runner writes it:
+  # loss_fn(model(x), y). A bound `output` (the seed's `output <- model(x)`) keeps the
+  # logits alive through backward, where Python's loop has freed them: ampkit_amp's R
+  # peak on the transformer was 512 MiB (its float16 logits) above Python's on an H200
+  # (ec17178); benchmarks/r/peak_census.R shows it on the CPU.
   switch(field(v, "autocast"),
     ampkit = function(x, y) {
       with_autocast(device_type = device, dtype = dtype, {
-        output <- model(x)
-        loss <- loss_fn(output, y)
+        loss <- loss_fn(model(x), y)
       })
       update(loss)
       zero_grad(set_to_none = TRUE)
@@ -120,22 +126,51 @@ make_step <- function(v, built, model, opt, scaler) {
     # logits) counted until R collected, and R's peak memory went to 60 GiB (88b461e).
     torch = function(x, y) {
       torch_region({
-        output <- model(x)
-        loss <- loss_fn(output, y)
+        loss <- loss_fn(model(x), y)
       })
       update(loss)
       zero_grad(set_to_none = TRUE)
       loss
     },
-    # No region: written as the Python runner writes it, loss_fn(model(x), y). A bound
-    # `output` kept the logits alive through backward, which nothing releases outside a
-    # region (fp32 transformer: R's peak 1.13x Python's on an H200, ec17178).
+    # No region. Unbound, the logits were still held through backward by their R object
+    # until the next step's first module call let go of them (fp32 transformer: R's peak
+    # 1.13x Python's on an H200, ec17178); the package now lets go of the outputs R
+    # dropped before each call of the step (src/module.c release_dropped()).
     function(x, y) {
       loss <- loss_fn(model(x), y)
       update(loss)
       zero_grad(set_to_none = TRUE)
       loss
     })
+}
+
+# The timed epochs (step 3 of the protocol): `reps` samples of ms/step and the last
+# epoch's losses. Each epoch's losses go in a list of their own and the previous epoch's
+# are held until it ends, as the Python runner holds them (VariantRun.epoch's
+# self.losses), and freed there, as Python frees them when their last reference goes (R
+# by a collection, after the clock). A loss holds memory after backward (mse_loss's:
+# its batch's errors, 8 MiB in seed_mlp's full profile): written as one list whose
+# elements each step replaced, R held up to an epoch of losses fewer than Python
+# (seed_mlp: R's peak 0.86x Python's on an H200, ec17178), not the same quantity.
+time_epochs <- function(step, batches, reps) {
+  n <- length(batches)
+  samples <- numeric(reps)
+  losses <- NULL
+  for (r in seq_len(reps)) {
+    epoch <- vector("list", n)
+    sync()
+    t0 <- now()
+    for (i in seq_len(n)) {
+      b <- batches[[i]]
+      epoch[[i]] <- step(b[[1]], b[[2]])
+    }
+    sync()
+    samples[[r]] <- (now() - t0) * 1000 / n
+    previous <- !is.null(losses)
+    losses <- epoch
+    if (previous) amp_gc()
+  }
+  list(samples = samples, losses = losses)
 }
 
 make_scaler <- function(v) {
@@ -189,18 +224,10 @@ run_variant <- function(built, v) {
       }
     }
     counts_warm <- runner$compile_counts()
-    samples <- numeric(reps)
-    losses <- vector("list", n)
-    for (r in seq_len(reps)) {
-      sync()
-      t0 <- now()
-      for (i in seq_len(n)) {
-        b <- batches[[i]]
-        losses[[i]] <- step(b[[1]], b[[2]])
-      }
-      sync()
-      samples[[r]] <- (now() - t0) * 1000 / n
-    }
+    timed <- time_epochs(step, batches, reps)
+    samples <- timed$samples
+    losses <- timed$losses
+    timed <- NULL
     final_loss <- py_to_r(built$mean_loss(losses))
     final_scale <- scale_of(scaler)
     skipped <- if (is.null(final_scale)) NULL else
@@ -228,21 +255,23 @@ run_variant <- function(built, v) {
   })
 }
 
-records <- list()
-total <- length(cases) * length(variants)
-for (case in cases) {
-  built <- bench$build_case(case, opts$profile, seed = seed, device = device,
-                            repeats = if (is.null(repeats)) NULL else repeats)
-  for (v in variants) {
-    rec <- run_variant(built, v)
-    records[[length(records) + 1]] <- rec
-    bench$progress("r", length(records), total, rec)
+if (!sourced) {
+  records <- list()
+  total <- length(cases) * length(variants)
+  for (case in cases) {
+    built <- bench$build_case(case, opts$profile, seed = seed, device = device,
+                              repeats = if (is.null(repeats)) NULL else repeats)
+    for (v in variants) {
+      rec <- run_variant(built, v)
+      records[[length(records) + 1]] <- rec
+      bench$progress("r", length(records), total, rec)
+    }
+    rm(built)
+    amp_gc()
   }
-  rm(built)
-  amp_gc()
-}
 
-ctx <- bench$context(opts$profile, device, "r", seed = seed,
-                     r_version = paste(R.version$major, R.version$minor, sep = "."),
-                     reticulate_version = as.character(utils::packageVersion("reticulate")))
-invisible(bench$write_document(opts$out, ctx, records))
+  ctx <- bench$context(opts$profile, device, "r", seed = seed,
+                       r_version = paste(R.version$major, R.version$minor, sep = "."),
+                       reticulate_version = as.character(utils::packageVersion("reticulate")))
+  invisible(bench$write_document(opts$out, ctx, records))
+}

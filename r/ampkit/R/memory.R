@@ -59,7 +59,11 @@
 #' the old one, the next module call lets go of R's reference to it in the same
 #' call to Python (with the compiled crossing; otherwise it empties the tensor
 #' when nothing in Python holds it either), so that Python frees it as it would
-#' in a Python loop. So a loop written as the seed
+#' in a Python loop. With the compiled crossing, the step's other calls into
+#' Python (`loss$backward()`, `scaler$scale(loss)$backward()`, `$step()`,
+#' `$zero_grad()`) let go of such outputs too, before they run: a loop that
+#' writes `loss <- loss_fn(net(x), y)`, as Python's `loss = loss_fn(net(x), y)`,
+#' holds no logits through the backward pass. So a loop written as the seed
 #' writes it holds no earlier step's outputs, with no collection at all. A
 #' tensor you keep (bound to another name, stored in a list) is never freed;
 #' an output passed to code that keeps a reference until R collects is left to

@@ -520,6 +520,7 @@ SEXP callx(SEXP context, int mode, SEXP f, SEXP first, SEXP rest) {
     UNPROTECT(4);
     return res;
   }
+  release_dropped();  /* module.c: the outputs R dropped, before this call (a backward pass) */
   SEXP keep;
   PyObject *before = pending_update(&keep);
   PROTECT(keep);

@@ -96,6 +96,8 @@ SEXP ampkit_release_forget(SEXP calibrating);
 SEXP ampkit_release_collecting(SEXP start);
 SEXP ampkit_release_calibrated(void);
 SEXP ampkit_release_counts(void);
+/* Let go of the outputs R dropped that nothing else in R reaches, now (callx()). */
+void release_dropped(void);
 
 /* Give the new object `x` (no attributes yet) the class vector `klass`, shared and not
  * copied (setAttrib() copies a vector that is referenced; `klass` is marked not mutable,

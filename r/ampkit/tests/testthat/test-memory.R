@@ -166,3 +166,57 @@ def oom(x):
   expect_equal(reticulate::py_to_r(sim$live())$n, 0)
   expect_false(is_autocast_enabled("cpu"))
 })
+
+# Whether a step's logits are still alive when backward reaches them: Python's loop,
+# `loss = loss_fn(net(x), y)`, has freed them by then when nothing saved them (here a
+# loss that saves none of its input); R's loop written the same way holds them in the R
+# object of `net(x)` until it lets go of them. A tensor hook on the output records, as
+# backward reaches it, whether the output is still alive (a weak reference).
+alive_py <- "
+import weakref, torch
+seen = []
+def track(module, inputs, out):
+    ref = weakref.ref(out)
+    out.register_hook(lambda g: seen.append(ref() is not None))
+class SumLoss(torch.nn.Module):
+    def forward(self, out, y):
+        return (out * 2.0).sum()
+def python_step():
+    net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32))
+    net.register_forward_hook(track)
+    loss_fn = SumLoss()
+    loss = loss_fn(net(torch.randn(4, 8)), torch.randn(4, 32))
+    loss.backward()
+    return seen[-1]
+"
+
+alive_in_backward <- function(scaled) {
+  ns <- py_ns(alive_py)
+  python <- reticulate::py_to_r(reticulate::py_call(ns$python_step))
+  torch_manual_seed(5)
+  net <- nn_sequential(nn_linear(8, 32), nn_relu(), nn_linear(32, 32))
+  hook <- net$register_forward_hook(ns$track)
+  x <- torch_randn(4, 8)
+  y <- torch_randn(4, 32)
+  loss_fn <- reticulate::py_to_r(reticulate::py_call(ns$SumLoss))  # a module call from R
+  scaler <- amp_grad_scaler("cpu", init_scale = 2^4)
+  for (i in 1:3) {
+    loss <- loss_fn(net(x), y)
+    if (scaled) scaler$scale(loss)$backward() else loss$backward()
+  }
+  list(python = python, r = unlist(reticulate::py_to_r(ns$seen))[-1])  # R's three steps
+}
+
+test_that("an output R dropped is let go before backward, as Python's loop has freed it", {
+  skip_if_no_ampkit()
+  skip_if_not(isTRUE(ampkit:::.x$on),
+              "the compiled crossing is off: reticulate's path lets go at the next module call only")
+  for (scaled in c(FALSE, TRUE)) {
+    res <- alive_in_backward(scaled)
+    expect_false(res$python)  # the oracle: Python's loop has freed the output
+    expect_identical(res$r, rep(res$python, 3))
+  }
+  # Control: without the release, R's object of `net(x)` holds it through backward.
+  withr::local_options(ampkit.release_outputs = FALSE)
+  expect_identical(alive_in_backward(FALSE)$r, rep(TRUE, 3))
+})

@@ -187,7 +187,7 @@ test_that("a step written as a function frees its output before the next step's 
     loss_fn <- nn_mse_loss()
     opt <- optim_sgd(net$parameters, lr = 0.01)
     scaler <- amp_grad_scaler("cpu", init_scale = 2^10)
-    # as benchmarks/run.R writes the step: `output` goes when the step returns
+    # the seed's step in a function: `output` goes when the step returns
     step <- function(x, y) {
       with_autocast(device_type = "cpu", enabled = amp, {
         output <- net(x)
