@@ -16,7 +16,7 @@
 # on the device. Without it, the package is installed there from the tree.
 # Environment: CASES (seed_mlp,convnet), VARIANTS (fp32_tf32,torch_amp,ampkit_amp,
 # ampkit_autocast_only), ROUNDS (2), REPEATS (7), SEED_LOOP (1: run the seed loop too),
-# NODEFER (0: 1 adds the "nodefer" runs), SPLIT (1: benchmarks/gpu/r_step_split.R, where the R
+# NODEFER (0: 1 adds the "nodefer" runs), TREES ("base new"; "new" runs no base tree), SPLIT (1: benchmarks/gpu/r_step_split.R, where the R
 # step's time goes, new tree only).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -27,6 +27,7 @@ cases=${CASES:-seed_mlp,convnet}
 variants=${VARIANTS:-fp32_tf32,torch_amp,ampkit_amp,ampkit_autocast_only}
 rounds=${ROUNDS:-2}
 repeats=${REPEATS:-7}
+trees=${TREES:-base new}  # TREES=new: the working tree only (no base tree to carry)
 runtime=$root/.device-carry/r-runtime.tar.xz
 runr() { bash "$root/.device-carry/run-r.sh" "$runtime" "$@"; }
 export PYTHONUNBUFFERED=1
@@ -36,7 +37,7 @@ export PYTHONUNBUFFERED=1
   echo "cases $cases; variants $variants; rounds $rounds; repeats $repeats"; } | tee "$dest/card.txt"
 
 declare -A tree=([base]=$root/.device-carry/base [new]=$root)
-for t in base new; do
+for t in $trees; do
   rm -rf /tmp/rlib-$t; mkdir -p /tmp/rlib-$t
   if [ -d "$root/.device-carry/rlib-$t/ampkit" ]; then
     cp -a "$root/.device-carry/rlib-$t/ampkit" /tmp/rlib-$t/ && echo "R package ($t): installed beforehand" > "$dest/r-install-$t.log"
@@ -70,7 +71,7 @@ for r in $(seq "$rounds"); do
     PYTHONPATH=$root/python python3 -m ampkit.bench --profile full --device cuda --seed 0 --cases "$c" \
       --variants "$variants" --repeats "$repeats" --out "$dest/raw-python-$c-r$r.json" > "$dest/log-python-$c-r$r.txt" 2>&1
     # nodefer: the working tree with options(ampkit.defer_update = FALSE), on seed_mlp
-    for t in base new nodefer; do
+    for t in $trees nodefer; do
       [ "$t" = nodefer ] && { [ "$c" != seed_mlp ] || [ "${NODEFER:-0}" != 1 ]; } && continue
       lib=/tmp/rlib-${t/nodefer/new}
       (export PYTHONPATH=${tree[${t/nodefer/new}]}/python R_LIBS=$lib
