@@ -13,9 +13,9 @@ count dumped apart; the shell script prints instructions a step and step - hand.
   fallback  the eager fallback of a captured step, beside its graph: a step stands in a
             graph as a capture keeps one (TrainStep._keep_graph with a graph that only
             counts replays: no CUDA graph on the CPU; the tests do the same), captured for
-            the case's batches, then is called with batches one sample shorter, as
-            eager_step_cost.py's fallback setting does on CUDA; the hand-written loop runs
-            the same shorter batches. Each call then takes the path of a CUDA step's
+            the case's batches, then is called with batches one sample longer (as
+            eager_step_cost.py's fallback setting does on CUDA with batches one shorter);
+            the hand-written loop runs the same batches. Each call then takes the path of a CUDA step's
             fallback: __call__, _call's batch checks against the captured and the last
             other signature, _eager(beside_graph=True) with the graph's gradients kept.
             What differs from CUDA: the tensors are CPU tensors (why_copy reads the same
@@ -51,20 +51,22 @@ class StandInGraph:
 
 def beside_a_graph(step, epoch):
     """Make ``step`` (capture=False, warmed up) a captured step for ``epoch``'s batches, as
-    a capture leaves it; return the batches one sample shorter, on which each call runs
+    a capture leaves it; return the batches one sample longer, on which each call runs
     its eager fallback beside the graph, and the stand-in graph."""
     x, y = epoch[0]
     step._eligible = True
     step._static_in, step._static_tg = [x.clone()], [y.clone()]
     graph = StandInGraph()
     step._keep_graph(graph, torch.zeros(()), [x], [y])
-    shorter = [(x[:-1], y[:-1]) for x, y in epoch]
+    # (one sample longer, not shorter as eager_step_cost.py's: the shrunk convnet's batch of
+    # two would leave BatchNorm one value per channel)
+    other = [(torch.cat([x, x[:1]]), torch.cat([y, y[:1]])) for x, y in epoch]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (the fallback's warning, once)
-        step(*shorter[0])
+        step(*other[0])
     if step.captured or "graph" not in repr(step):
-        raise RuntimeError("fallback: a shorter batch did not run beside the graph")
-    return shorter, graph
+        raise RuntimeError("fallback: a longer batch did not run beside the graph")
+    return other, graph
 
 
 torch.set_num_threads(1)
