@@ -885,6 +885,9 @@ VERDICT_CHANGES = {
     # (the group's own list grows in place: its dict's version stays, its length does not)
     "parameter_appended_in_place": (_lin_then_emb_adam,
                                     lambda model, opt: opt.param_groups[0]["params"].extend(model.emb.parameters())),
+    # (another parameter in one's place: the group's version and length stay, its identity not)
+    "parameter_replaced_in_place": (_lin_then_emb_adam,
+                                    lambda model, opt: opt.param_groups[0]["params"].__setitem__(0, model.emb.weight)),
 }
 
 
