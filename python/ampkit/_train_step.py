@@ -319,8 +319,13 @@ class TrainStep:
         if self._graph is not None:
             batch = [*flat_in, *flat_tg]
             other = self._other_sig
-            if not self._sig.quick(batch) and (
-                    other is not None and other.quick(batch) or self._other_batch(batch)):
+            # (the captured and the other signature differ, so at most one quick check
+            # passes: after a call beside the graph, the other one is asked first, and a run
+            # of other batches pays one check a call)
+            if (other.quick(batch) or not self._sig.quick(batch) and self._other_batch(batch)
+                    if self._grads_beside_graph and other is not None else
+                    not self._sig.quick(batch) and (
+                        other is not None and other.quick(batch) or self._other_batch(batch))):
                 why = self._other_why
                 if self._capture is True:
                     raise RuntimeError(f"make_train_step(capture=True): {why}")
