@@ -250,15 +250,16 @@ def zero_grads_the_graph_had(params, owned):
     """As zero_grad(set_to_none=False) left them: a parameter that had a gradient in the
     graph and got none in this step is stepped with zeros (fresh ones: the graph's stay
     untouched until the step has succeeded). Returns the parameters' gradients after that
-    (for why_copy: read once). (Every parameter got one, the common case: C-level maps, no
-    Python loop.)"""
+    and their classes (for why_copy: read once). (Every parameter got one, the common case:
+    C-level maps, no Python loop.)"""
     grads = [*map(_GRAD, params)]
-    if _NONE not in map(type, grads):
-        return grads
+    types = [*map(type, grads)]
+    if _NONE not in types:
+        return grads, types
     for i, (p, g, now) in enumerate(zip(params, owned, grads)):
         if g is not None and now is None:
             p.grad = grads[i] = torch.zeros_like(g)
-    return grads
+    return grads, [*map(type, grads)]
 
 
 class OptimizerCopy:
@@ -312,7 +313,7 @@ _scaler_types_checked: dict = {}  # GradScaler subclass -> whether only _SCALER_
 _SCALARS = frozenset({float, int, bool, str, type(None)})  # hyperparameters plain_value() takes at once
 
 
-def why_copy(optimizer, scaler, kept=None, params=None, grads=None):
+def why_copy(optimizer, scaler, kept=None, params=None, grads=None, types=None):
     """Why the eager step must copy parameters and optimizer state before ``scaler.step``
     (a readable reason), or None when nothing from the optimizer's first write to the end
     of ``scaler.update()`` can raise, so that there is never anything to put back.
@@ -337,11 +338,12 @@ def why_copy(optimizer, scaler, kept=None, params=None, grads=None):
     pass). Each is found again only when its key differs. The checks on the optimizer's
     class, step, hooks and the scaler (a handful of values) run every call.
 
-    ``params``, ``grads``: a list of parameters that the caller never changes (a train
-    step's) and their gradients as it read them just before, or None: the gradients are
-    then read here. With ``kept``, they are taken as the optimizer's exactly while the
-    param groups hold these parameters, in this order (checked by identity: a group added,
-    or a parameter put in another's place, makes this read the gradients itself).
+    ``params``, ``grads``, ``types``: a list of parameters that the caller never changes (a
+    train step's), their gradients as it read them just before and the gradients' classes,
+    or None: the gradients are then read here. With ``kept``, they are taken as the
+    optimizer's exactly while the param groups hold these parameters, in this order
+    (checked by identity: a group added, or a parameter put in another's place, makes this
+    read the gradients itself).
     """
     why = _optimizer_why_copy(optimizer, scaler)
     if why is not None:
@@ -380,8 +382,9 @@ def why_copy(optimizer, scaler, kept=None, params=None, grads=None):
     known = kept.get("params")
     same = known is not None and len(known) == len(found) and all(map(_is, found, known))
     if not (same and grads is not None and params is kept["given"]):
-        grads = [*map(_GRAD, found)]
-    types = [*map(type, grads)]
+        grads, types = [*map(_GRAD, found)], None
+    if types is None:
+        types = [*map(type, grads)]
     key = [kept["flags"], *lengths, *types,
            *map(_LAYOUT, filter(_is_not_none, grads) if _NONE in types else grads), len(state)]
     if state:

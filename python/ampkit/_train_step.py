@@ -393,9 +393,9 @@ class TrainStep:
             self.scaler.step(self.optimizer)
             self.scaler.update()
             return loss.detach()
-        grads = None  # (read by why_copy, or here beside a graph: read once)
+        grads = types = None  # (read by why_copy, or here beside a graph: read once)
         if owned_grads is not None:
-            grads = zero_grads_the_graph_had(self._params, owned_grads)
+            grads, types = zero_grads_the_graph_had(self._params, owned_grads)
         # The optimizer writes parameters and state in place. Where nothing from its first
         # write to the end of update() can raise (why_copy), there is nothing to put back
         # and nothing is copied; a Ctrl-C that arrives meanwhile is held until the step is
@@ -403,7 +403,8 @@ class TrainStep:
         # scaler subclass ...) keep a copy to put back, taken after backward, when the
         # activations are freed.
         pool = self._rollback_pool
-        why = self._copy_why = why_copy(self.optimizer, self.scaler, self._verdict, self._params, grads)
+        why = self._copy_why = why_copy(self.optimizer, self.scaler, self._verdict,
+                                             self._params, grads, types)
         if why is None:
             pool.pop("optimizer", None)  # (copies kept by an earlier call: memory only)
             held = self._held = HeldSignals()

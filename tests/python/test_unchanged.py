@@ -195,11 +195,13 @@ def test_zero_grads_the_graph_had_fills_only_the_parameters_that_lost_theirs():
     everyone = [torch.randn(3) for _ in params]
     for p, g in zip(params, everyone):
         p.grad = g
-    grads = _rollback.zero_grads_the_graph_had(params, owned)  # (every parameter has one: untouched)
+    grads, types = _rollback.zero_grads_the_graph_had(params, owned)  # (every parameter has one: untouched)
     assert all(p.grad is g for p, g in zip(params, everyone))
     assert all(g is p.grad for p, g in zip(params, grads))  # (what why_copy reads instead)
+    assert types == [type(p.grad) for p in params]
     params[0].grad, params[1].grad, params[2].grad = got, None, None
-    grads = _rollback.zero_grads_the_graph_had(params, owned)
+    grads, types = _rollback.zero_grads_the_graph_had(params, owned)
     assert all(g is p.grad for p, g in zip(params, grads))
+    assert types == [type(p.grad) for p in params]
     assert params[0].grad is got and params[1].grad is None  # (the graph had none for it)
     assert params[2].grad is not owned[2] and torch.equal(params[2].grad, torch.zeros(3))
