@@ -65,6 +65,7 @@ _DEREF = weakref.ref.__call__
 
 
 _is_not_none = functools.partial(operator.is_not, None)
+_is = operator.is_
 _MAIN_THREAD = threading.main_thread().ident  # (Python runs signal handlers there only)
 
 
@@ -246,16 +247,19 @@ _getsignal, _get_ident = _signal.getsignal, _thread.get_ident
 
 
 def zero_grads_the_graph_had(params, owned):
-    # As zero_grad(set_to_none=False) left them: a parameter that had a gradient in the
-    # graph and got none in this step is stepped with zeros (fresh ones: the graph's stay
-    # untouched until the step has succeeded). (Every parameter got one, the common case:
-    # C-level maps, no Python loop.)
+    """As zero_grad(set_to_none=False) left them: a parameter that had a gradient in the
+    graph and got none in this step is stepped with zeros (fresh ones: the graph's stay
+    untouched until the step has succeeded). Returns the parameters' gradients after that
+    and their classes (for why_copy: read once). (Every parameter got one, the common case:
+    C-level maps, no Python loop.)"""
     grads = [*map(_GRAD, params)]
-    if _NONE not in map(type, grads):
-        return
-    for p, g, now in zip(params, owned, grads):
+    types = [*map(type, grads)]
+    if _NONE not in types:
+        return grads, types
+    for i, (p, g, now) in enumerate(zip(params, owned, grads)):
         if g is not None and now is None:
-            p.grad = torch.zeros_like(g)
+            p.grad = grads[i] = torch.zeros_like(g)
+    return grads, [*map(type, grads)]
 
 
 class OptimizerCopy:
@@ -309,7 +313,7 @@ _scaler_types_checked: dict = {}  # GradScaler subclass -> whether only _SCALER_
 _SCALARS = frozenset({float, int, bool, str, type(None)})  # hyperparameters plain_value() takes at once
 
 
-def why_copy(optimizer, scaler, kept=None):
+def why_copy(optimizer, scaler, kept=None, params=None, grads=None, types=None):
     """Why the eager step must copy parameters and optimizer state before ``scaler.step``
     (a readable reason), or None when nothing from the optimizer's first write to the end
     of ``scaler.update()`` can raise, so that there is never anything to put back.
@@ -333,6 +337,13 @@ def why_copy(optimizer, scaler, kept=None):
     tensors' verdict reads (see below), with the tensors whose dtype, shape or device the verdict read (``SameMeta``: one C++
     pass). Each is found again only when its key differs. The checks on the optimizer's
     class, step, hooks and the scaler (a handful of values) run every call.
+
+    ``params``, ``grads``, ``types``: a list of parameters that the caller never changes (a
+    train step's), their gradients as it read them just before and the gradients' classes,
+    or None: the gradients are then read here. With ``kept``, they are taken as the
+    optimizer's exactly while the param groups hold these parameters, in this order
+    (checked by identity: a group added, or a parameter put in another's place, makes this
+    read the gradients itself).
     """
     why = _optimizer_why_copy(optimizer, scaler)
     if why is not None:
@@ -350,43 +361,55 @@ def why_copy(optimizer, scaler, kept=None):
     if kept["hyperparameters"] is not None:
         return kept["hyperparameters"]
     # The key of the tensors' verdict: what _tensors_why_copy reads but the metadata of the
-    # tensors it names (kept["params_read"], kept["read"]: checked below), in one flat list
-    # compared in C, each part's length fixed by what comes before it: the number of groups, each one's flags
+    # tensors it names (kept["params_read"], kept["read"]: checked below) and the parameters'
+    # identities (kept["params"], compared below), in one flat list compared in C, each
+    # part's length fixed by what comes before it: the number of groups, each one's flags
     # (found above whenever a group changed) and number of parameters; each parameter's
-    # identity (watched: freed, it drops the key, _watch) and its gradient's class (None
-    # too); each gradient's layout; the number of states and the versions of the state's
-    # dicts (a state created, replaced or added to changes them). C-level maps, no Python
-    # loop over the parameters and no Python frame: this runs on every eager call. (An empty
-    # state is unchanged exactly while it stays empty: its length says so, no version.)
+    # gradient's class (None too); each gradient's layout; the number of states and the
+    # versions of the state's dicts (a state created, replaced or added to changes them).
+    # C-level maps, no Python loop over the parameters and no Python frame: this runs on
+    # every eager call. (An empty state is unchanged exactly while it stays empty: its
+    # length says so, no version.)
     state = optimizer.state
     if single:  # (the group's own list, not a copy)
-        params = groups[0]["params"]
-        lengths = (len(params),)
+        found = groups[0]["params"]
+        lengths = (len(found),)
     else:
         lists = [*map(_PARAMS, groups)]
-        params, lengths = [*chain.from_iterable(lists)], map(len, lists)
-    grads = [*map(_GRAD, params)]
-    types = [*map(type, grads)]
-    key = [kept["flags"], *lengths, *map(id, params), *types,
+        found, lengths = [*chain.from_iterable(lists)], map(len, lists)
+    # The parameters found with the verdict are held (a train step holds them anyway), so
+    # an identity compared is never one reused by a later object.
+    known = kept.get("params")
+    same = known is not None and len(known) == len(found) and all(map(_is, found, known))
+    if not (same and grads is not None and params is kept["given"]):
+        grads, types = [*map(_GRAD, found)], None
+    if types is None:
+        types = [*map(type, grads)]
+    key = [kept["flags"], *lengths, *types,
            *map(_LAYOUT, filter(_is_not_none, grads) if _NONE in types else grads), len(state)]
     if state:
         key += map(dict_version, (state, *state.values()))
-    if kept.get("key") == key and (kept["same"] is None or kept["same"](
+    if same and kept.get("key") == key and (kept["same"] is None or kept["same"](
             [*kept["params_read"], *map(_DEREF, kept["read"])])):
         return kept["why"]
     kept.pop("key", None)
-    kept["params_read"] = ()
+    kept["params_read"], kept["params"] = (), None
     why, read = _tensors_why_copy(optimizer, [])
     if read is not None:
         kept["why"] = why
-        # The parameters among them are held as they are (a train step holds them anyway:
-        # no call through a weak reference each), the state weakly (_watch); parameters first.
-        named = set(map(id, chain.from_iterable(map(_PARAMS, groups))))
+        # The parameters among them are held as they are (no call through a weak reference
+        # each), the state weakly (_watch); parameters first.
+        named = set(map(id, found))
         params_read = [t for t in read if id(t) in named]
         state_read = [t for t in read if id(t) not in named]
         kept["params_read"] = params_read
-        kept["read"], kept["ids"] = _watch(state_read, optimizer, kept)
+        kept["read"] = _watch(state_read, kept)
         kept["same"] = SameMeta(params_read + state_read) if read else None
+        kept["params"] = list(found)
+        # (the caller's list, whose gradients stand for the optimizer's while the groups
+        # hold these parameters: only where it names exactly them)
+        kept["given"] = params if params is not None and len(params) == len(found) and all(
+            map(_is, found, params)) else None
         kept["key"] = key
     return why
 
@@ -437,18 +460,14 @@ def _immutable(v):
         type(v) is tuple and all(map(_immutable, v)))
 
 
-def _watch(read, optimizer, kept):
-    """Weak references to the state tensors whose metadata the verdict read, and to the
-    parameters the key names by identity: when one is freed, the key is forgotten, so that
-    a tensor made later at its address (same id) is never taken for it. Weak: a state
-    replaced by load_state_dict is freed at once, not held through the next call's
-    forward."""
+def _watch(read, kept):
+    """Weak references to the state tensors whose metadata the verdict read: when one is
+    freed, the key is forgotten. Weak: a state replaced by load_state_dict is freed at once,
+    not held through the next call's forward."""
     def forget(_, kept=kept):
         kept.pop("key", None)
 
-    params = chain.from_iterable(map(_PARAMS, optimizer.param_groups))
-    return ([weakref.ref(t, forget) for t in read],
-            [weakref.ref(t, forget) for t in params if isinstance(t, torch.Tensor)])
+    return [weakref.ref(t, forget) for t in read]
 
 
 def _tensors_why_copy(optimizer, read=None):

@@ -319,8 +319,13 @@ class TrainStep:
         if self._graph is not None:
             batch = [*flat_in, *flat_tg]
             other = self._other_sig
-            if not self._sig.quick(batch) and (
-                    other is not None and other.quick(batch) or self._other_batch(batch)):
+            # (the captured and the other signature differ, so at most one quick check
+            # passes: after a call beside the graph, the other one is asked first, and a run
+            # of other batches pays one check a call)
+            if (other.quick(batch) or not self._sig.quick(batch) and self._other_batch(batch)
+                    if self._grads_beside_graph and other is not None else
+                    not self._sig.quick(batch) and (
+                        other is not None and other.quick(batch) or self._other_batch(batch))):
                 why = self._other_why
                 if self._capture is True:
                     raise RuntimeError(f"make_train_step(capture=True): {why}")
@@ -388,8 +393,9 @@ class TrainStep:
             self.scaler.step(self.optimizer)
             self.scaler.update()
             return loss.detach()
+        grads = types = None  # (read by why_copy, or here beside a graph: read once)
         if owned_grads is not None:
-            zero_grads_the_graph_had(self._params, owned_grads)
+            grads, types = zero_grads_the_graph_had(self._params, owned_grads)
         # The optimizer writes parameters and state in place. Where nothing from its first
         # write to the end of update() can raise (why_copy), there is nothing to put back
         # and nothing is copied; a Ctrl-C that arrives meanwhile is held until the step is
@@ -397,7 +403,8 @@ class TrainStep:
         # scaler subclass ...) keep a copy to put back, taken after backward, when the
         # activations are freed.
         pool = self._rollback_pool
-        why = self._copy_why = why_copy(self.optimizer, self.scaler, self._verdict)
+        why = self._copy_why = why_copy(self.optimizer, self.scaler, self._verdict,
+                                             self._params, grads, types)
         if why is None:
             pool.pop("optimizer", None)  # (copies kept by an earlier call: memory only)
             held = self._held = HeldSignals()

@@ -42,6 +42,9 @@ ALLOWED = {
         "a measurement that switches the eager step's safety parts off one at a time (why_copy, "
         "HeldSignals, the kept buffers, the attribute copy) to see what each costs: internals by "
         "purpose, never in a shipped path",
+    ("benchmarks/probes/eager_instructions.py", "_keep_graph"):
+        "the probe's fallback mode stands in a graph as a capture keeps one, so that callgrind counts "
+        "the eager fallback of a captured step on the CPU (no CUDA graph there): a measurement",
     ("benchmarks/eager_step_parts.py", "_kept_buffers"):
         "the same measurement: it switches the kept buffers' copy off on the step object",
     ("tests/python/conftest.py", "ampkit._kernels"):

@@ -865,6 +865,9 @@ def test_a_captured_step_replays_the_captured_shapes_whatever_the_strides_and_ru
     assert "[11, 16] float32" in reason and "[12, 16] float32" in reason
     assert not call(x2[1:], y2[1:]) and step.reason is reason  # (the same shapes again)
     assert not call(x2.half(), y2) and "[12, 16] float16" in step.reason
+    assert call(x2, y2) and graph.replays == 3  # (after a run beside the graph: the graph's shapes)
+    assert not call(x2[1:], y2[1:]) and not call(x2[:-1], y2[:-1])
+    assert call(strided, y2) and graph.replays == 4
 
 
 def _lin_then_emb_adam(model):
@@ -885,6 +888,9 @@ VERDICT_CHANGES = {
     # (the group's own list grows in place: its dict's version stays, its length does not)
     "parameter_appended_in_place": (_lin_then_emb_adam,
                                     lambda model, opt: opt.param_groups[0]["params"].extend(model.emb.parameters())),
+    # (another parameter in one's place: the group's version and length stay, its identity not)
+    "parameter_replaced_in_place": (_lin_then_emb_adam,
+                                    lambda model, opt: opt.param_groups[0]["params"].__setitem__(0, model.emb.weight)),
 }
 
 

@@ -163,6 +163,31 @@ def test_the_quick_signature_check_fails_for_each_other_signature(change, in_cpp
     assert not kept.quick(other)
 
 
+def test_why_copy_takes_the_callers_gradients_only_while_the_groups_hold_its_parameters():
+    """A train step beside a graph hands why_copy the gradients it read (one read a call):
+    they stand for the optimizer's while its groups hold exactly the caller's parameters.
+    With another parameter in one's place (same count, same group version), the verdict is
+    found again, and later calls read the gradients themselves: one turned sparse decides."""
+    a, b, c = (torch.nn.Parameter(torch.randn(4, 2)) for _ in range(3))
+    a.grad, b.grad, c.grad = torch.randn(4, 2), torch.randn(4, 2), torch.randn(4, 2)
+    opt = torch.optim.SGD([a, b], lr=0.1)
+    scaler = ampkit.GradScaler("cpu", enabled=False)
+    mine, kept = [a, b], {}
+
+    def why():
+        return _rollback.why_copy(opt, scaler, kept, mine, [a.grad, b.grad])
+
+    assert why() is None and why() is None
+    opt.param_groups[0]["params"][1] = c
+    assert why() is None  # (found again: c's gradient is dense)
+    c.grad = c.grad.to_sparse()
+    assert "sparse" in (why() or "")  # (read: the caller's gradients are not c's)
+    c.grad = torch.randn(4, 2).to_sparse()
+    assert "sparse" in (why() or "")
+    opt.param_groups[0]["params"][1] = b
+    assert why() is None and why() is None
+
+
 def test_zero_grads_the_graph_had_fills_only_the_parameters_that_lost_theirs():
     params = [torch.nn.Parameter(torch.randn(3)) for _ in range(3)]
     owned = [torch.randn(3), None, torch.randn(3)]
@@ -170,9 +195,13 @@ def test_zero_grads_the_graph_had_fills_only_the_parameters_that_lost_theirs():
     everyone = [torch.randn(3) for _ in params]
     for p, g in zip(params, everyone):
         p.grad = g
-    _rollback.zero_grads_the_graph_had(params, owned)  # (every parameter has one: untouched)
+    grads, types = _rollback.zero_grads_the_graph_had(params, owned)  # (every parameter has one: untouched)
     assert all(p.grad is g for p, g in zip(params, everyone))
+    assert all(g is p.grad for p, g in zip(params, grads))  # (what why_copy reads instead)
+    assert types == [type(p.grad) for p in params]
     params[0].grad, params[1].grad, params[2].grad = got, None, None
-    _rollback.zero_grads_the_graph_had(params, owned)
+    grads, types = _rollback.zero_grads_the_graph_had(params, owned)
+    assert all(g is p.grad for p, g in zip(params, grads))
+    assert types == [type(p.grad) for p in params]
     assert params[0].grad is got and params[1].grad is None  # (the graph had none for it)
     assert params[2].grad is not owned[2] and torch.equal(params[2].grad, torch.zeros(3))
