@@ -188,6 +188,16 @@ scale_of <- function(scaler) {
   if (inherits(s, "python.builtin.object")) py_to_r(s) else as.numeric(s)
 }
 
+# A variant's model, optimizer, scaler and step, the model and optimizer as an R user holds
+# them (py_to_r: callable, converting), and the case's batches as an R list.
+build_run <- function(built, v) {
+  model <- py_to_r(built$new_model())
+  opt <- py_to_r(built$new_optimizer(model, fused = reticulate::py_get_attr(v, "fused_optimizer")))
+  scaler <- make_scaler(v)
+  list(model = model, opt = opt, scaler = scaler, step = make_step(v, built, model, opt, scaler),
+       batches = py_to_r(built$batches))
+}
+
 run_variant <- function(built, v) {
   common <- list(run = bench$resolve_run(built, v, "r"))  # resolved once, as in Python
   reason <- py_to_r(v$skip_reason(device))
@@ -201,12 +211,9 @@ run_variant <- function(built, v) {
   flags$`__enter__`()
   on.exit(flags$`__exit__`(NULL, NULL, NULL), add = TRUE)
   tryCatch({
-    # py_to_r: the model and optimizer as an R user holds them (callable, converting)
-    model <- py_to_r(built$new_model())
-    opt <- py_to_r(built$new_optimizer(model, fused = reticulate::py_get_attr(v, "fused_optimizer")))
-    scaler <- make_scaler(v)
-    step <- make_step(v, built, model, opt, scaler)
-    batches <- py_to_r(built$batches)
+    run <- build_run(built, v)
+    model <- run$model; opt <- run$opt; scaler <- run$scaler; step <- run$step; batches <- run$batches
+    run <- NULL
     n <- length(batches)
     # A compiled variant runs at least one warm-up step; its first compiles, timed apart.
     warmup <- py_to_r(v$warmup_steps(built$warmup_steps))

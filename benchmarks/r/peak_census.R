@@ -23,11 +23,9 @@ r_peak <- function(built, v) {
   amp_gc()
   c <- census$Census()
   c$`__enter__`()
-  model <- py_to_r(built$new_model())
-  opt <- py_to_r(built$new_optimizer(model, fused = reticulate::py_get_attr(v, "fused_optimizer")))
-  scaler <- make_scaler(v)
-  step <- make_step(v, built, model, opt, scaler)
-  batches <- py_to_r(built$batches)
+  run <- build_run(built, v)  # run.R's
+  model <- run$model; opt <- run$opt; scaler <- run$scaler; step <- run$step; batches <- run$batches
+  run <- NULL
   n <- length(batches)
   for (i in seq_len(py_to_r(v$warmup_steps(built$warmup_steps)))) {
     b <- batches[[(i - 1) %% n + 1]]
