@@ -1,7 +1,9 @@
 # Instructions the CPU runs for the seed's AMP step, by library, counted by callgrind:
 # deterministic where timings on the shared 2-core VM move by 2x between runs. One run
 # counts one loop (MODE: "r", the R loop through the package as installed; "reticulate",
-# the same with the compiled crossing switched off; "py", its Python twin) over N steps
+# the same with the compiled crossing switched off; "bare", the step's seven calls as bare
+# .External() crossings (bare_step.R): the floor of the package's R layer; "py", its Python
+# twin) over N steps
 # after a warm-up, then the seed step's lines one by one (LINES=1):
 #
 #   R -d "valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file=cg-r.out" \
@@ -61,11 +63,15 @@ def py_loop(net, loss_fn, opt, scaler, data, targets, n):
 ", convert = FALSE)
 twin <- list(attr(net, "py_object"), attr(loss_fn, "py_object"), reticulate::r_to_py(opt), scaler$py,
              reticulate::r_to_py(data), reticulate::r_to_py(targets))
+if (mode == "bare") {
+  source(file.path(Sys.getenv("AMPKIT_REPO", "."), "benchmarks", "r", "bare_step.R"))  # bare_step(i)
+  r_loop <- function(n) for (s in seq_len(n)) bare_step((s - 1L) %% 10L + 1L)
+}
 loop <- if (mode == "py") function(n) do.call(py$py_loop, c(twin, list(as.integer(n)))) else r_loop
 loop(50L)
 counted(mode, loop, n)
 
-if (mode != "py" && Sys.getenv("LINES", "1") == "1") {
+if (!mode %in% c("py", "bare") && Sys.getenv("LINES", "1") == "1") {
   x <- data[[1]]
   y <- targets[[1]]
   output <- net(x)
