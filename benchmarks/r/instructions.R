@@ -11,8 +11,7 @@
 #   Rscript benchmarks/r/instructions.R summary 100 cg-r.out.1 ...   # per step, by library
 #
 # with RETICULATE_PYTHON, R_LIBS and OMP_NUM_THREADS=1 as for the other scripts here. The
-# counting is switched on and off around each measured loop by callgrind's client
-# requests (a few lines of C built here with R CMD SHLIB; valgrind's headers needed).
+# counting is switched on and off around each measured loop (callgrind_shim.R).
 args <- commandArgs(trailingOnly = TRUE)
 if (length(args) && args[[1]] == "summary") {
   n <- as.numeric(args[[2]])
@@ -33,18 +32,7 @@ if (length(args) && args[[1]] == "summary") {
   quit(save = "no")
 }
 
-shim <- file.path(tempdir(), "cg.c")
-writeLines(c("#include <valgrind/callgrind.h>", "#include <Rinternals.h>",
-             "SEXP cg_start(void) { CALLGRIND_ZERO_STATS; CALLGRIND_START_INSTRUMENTATION; return R_NilValue; }",
-             "SEXP cg_stop(SEXP name) { CALLGRIND_STOP_INSTRUMENTATION; CALLGRIND_DUMP_STATS_AT(CHAR(STRING_ELT(name, 0))); return R_NilValue; }"),
-           shim)
-stopifnot(system2(file.path(R.home("bin"), "R"), c("CMD", "SHLIB", shim), stdout = FALSE) == 0)
-dll <- dyn.load(sub("\\.c$", .Platform$dynlib.ext, shim))
-counted <- function(name, f, n) {
-  .Call(getNativeSymbolInfo("cg_start", dll)$address)
-  f(n)
-  .Call(getNativeSymbolInfo("cg_stop", dll)$address, name)
-}
+source(file.path(Sys.getenv("AMPKIT_REPO", "."), "benchmarks", "r", "callgrind_shim.R"))  # counted()
 
 library(ampkit)
 stopifnot(ampkit_available())
