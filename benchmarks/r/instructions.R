@@ -1,7 +1,9 @@
 # Instructions the CPU runs for the seed's AMP step, by library, counted by callgrind:
 # deterministic where timings on the shared 2-core VM move by 2x between runs. One run
 # counts one loop (MODE: "r", the R loop through the package as installed; "reticulate",
-# the same with the compiled crossing switched off; "py", its Python twin) over N steps
+# the same with the compiled crossing switched off; "bare", the step's seven calls as bare
+# .External() crossings (bare_step.R): the floor of the package's R layer; "py", its Python
+# twin) over N steps
 # after a warm-up, then the seed step's lines one by one (LINES=1):
 #
 #   R -d "valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file=cg-r.out" \
@@ -9,8 +11,7 @@
 #   Rscript benchmarks/r/instructions.R summary 100 cg-r.out.1 ...   # per step, by library
 #
 # with RETICULATE_PYTHON, R_LIBS and OMP_NUM_THREADS=1 as for the other scripts here. The
-# counting is switched on and off around each measured loop by callgrind's client
-# requests (a few lines of C built here with R CMD SHLIB; valgrind's headers needed).
+# counting is switched on and off around each measured loop (callgrind_shim.R).
 args <- commandArgs(trailingOnly = TRUE)
 if (length(args) && args[[1]] == "summary") {
   n <- as.numeric(args[[2]])
@@ -31,18 +32,7 @@ if (length(args) && args[[1]] == "summary") {
   quit(save = "no")
 }
 
-shim <- file.path(tempdir(), "cg.c")
-writeLines(c("#include <valgrind/callgrind.h>", "#include <Rinternals.h>",
-             "SEXP cg_start(void) { CALLGRIND_ZERO_STATS; CALLGRIND_START_INSTRUMENTATION; return R_NilValue; }",
-             "SEXP cg_stop(SEXP name) { CALLGRIND_STOP_INSTRUMENTATION; CALLGRIND_DUMP_STATS_AT(CHAR(STRING_ELT(name, 0))); return R_NilValue; }"),
-           shim)
-stopifnot(system2(file.path(R.home("bin"), "R"), c("CMD", "SHLIB", shim), stdout = FALSE) == 0)
-dll <- dyn.load(sub("\\.c$", .Platform$dynlib.ext, shim))
-counted <- function(name, f, n) {
-  .Call(getNativeSymbolInfo("cg_start", dll)$address)
-  f(n)
-  .Call(getNativeSymbolInfo("cg_stop", dll)$address, name)
-}
+source(file.path(Sys.getenv("AMPKIT_REPO", "."), "benchmarks", "r", "callgrind_shim.R"))  # counted()
 
 library(ampkit)
 stopifnot(ampkit_available())
@@ -61,11 +51,15 @@ def py_loop(net, loss_fn, opt, scaler, data, targets, n):
 ", convert = FALSE)
 twin <- list(attr(net, "py_object"), attr(loss_fn, "py_object"), reticulate::r_to_py(opt), scaler$py,
              reticulate::r_to_py(data), reticulate::r_to_py(targets))
+if (mode == "bare") {
+  source(file.path(Sys.getenv("AMPKIT_REPO", "."), "benchmarks", "r", "bare_step.R"))  # bare_step(i)
+  r_loop <- function(n) for (s in seq_len(n)) bare_step((s - 1L) %% 10L + 1L)
+}
 loop <- if (mode == "py") function(n) do.call(py$py_loop, c(twin, list(as.integer(n)))) else r_loop
 loop(50L)
 counted(mode, loop, n)
 
-if (mode != "py" && Sys.getenv("LINES", "1") == "1") {
+if (!mode %in% c("py", "bare") && Sys.getenv("LINES", "1") == "1") {
   x <- data[[1]]
   y <- targets[[1]]
   output <- net(x)

@@ -23,7 +23,9 @@ SEXP ampkit_scaled_loss(SEXP scaler, SEXP loss, SEXP backward) {
     R_PreserveObject(klass);
     MARK_NOT_MUTABLE(klass);
   }
-  SEXP x = PROTECT(R_NewEnv(R_EmptyEnv, TRUE, 3));
+  /* Not hashed: three bindings are found as fast in a list, and a hashed table of three
+   * is resized as the third is bound (defineVar() then cost ~600 instructions each). */
+  SEXP x = PROTECT(R_NewEnv(R_EmptyEnv, FALSE, 3));
   Rf_defineVar(sym_scaler, scaler, x);
   Rf_defineVar(sym_loss, loss, x);
   Rf_defineVar(sym_backward, backward, x);
@@ -56,6 +58,10 @@ SEXP ampkit_scaler_setup(SEXP fns) {
   sym_pyobj_ = Rf_install("pyobj");
   sym_hot = Rf_install("hot");
   sym_base = Rf_install("base");
+  sym_stepped = Rf_install("stepped");
+  sym_deferred = Rf_install("deferred");
+  sym_update = Rf_install("update");
+  sym_option = Rf_install("ampkit.defer_update");
   return R_NilValue;
 }
 
@@ -110,7 +116,7 @@ SEXP ampkit_scaler_step(SEXP args) {
   SEXP private_env = CAR(args), rest = CDR(args);
   SEXP res = PROTECT(callx(ctx_step, MODE_VALUE, list_elt(Rf_findVarInFrame(private_env, sym_hot), "step"),
                            NULL, rest));
-  Rf_defineVar(Rf_install("stepped"), Rf_ScalarLogical(TRUE), private_env);
+  Rf_defineVar(sym_stepped, Rf_ScalarLogical(TRUE), private_env);
   UNPROTECT(1);
   return res;
 }
@@ -143,12 +149,6 @@ SEXP ampkit_scaled_done(SEXP x) {
  * with options(ampkit.defer_update) on and no other update pending: record it in `pend`
  * for the next call into Python and return TRUE; else FALSE (R makes it). */
 SEXP ampkit_defer_update(SEXP private_env, SEXP pend) {
-  if (sym_stepped == NULL) {
-    sym_stepped = Rf_install("stepped");
-    sym_deferred = Rf_install("deferred");
-    sym_update = Rf_install("update");
-    sym_option = Rf_install("ampkit.defer_update");
-  }
   SEXP stepped = Rf_findVarInFrame(private_env, sym_stepped);
   if (TYPEOF(stepped) != LGLSXP || XLENGTH(stepped) != 1 || LOGICAL(stepped)[0] != TRUE)
     return Rf_ScalarLogical(FALSE);
