@@ -67,8 +67,8 @@ def numerics_stand_in(kind: str, device: str):
     against the region dtype, and the emulation is never faster, so there it keeps every
     module in the region dtype, not what the GPU would choose.
 
-    >>> numerics_stand_in("policy", "cpu") is None, numerics_stand_in("auto", "cpu")[:24]
-    (True, 'fp8 auto chooses by time')
+    >>> numerics_stand_in("policy", "cpu") is None, numerics_stand_in("auto", "cpu")[:23]
+    (True, 'fp8 auto chooses by tim')
     """
     if fp8_reason(device) is None or kind == "policy":
         return None
