@@ -55,6 +55,8 @@ def test_on_the_cpu_the_runner_records_them_skipped_with_the_reason():
     recs = bench.run_interleaved(built, [VARIANTS[n] for n in NEW])
     assert [(r["variant"], r["status"]) for r in recs] == [(n, "skipped") for n in NEW]
     assert all(r["reason"] == "%s runs only on cuda; this run is on cpu" % r["variant"] for r in recs)
+    assert [r.get("fp8") for r in recs] == [None, "policy", "auto"]  # a field, never parsed from the name
+    assert bench.validate({"context": bench.context("tiny", "cpu"), "records": bench.derive(recs)}) == []
     assert "capability >= 8.9" in bench.fp8_reason("cpu")
 
 
