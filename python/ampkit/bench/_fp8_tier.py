@@ -129,7 +129,10 @@ def setup_fp8(kind: str, model: torch.nn.Module, example_inputs, device: str, dt
     if kind == "auto":
         import ampkit
         t0 = time.perf_counter()
-        cal = ampkit.calibrate_fp8(model, example_inputs, policy=policy, device_type=device, dtype=dtype)
+        # its forward draws dropout masks: the random state is put back, so that the run trains
+        # from the same state as every other variant (the fidelity harness pairs them)
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device == "cuda" else []):
+            cal = ampkit.calibrate_fp8(model, example_inputs, policy=policy, device_type=device, dtype=dtype)
         if device == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
