@@ -121,10 +121,12 @@ def test_ampkit_fp8_trains_as_the_shipped_fp8_policy_with_its_head_kept_in_bf16(
     assert not same(losses, bf16_l) and not same(losses, head_fp8_l)
 
 
-def test_ampkit_fp8_auto_calibrates_in_the_build_and_on_the_cpu_keeps_every_module_in_bf16():
+@pytest.mark.parametrize("case", ["transformer", "text_classifier"])
+def test_ampkit_fp8_auto_calibrates_in_the_build_and_on_the_cpu_keeps_every_module_in_bf16(case):
     """The emulation is never faster than bf16, so calibrate_fp8 keeps every nn.Linear in the
-    region dtype: the run trains as ampkit's bf16 loop does, bit for bit."""
-    built = bench.build_case("transformer", "tiny", seed=0, device="cpu")
+    region dtype: the run trains as ampkit's bf16 loop does, bit for bit (text_classifier: its
+    dropout masks too, the calibration's own draws put back)."""
+    built = bench.build_case(case, "tiny", seed=0, device="cpu")
     losses, params, note = runner_losses(built, eager("ampkit_fp8_auto"))
     assert note.startswith("ampkit fp8 auto: calibrated in ") and "0 of " in note and "in fp8 (none)" in note
     want_l, want_p = hand_losses(built, None, "torch_default")
