@@ -9,7 +9,10 @@ variant trains on the same batches in the same order), `--steps` steps each, eve
 loss kept. Each variant's smoothed mean curve is compared with the reference's (fp32 by
 default; `--reference` takes any variant) in units of the reference's seed-to-seed std, and
 as a relative gap at 25/50/75/100% of the steps; verdict "same" when the final gap is inside
-2 std (ampkit.bench's _fidelity module says how, step by step). Compiled variants are left
+2 std (ampkit.bench's _fidelity module says how, step by step). ampkit's fp8 variant
+(ampkit_fp8) runs on any device: where fp8 matmuls do not run (the CPU, CUDA under
+capability 8.9) through ampkit's emulation, which quantizes exactly as the _scaled_mm path
+(the report says so); ampkit_fp8_auto only where fp8 runs. Compiled variants are left
 out unless named in --variants or --compiled is given (each seed compiles again). Writes
 DIR/results.json (no timing records, a `fidelity` block), DIR/report.md and
 DIR/fidelity.png; prints the tables. `make fidelity` runs the short CPU pass.
@@ -70,7 +73,7 @@ def main(argv=None) -> int:
     reference = all_variants[a.reference]
     torch.set_num_threads(a.threads or (1 if device == "cpu" else torch.get_num_threads()))
     runnable = [v for v in [reference] + [v for v in variants if v.name != reference.name]
-                if not v.skip_reason(device)]
+                if not v.skip_reason(device, numerics=True)]
     tick = bench.FidelityProgress(len(cases) * len(runnable) * a.seeds)
     records = []
     for case in cases:

@@ -219,6 +219,7 @@ def goals(doc: dict) -> str:
                 "(%s): time ratio %s%s" % (case, lang, fmt_ratio(t, "", _digits(t["value"], 1.05, ok)) if t else "-",
                                           _how(t, e)))
     _compiled_goals(doc, say)
+    _fp8_goals(doc, say)
     for case in ("seed_mlp", "transformer"):
         for variant in ("torch_amp", "ampkit_amp"):
             r = _find(doc, case, variant, "r")
@@ -280,6 +281,35 @@ def _compiled_goals(doc: dict, say) -> None:
             ok = t["value"] <= 1.03 + _EPS
             say(ok, "R within 3%% of Python on %s / ampkit_step_compiled: time ratio %s"
                 % (case, fmt_ratio(t, "", _digits(t["value"], 1.03, ok))))
+
+
+FP8_BASELINE = "torch_compile_bf16"  # "bf16 + compile", the fp8 variants' baseline
+FP8_VARIANTS = ("ampkit_fp8", "ampkit_fp8_auto")
+TORCHAO_VARIANTS = ("torchao_float8", "torchao_float8_rowwise")
+
+
+def _fp8_goals(doc: dict, say) -> None:
+    """ampkit's fp8 tier on each case (python): ampkit_fp8_auto never slower than bf16 +
+    compile (a time ratio of at most 1), and ampkit_fp8 and ampkit_fp8_auto against the
+    fastest torchao float8 recipe that ran (speed at least 1). "n/a" where a side did not
+    run (the CPU: CUDA >= 8.9 only); nothing for a run with none of these variants."""
+    from ampkit.bench import time_ratio
+    names = (FP8_BASELINE,) + FP8_VARIANTS + TORCHAO_VARIANTS
+    for case in sorted({r["case"] for r in single(doc["records"]) if r["variant"] in names}):
+        auto, base = _find(doc, case, "ampkit_fp8_auto", "python"), _find(doc, case, FP8_BASELINE, "python")
+        t = time_ratio(auto, base) if auto and base else None
+        ok = None if not t else t["value"] <= 1.0 + _EPS
+        say(ok, "ampkit_fp8_auto never slower than %s on %s (python): time ratio %s%s" % (
+            FP8_BASELINE, case, fmt_ratio(t, "", _digits(t["value"], 1.0, ok)) if t else "-", _how(t, auto)))
+        rivals = [r for r in (_find(doc, case, v, "python") for v in TORCHAO_VARIANTS) if r]
+        best = min(rivals, key=lambda r: r["median"]) if rivals else None
+        for variant in FP8_VARIANTS:
+            r = _find(doc, case, variant, "python")
+            t = time_ratio(best, r, speedup=True) if r and best else None
+            ok = None if not t else t["value"] >= 1.0 - _EPS
+            say(ok, "%s at least as fast as the fastest torchao float8 recipe (%s) on %s (python): %s%s" % (
+                variant, best["variant"] if best else "none ran", case,
+                fmt_ratio(t, "x", _digits(t["value"], 1.0, ok, at_least=True)) if t else "-", _how(t, r)))
 
 
 def _where(r: dict) -> str:
@@ -493,6 +523,8 @@ def fidelity(doc: dict) -> str:
                          "%s (%s)" % (_std(r["final_gap_std"]), _std(r["max_gap_std"])),
                          r["verdict"] or (r["reason"] or "-")]
             out.append("| " + " | ".join(cells) + " |")
+        out += ["", *("- %s: %s" % (r["variant"], r["reason"]) for r in f["records"]
+                      if r["case"] == case and r["status"] == "ok" and r["verdict"] and r["reason"])]
     return "\n".join(out)
 
 

@@ -79,7 +79,9 @@ torch_autocast <- torch$autocast
 torch_dtype <- function(name) reticulate::py_get_attr(torch, name)
 
 # The training step of a variant, written as an R user writes it (the seeds' R walkthrough).
-make_step <- function(v, built, model, opt, scaler) {
+# `policy`: the ampkit region's cast policy, by name (NULL: the default); an fp8 variant's
+# is the one setup_fp8 installed on the model (build_run).
+make_step <- function(v, built, model, opt, scaler, policy = NULL) {
   loss_fn <- py_to_r(built$loss_fn)
   zero_grad <- opt$zero_grad
   # Resolved once per variant, as the Python runner does: a torch dtype, or NULL (none given).
@@ -114,7 +116,7 @@ make_step <- function(v, built, model, opt, scaler) {
   # (ec17178); benchmarks/r/peak_census.R shows it on the CPU.
   switch(field(v, "autocast"),
     ampkit = function(x, y) {
-      with_autocast(device_type = device, dtype = dtype, {
+      with_autocast(device_type = device, dtype = dtype, policy = policy, {
         loss <- loss_fn(model(x), y)
       })
       update(loss)
@@ -190,12 +192,28 @@ scale_of <- function(scaler) {
 
 # A variant's model, optimizer, scaler and step, the model and optimizer as an R user holds
 # them (py_to_r: callable, converting), and the case's batches as an R list.
+# An fp8 variant's policy is installed first, by the Python runner's code (setup_fp8: its
+# module scopes on the model, auto's calibration at the first batch), and its region names
+# it by name; `fp8` (the installed policy, whose scopes close() removes) and `skip` (why a
+# model has nothing to measure, as the Python runner says) come back with the rest.
 build_run <- function(built, v) {
   model <- py_to_r(built$new_model())
+  batches <- py_to_r(built$batches)
+  fp8 <- NULL
+  if (field(v, "fp8") != "none") {
+    fp8 <- py_to_r(bench$setup_fp8(field(v, "fp8"), model, reticulate::tuple(batches[[1]][[1]]), device,
+                                   torch_dtype(py_to_r(v$resolved_dtype(device)))))
+    if (is.null(fp8)) {
+      return(list(skip = sprintf(paste0("%s: no nn.Linear of %s can go to fp8 (its head stays in the region ",
+                                        "dtype and fp8 GEMMs need dimensions that are multiples of 16): ",
+                                        "nothing to measure"), field(v, "name"), py_to_r(built$name))))
+    }
+  }
   opt <- py_to_r(built$new_optimizer(model, fused = reticulate::py_get_attr(v, "fused_optimizer")))
   scaler <- make_scaler(v)
-  list(model = model, opt = opt, scaler = scaler, step = make_step(v, built, model, opt, scaler),
-       batches = py_to_r(built$batches))
+  policy <- if (is.null(fp8)) NULL else field(fp8, "region_policy")
+  list(model = model, opt = opt, scaler = scaler, fp8 = fp8,
+       step = make_step(v, built, model, opt, scaler, policy = policy), batches = batches)
 }
 
 run_variant <- function(built, v) {
@@ -212,6 +230,8 @@ run_variant <- function(built, v) {
   on.exit(flags$`__exit__`(NULL, NULL, NULL), add = TRUE)
   tryCatch({
     run <- build_run(built, v)
+    if (!is.null(run$skip)) return(do.call(bench$make_record, c(common, status = "skipped", reason = run$skip)))
+    fp8 <- run$fp8
     model <- run$model; opt <- run$opt; scaler <- run$scaler; step <- run$step; batches <- run$batches
     run <- NULL
     n <- length(batches)
@@ -246,6 +266,7 @@ run_variant <- function(built, v) {
     } else {
       py_to_r(runner$train_step_note(v, py_step, warmup, counts0, counts_warm, runner$compile_counts()))
     }
+    if (!is.null(fp8)) note <- paste(c(field(fp8, "note"), note), collapse = "; ")
     do.call(bench$make_record, c(common, list(
       status = "ok", samples_ms = as.list(samples), final_loss = final_loss,
       graph_captured = captured, reason = note, compile_s = compile_s,
@@ -256,7 +277,8 @@ run_variant <- function(built, v) {
     do.call(bench$make_record, c(common, list(status = "failed", error = conditionMessage(e),
                                                wall_s = now() - t_start)))
   }, finally = {
-    model <- opt <- scaler <- step <- losses <- NULL
+    if (exists("fp8", inherits = FALSE) && !is.null(fp8)) fp8$scopes$remove()
+    model <- opt <- scaler <- step <- losses <- fp8 <- NULL
     amp_gc()
     bench$reset_peak_memory(device)
   })

@@ -74,7 +74,8 @@ def test_the_compiled_variants_are_eager_ones_with_a_compiled_model():
     the eager variants compile nothing."""
     v = bench.load_variants()
     assert [n for n in COMPILED if v[n].float8 == "none"] == [
-        "torch_compile_amp", "torch_compile_ro", "ampkit_compile_amp", "torch_compile_mat", "ampkit_step_compiled"]
+        "torch_compile_amp", "torch_compile_ro", "ampkit_compile_amp", "torch_compile_mat", "ampkit_step_compiled",
+        "torch_compile_bf16", "ampkit_fp8", "ampkit_fp8_auto"]  # the last three: test_bench_fp8.py
     assert [n for n in COMPILED if v[n].float8 != "none"] == ["torchao_float8", "torchao_float8_rowwise"]
     both = ("cpu", "cuda")
     for name, eager, mode, devices in (("torch_compile_amp", "torch_amp", "default", both),

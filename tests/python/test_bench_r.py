@@ -5,6 +5,7 @@ Skipped, saying what is missing, when R or the ampkit R package is not installed
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -74,12 +75,12 @@ def test_the_r_runner_runs_every_case_and_variant(both):
     r_doc, py, _ = both
     expected = {(c, v) for c in bench.load_cases() for v in EAGER} | {(c, v) for c in COMPILED_CASES for v in COMPILED}
     assert COMPILED == ["torch_compile_amp", "torch_compile_ro", "ampkit_compile_amp", "torch_compile_mat",
-                        "ampkit_step_compiled"]
+                        "ampkit_step_compiled", "torch_compile_bf16", "ampkit_fp8", "ampkit_fp8_auto"]
     assert {(r["case"], r["variant"]) for r in r_doc["records"]} == expected
     assert all(r["language"] == "r" for r in r_doc["records"])
     not_runnable = bench.compile_reason()  # torch.compile under a capped CPU capability
     for r in r_doc["records"]:
-        if bench.load_variants()[r["variant"]].devices == ("cuda",):  # fp32_tf32, torch_compile_mat
+        if bench.load_variants()[r["variant"]].devices == ("cuda",):  # fp32_tf32, torch_compile_mat, the fp8 ones
             assert r["status"] == "skipped" and "cuda" in r["reason"]
         elif r["compile"] != "none" and not_runnable:
             assert r["status"] == "skipped" and r["reason"] == not_runnable, (r["case"], r["variant"])
@@ -118,6 +119,29 @@ def test_r_trains_the_same_seeded_model_on_the_same_data_as_python(both):
         p = by_key[(r["case"], r["variant"])]
         if r["status"] == "ok":
             assert r["final_loss"] == pytest.approx(p["final_loss"], rel=1e-6), (r["case"], r["variant"])
+
+
+@pytest.mark.parametrize("variant", ["ampkit_fp8", "ampkit_fp8_auto"])
+def test_r_trains_an_fp8_variant_as_python_does(tmp_path, variant):
+    """run.R's own build and step for the fp8 variant (uncompiled, on the CPU: the emulation,
+    auto's calibration), the policy named by name in with_autocast(): the same losses, bit
+    for bit, as the Python runner's, and the same note."""
+    out = tmp_path / "losses.txt"
+    p = subprocess.run(["Rscript", str(REPO / "tests" / "python" / "r_fp8_losses.R"), "transformer", variant,
+                        str(out)], env=_env(), cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    note, *r_losses = out.read_text().splitlines()
+    built = bench.build_case("transformer", "tiny", seed=0, device="cpu")
+    run = bench.VariantRun(built, dataclasses.replace(bench.load_variants()[variant], compile="none"), "python",
+                           None, 0)
+    run.build()
+    py_losses = [run.step(x, y).item() for _ in range(2) for x, y in built.batches]
+    py_note = run.model_note
+    run.close()
+    assert [float(x) for x in r_losses] == py_losses
+    calibrated = " s (in the build)"  # auto's note carries its own calibration time
+    assert note.split("calibrated in")[0] == py_note.split("calibrated in")[0]
+    assert (calibrated in note) == (calibrated in py_note) == (variant == "ampkit_fp8_auto")
 
 
 def test_the_r_runner_shows_progress(both):

@@ -70,6 +70,10 @@ from ampkit.bench._runner import INIT_SCALE
 from ampkit.bench._float8 import convert_float8
 from ampkit.bench._float8 import float8_layers
 from ampkit.bench._float8 import float8_reason
+from ampkit.bench._fp8_tier import Fp8Setup
+from ampkit.bench._fp8_tier import emulation_note
+from ampkit.bench._fp8_tier import fp8_reason
+from ampkit.bench._fp8_tier import setup_fp8
 from ampkit.bench._runner import RECOMPILE_LIMIT
 from ampkit.bench._runner import compile_counts
 from ampkit.bench._runner import compile_model
@@ -142,6 +146,10 @@ __all__ = [
     "finalize_json",
     "float8_layers",
     "float8_reason",
+    "Fp8Setup",
+    "emulation_note",
+    "fp8_reason",
+    "setup_fp8",
     "fit_budget",
     "load_case",
     "load_cases",

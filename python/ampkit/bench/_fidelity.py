@@ -35,6 +35,7 @@ import time
 import torch
 
 from ampkit.bench._build import build_case
+from ampkit.bench._fp8_tier import emulation_note
 from ampkit.bench._runner import VariantRun, precision_flags
 from ampkit.bench._spec import Variant
 
@@ -173,7 +174,10 @@ def fidelity_records(case: str, variants: list, reference: Variant, profile: str
                      device: str, window: int, on_curve=None) -> list:
     """Train every variant (the reference first) from ``seeds`` seeds for ``steps`` steps and
     compare each with the reference; one record per variant, the reference's included
-    (verdict "reference"). A variant that cannot run on the device is skipped, one whose
+    (verdict "reference"). An fp8 variant runs where its numerics stand in for the GPU's
+    (``Variant.skip_reason(device, numerics=True)``), through ampkit's emulation where fp8
+    matmuls do not run, its record's ``reason`` saying so (``emulation_note``). A variant
+    that cannot run on the device is skipped, one whose
     loss is not finite or that raises is failed, with the error. ``on_curve(variant, seed)``
     is called after each curve (progress)."""
     if seeds < 2:
@@ -183,7 +187,7 @@ def fidelity_records(case: str, variants: list, reference: Variant, profile: str
     order = [reference] + [v for v in variants if v.name != reference.name]
     curves, records = {}, []
     for v in order:
-        skip = v.skip_reason(device)
+        skip = v.skip_reason(device, numerics=True)  # fp8 may run through ampkit's emulation
         if skip:
             records.append(_record(case, v, device, reference.name, [], "skipped", reason=skip))
             continue
@@ -210,12 +214,13 @@ def fidelity_records(case: str, variants: list, reference: Variant, profile: str
                                reason="the reference %s did not run: no comparison" % reference.name))
             continue
         gap = compare(losses, ref, window)
+        emulated = emulation_note(device) if rec_v.fp8 != "none" else None
         own_mean, own_sd = _mean_std([smooth(c, window)[-1] for c in losses])
         out.append(_record(
             case, rec_v, device, reference.name, range(seeds), "ok", losses=losses, checkpoints=gap.checkpoints,
             final_loss=gap.mean[-1], final_spread=own_sd / abs(own_mean) if own_mean else None,
             final_rel_gap=gap.final_rel_gap, final_gap_std=gap.final_gap_std, max_gap_std=gap.max_gap_std,
-            verdict="reference" if rec_v.name == reference.name else gap.verdict))
+            verdict="reference" if rec_v.name == reference.name else gap.verdict, reason=emulated))
     return out
 
 

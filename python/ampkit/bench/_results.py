@@ -245,6 +245,8 @@ def make_record(run, *, status: str = "ok", samples_ms=None, final_loss=None, pe
     }
     if run.variant.float8 != "none":  # torchao's float8 recipe (optional: absent for other variants)
         rec["float8"] = run.variant.float8
+    if run.variant.fp8 != "none":  # ampkit's fp8 tier: "policy" or "auto" (optional: absent for other variants)
+        rec["fp8"] = run.variant.fp8
     if interleaved is not None:
         rec["interleaved"] = {"group": [str(v) for v in interleaved["group"]], "rounds": int(interleaved["rounds"]),
                               "positions": [int(p) for p in interleaved.get("positions", [])]}

@@ -179,9 +179,11 @@ def compile_note(variant: Variant, warmup_steps: int, before: dict, warm: dict, 
     return note + "; none in the timed steps"
 
 
-def make_step(variant: Variant, built: BuiltCase, model, opt, scaler, reset: bool = True):
+def make_step(variant: Variant, built: BuiltCase, model, opt, scaler, reset: bool = True, policy=None):
     """The training step of a variant: a function (inputs, targets) -> loss tensor.
-    ``reset``: whether a compiled variant resets dynamo first (``compile_model``)."""
+    ``reset``: whether a compiled variant resets dynamo first (``compile_model``);
+    ``policy``: the ampkit region's cast policy (a name; None: the default), for an fp8
+    variant the one its ``setup_fp8`` installed."""
     device, loss_fn = built.device, built.loss_fn
     dtype = variant.resolved_dtype(device)
     dtype = getattr(torch, dtype) if dtype else None
@@ -201,7 +203,7 @@ def make_step(variant: Variant, built: BuiltCase, model, opt, scaler, reset: boo
         region = lambda: torch.autocast(device_type=device, dtype=dtype)  # noqa: E731
     elif variant.autocast == "ampkit":
         import ampkit
-        region = lambda: ampkit.autocast(device, dtype=dtype)  # noqa: E731
+        region = lambda: ampkit.autocast(device, dtype=dtype, policy=policy)  # noqa: E731
     else:
         region = contextlib.nullcontext
 
@@ -317,7 +319,8 @@ class VariantRun:
         self.samples, self.losses, self.positions = [], [], []
         self.compile_s = self.counts = None
         self.timed_graphs = 0  # graphs dynamo compiled during this variant's own timed epochs
-        self.float8_note = None
+        self.model_note = None  # what a float8 or fp8 variant did to the model, for the record
+        self.fp8 = None  # an fp8 variant's installed policy (ampkit.bench._fp8_tier.Fp8Setup)
         self.wall_s = 0.0
         self.floor = floor
         self.held, self.peak = 0, None
@@ -359,14 +362,25 @@ class VariantRun:
                                  "and float8 GEMMs need dimensions that are multiples of 16): nothing to "
                                  "measure" % (variant.name, built.name))
                     return
-                model, self.float8_note = convert_float8(model, variant.float8)
+                model, self.model_note = convert_float8(model, variant.float8)
+            if variant.fp8 != "none":  # ampkit's fp8 tier: scopes on the model, the policy named by the region
+                from ampkit.bench._fp8_tier import setup_fp8
+                self.fp8 = setup_fp8(variant.fp8, model, (built.batches[0][0],), self.device,
+                                     getattr(torch, variant.resolved_dtype(self.device)))
+                if self.fp8 is None:  # e.g. convnet, as for float8
+                    self.skip = ("%s: no nn.Linear of %s can go to fp8 (its head stays in the region dtype and "
+                                 "fp8 GEMMs need dimensions that are multiples of 16): nothing to measure"
+                                 % (variant.name, built.name))
+                    return
+                self.model_note = self.fp8.note
             if placement is not None:
                 model = placement.wrap(model)
             self.model = model
             self.opt = built.new_optimizer(model, fused=variant.fused_optimizer)
             self.scaler = make_scaler(variant, self.device)
             # dynamo is reset once for the group (run_interleaved), not per variant
-            self.step = make_step(variant, built, model, self.opt, self.scaler, reset=False)
+            self.step = make_step(variant, built, model, self.opt, self.scaler, reset=False,
+                                  policy=self.fp8 and self.fp8.region_policy)
             if placement is not None:  # a train step's own warm-up, as make_train_step chose it
                 self.run = dataclasses.replace(self.run, warmup_steps=placement.warmup_steps(
                     variant, built.warmup_steps, self.step))
@@ -412,6 +426,9 @@ class VariantRun:
         return self.error is None
 
     def close(self) -> None:
+        if self.fp8 is not None:
+            self.fp8.scopes.remove()
+            self.fp8 = None
         self.model = self.opt = self.scaler = self.step = None
         self.losses = []
         gc.collect()
@@ -437,7 +454,7 @@ class VariantRun:
                 else:
                     captured = None
                     note = compile_note(self.variant, self.run.warmup_steps, before, warm, end)
-                note = "; ".join(p for p in (self.float8_note, note) if p) or None
+                note = "; ".join(p for p in (self.model_note, note) if p) or None
             except Exception as e:  # noqa: BLE001 - recorded
                 self.error = "%s: %s" % (type(e).__name__, e)
             if self.placement is not None:

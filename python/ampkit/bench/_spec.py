@@ -38,6 +38,8 @@ RUNNERS = ("loop", "train_step")
 COMPILES = ("none", "default", "reduce-overhead", "max-autotune-no-cudagraphs")
 # torchao's float8 training recipe for the model's nn.Linear layers ("none": not converted)
 FLOAT8S = ("none", "tensorwise", "rowwise")
+# ampkit's fp8 tier: the shipped fp8 policy, or the one ampkit.calibrate_fp8 returns ("none": no fp8)
+FP8S = ("none", "policy", "auto")
 
 
 class BenchSpecError(ValueError):
@@ -205,6 +207,7 @@ class Variant:
     compile: str = "none"
     capture: Any = "auto"  # the train_step runner's make_train_step(capture=...): "auto" or False
     float8: str = "none"  # torchao's convert_to_float8_training recipe (an optional rival)
+    fp8: str = "none"  # ampkit's fp8 tier: "policy" (the shipped fp8 policy) or "auto" (calibrated)
 
     def warmup_steps(self, profile_warmup: int) -> int:
         """The untimed steps this variant runs first: the profile's, and at least one for a
@@ -223,9 +226,29 @@ class Variant:
             return "float16" if device == "cuda" else "bfloat16"
         return self.dtype
 
-    def skip_reason(self, device: str):
-        """Why this variant cannot run on the device (None when it can)."""
-        if device not in self.devices:
+    def skip_reason(self, device: str, numerics: bool = False):
+        """Why this variant cannot run on the device (None when it can). ``numerics``: for a
+        run whose losses count and not its time (the fidelity harness), where an fp8 variant
+        whose time needs fp8 matmuls may run through ampkit's emulation where it stands in
+        for them (``ampkit.bench._fp8_tier``: ``numerics_stand_in``).
+
+        >>> v = load_variants()["ampkit_fp8"]
+        >>> v.skip_reason("cpu")
+        'ampkit_fp8 runs only on cuda; this run is on cpu'
+        >>> v.skip_reason("cpu", numerics=True) is None or "compile" in v.skip_reason("cpu", numerics=True)
+        True
+        """
+        if self.fp8 != "none":
+            from ampkit.bench._fp8_tier import fp8_reason, numerics_stand_in
+            if numerics:
+                reason = numerics_stand_in(self.fp8, device)
+                if reason:
+                    return reason
+            elif device in self.devices:
+                reason = fp8_reason(device)
+                if reason:
+                    return reason
+        if device not in self.devices and not (numerics and self.fp8 != "none"):
             return "%s runs only on %s; this run is on %s" % (self.name, " or ".join(self.devices), device)
         if self.compile != "none" and device == "cpu":
             from ampkit.bench._machine import compile_reason
@@ -252,9 +275,9 @@ def load_variants(path=None) -> dict:
             raise _fail(path, where[:-1], "must be a mapping")
         _check_keys(path, where, v, ("description",), ("autocast", "scaler", "dtype", "tf32", "devices",
                                                          "languages", "runner", "fused_optimizer", "compile",
-                                                         "capture", "float8"))
+                                                         "capture", "float8", "fp8"))
         for key, valid in (("autocast", AUTOCASTS), ("scaler", SCALERS), ("dtype", DTYPES), ("runner", RUNNERS),
-                           ("compile", COMPILES), ("float8", FLOAT8S)):
+                           ("compile", COMPILES), ("float8", FLOAT8S), ("fp8", FP8S)):
             if key in v and v[key] not in valid:
                 raise _fail(path, where + key, "got %r; valid: %s" % (v[key], ", ".join(valid)))
         for key, valid in (("devices", DEVICES), ("languages", LANGUAGES)):
@@ -271,6 +294,10 @@ def load_variants(path=None) -> dict:
         if v.get("float8", "none") != "none" and (v.get("runner", "loop") != "loop" or v.get("languages") != ["python"]):
             raise _fail(path, where + "float8", "applies to the Python loop runner only (runner: loop, languages: "
                         "[python]): torchao converts the model's nn.Linear layers before the loop is built")
+        if v.get("fp8", "none") != "none" and (v.get("runner", "loop") != "loop" or v.get("autocast") != "ampkit"
+                                               or v.get("float8", "none") != "none"):
+            raise _fail(path, where + "fp8", "applies to the loop runner under ampkit's autocast (runner: loop, "
+                        "autocast: ampkit, no float8): the policy is installed on the model and named by the region")
         kw = {k: (tuple(x) if k in ("devices", "languages") else x) for k, x in v.items()}
         kw["description"] = str(kw["description"]).strip()
         out[name] = Variant(name=name, **kw)
