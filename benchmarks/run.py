@@ -139,10 +139,11 @@ def _with_variants(args: list, variants) -> list:
 
 
 def skipped_document(lang: str, reason: str, a, device: str, case, variants) -> dict:
-    """Runs the budget left out: one skipped record each, with the reason (never dropped)."""
+    """Runs the budget left out: one skipped record each, with the reason (never dropped); a
+    variant that could not run on this device anyway keeps its own reason (e.g. CUDA only)."""
     from ampkit import bench
     recs = [bench.make_record(bench.resolve_run(case, v, lang, a.profile, device),
-                              status="skipped", reason=reason)
+                              status="skipped", reason=v.skip_reason(device) or reason)
             for v in variants if lang in v.languages]
     return {"context": bench.context(a.profile, device, lang, seed=a.seed), "records": recs}
 

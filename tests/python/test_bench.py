@@ -606,3 +606,18 @@ def test_report_merges_runs_made_apart(tmp_path, tiny_records):
     assert doc["context"]["languages"] == ["python", "r"] and len(doc["records"]) == 2 * len(py)
     assert "| seed_mlp | torch_amp | r | bfloat16 |" in (tmp_path / "m" / "report.md").read_text()
     assert report.main([str(tmp_path / "missing.json")]) == 2
+
+
+def test_a_budget_cut_records_a_device_only_variant_with_its_own_reason():
+    """The budget drops compiled variants as a group; one that could not run on this device
+    anyway (CUDA only) says so, not that the budget left it out."""
+    import argparse
+    variants = bench.load_variants()
+    case = bench.load_case(REPO / "shared_specs" / "benchmarks" / "seed_mlp.yaml")
+    a = argparse.Namespace(profile="tiny", seed=0)
+    doc = run_py.skipped_document("python", "not run: the budget", a, "cpu", case,
+                                  [variants["torch_compile_amp"], variants["torch_compile_mat"]])
+    by = {r["variant"]: r["reason"] for r in doc["records"]}
+    assert by["torch_compile_amp"] == "not run: the budget"
+    assert by["torch_compile_mat"] == variants["torch_compile_mat"].skip_reason("cpu")
+    assert "cuda" in by["torch_compile_mat"]
