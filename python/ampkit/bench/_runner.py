@@ -49,10 +49,37 @@ def synchronize(device: str) -> None:
 
 
 def reset_peak_memory(device: str) -> None:
+    """Free what nothing holds and restart the peak count, with the device's library
+    workspaces allocated first (``prime_library_workspaces``), so that every variant's peak
+    counts them alike."""
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
+        prime_library_workspaces()
         torch.cuda.reset_peak_memory_stats()
+
+
+def prime_library_workspaces() -> None:
+    """Allocate the cuBLAS / cuBLASLt workspaces of this thread's and autograd's handles on
+    the current stream, by a tiny matmul forward and backward in each float dtype.
+
+    cuBLAS keeps a workspace (32 MiB on an H100) per (handle, stream) for the life of the
+    process, made by the first matmul there; the forward runs on this thread's handle, the
+    backward on autograd's device thread's. Made during the first variant's turn, they were
+    counted in that variant's peak alone: the Python runner's per-turn accounting left them
+    out of every later variant (what the others held), while the R runner, which reads the
+    process's peak, counted them in every variant (R / Python peak 1.13 on convnet's
+    ampkit_amp, ~64 MiB more on every AMP row, r-loop-h100-072fbe6). Made here, before the
+    group's floor is read (Python) and before each variant's reset (R), they are part of the
+    floor every variant's peak starts from, in both runners. A no-op once they exist.
+    """
+    x = torch.ones(16, 16, device="cuda", requires_grad=True)
+    lin = torch.nn.Linear(16, 16, device="cuda")
+    for dtype in (None, torch.float16, torch.bfloat16):
+        with torch.autocast("cuda", dtype=dtype or torch.float16, enabled=dtype is not None):
+            out = lin(x)
+        out.float().sum().backward()
+    synchronize("cuda")
 
 
 def peak_memory(device: str):

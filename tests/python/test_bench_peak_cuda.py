@@ -1,0 +1,50 @@
+"""The benchmark's peak memory counts cuBLAS's workspaces alike in every variant (CUDA).
+
+cuBLAS keeps a workspace per (handle, stream) for the life of the process, made by the
+first matmul there. ``reset_peak_memory`` makes them before a measurement starts
+(``prime_library_workspaces``), so that no variant's turn makes them: the Python runner's
+per-turn accounting and the R runner's process-wide peak then count them the same way.
+
+    PYTHONPATH=$PWD/python python3 -m pytest -q -m cuda tests/python/test_bench_peak_cuda.py
+"""
+
+import pytest
+import torch
+
+from ampkit.bench import reset_peak_memory
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def _matmuls():
+    """What a variant's first step does to cuBLAS: matmuls forward and backward, in float32
+    and under float16 and bfloat16 autocast; returns the bytes left allocated after."""
+    x = torch.randn(64, 256, device="cuda", requires_grad=True)
+    lin = torch.nn.Linear(256, 256, device="cuda")
+    before = torch.cuda.memory_allocated()
+    for dtype in (None, torch.float16, torch.bfloat16):
+        with torch.autocast("cuda", dtype=dtype or torch.float16, enabled=dtype is not None):
+            out = lin(x)
+        out.float().sum().backward()
+        out = None
+    x.grad = None
+    lin.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated() - before
+
+
+def test_without_priming_a_first_matmul_leaves_a_workspace_behind():
+    # the oracle for the test below: in this process, the workspaces are real allocations
+    torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.empty_cache()
+    assert _matmuls() > 0
+
+
+def test_after_reset_peak_memory_a_variant_makes_no_workspace():
+    torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.empty_cache()
+    reset_peak_memory("cuda")
+    assert _matmuls() == 0
