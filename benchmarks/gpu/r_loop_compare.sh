@@ -16,7 +16,7 @@
 # on the device. Without it, the package is installed there from the tree.
 # Environment: CASES (seed_mlp,convnet), VARIANTS (fp32_tf32,torch_amp,ampkit_amp,
 # ampkit_autocast_only), ROUNDS (2), REPEATS (7), SEED_LOOP (1: run the seed loop too),
-# NODEFER (0: 1 adds the "nodefer" runs), TREES ("base new"; "new" runs no base tree), SPLIT (1: benchmarks/gpu/r_step_split.R, where the R
+# SEED_REPEATS (3: the seed loop's interleaved repeats), NODEFER (0: 1 adds the "nodefer" runs), TREES ("base new"; "new" runs no base tree), SPLIT (1: benchmarks/gpu/r_step_split.R, where the R
 # step's time goes, new tree only).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -90,7 +90,7 @@ if [ "${SPLIT:-1}" = 1 ]; then
   tail -40 "$dest/step_split.txt"
 fi
 if [ "${SEED_LOOP:-1}" = 1 ]; then
-  (export PYTHONPATH=$root/python R_LIBS=/tmp/rlib-new AMPKIT_REPO=$root AMPKIT_SEED_REPEATS=3
+  (export PYTHONPATH=$root/python R_LIBS=/tmp/rlib-new AMPKIT_REPO=$root AMPKIT_SEED_REPEATS=${SEED_REPEATS:-3}
    runr benchmarks/gpu/r_seed_loop.R seed "$dest/seed") > "$dest/seed_loop.log" 2>&1
   tail -12 "$dest/seed_loop.log"
 fi

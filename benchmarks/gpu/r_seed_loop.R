@@ -87,6 +87,22 @@ if (mode == "seed") {
       card, sizes[[1]], sizes[[2]], sizes[[3]], sizes[[4]], sizes[[5]], sizes[[6]], repeats)
   say("automatic collections by ampkit in R: %d", amp_gc()$collections)
   print(tab[, setdiff(names(tab), c("r_gc_s.python", "released.python"))], row.names = FALSE)
+  # Paired by repeat: each repeat's speedup over its own float32 run (default), per language,
+  # and R's over Python's; the medians of these, with their range, over the repeats.
+  speedups <- do.call(rbind, lapply(split(raw, raw$rep), function(d) {
+    s <- function(l, v) d$seconds[d$lang == l & d$variant == "default"] / d$seconds[d$lang == l & d$variant == v]
+    data.frame(rep = d$rep[[1]], variant = c("autocast", "autocast_scaler"),
+               r = c(s("R", "autocast"), s("R", "autocast_scaler")),
+               python = c(s("python", "autocast"), s("python", "autocast_scaler")))
+  }))
+  speedups$r_over_python <- speedups$r / speedups$python
+  write.csv(speedups, file.path(out_dir, "seed_loop_speedups.csv"), row.names = FALSE)
+  for (v in c("autocast", "autocast_scaler")) {
+    d <- speedups[speedups$variant == v, ]
+    say("%s, paired by repeat (%d): speedup over the same language's float32 run, median R %.3f, Python %.3f; R's / Python's median %.3f [%.3f, %.3f], above 1 in %d of %d",
+        v, nrow(d), median(d$r), median(d$python), median(d$r_over_python), min(d$r_over_python),
+        max(d$r_over_python), sum(d$r_over_python >= 1), nrow(d))
+  }
   say("r_gc_s.R: seconds of R's own garbage collections in the R run (gc.time()); r_gc_share: of the run's time; released.R: outputs freed by the package in the run")
   say("R autocast + scaler with the release off (options(ampkit.release_outputs = FALSE)), medians: %.3f s, peak %.0f MiB, R gc %.3f s",
       median(off[, "seconds"]), median(off[, "peak_mib"]), median(off[, "r_gc_s"]))
