@@ -19,7 +19,11 @@ of several variants, then 3 as `repeats` rounds
 of one epoch per variant, the order rotating (round r starts at the (r mod k)-th of the k
 variants still running), so that the variants' samples come from the same minutes; both are made of ``VariantRun``'s pieces
 (build, warm_up, epoch, record), one implementation. A variant's turns keep its own random
-state, so a run trains the same, step for step, alone or interleaved.
+state, so a run trains the same, step for step, alone or interleaved. A variant paired
+with another (``Variant.paired_with``: ampkit_step_eager with its hand-written control)
+runs with it as one unit of the rotation when both are in the group (``paired_units``):
+on the CPU one step of each per batch, each timed alone, the order alternating
+(``ampkit.bench._pairing``); its record's ``paired`` keeps the per-pair times and ratios.
 """
 
 from __future__ import annotations
