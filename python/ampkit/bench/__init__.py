@@ -87,6 +87,7 @@ from ampkit.bench._runner import reset_peak_memory
 from ampkit.bench._runner import VariantRun
 from ampkit.bench._runner import rotation
 from ampkit.bench._runner import run_interleaved
+from ampkit.bench._pairing import pair_groups
 from ampkit.bench._pairing import pair_order
 from ampkit.bench._pairing import pair_summary
 from ampkit.bench._pairing import pair_unit
@@ -176,6 +177,7 @@ __all__ = [
     "resolve_device",
     "rotation",
     "run_interleaved",
+    "pair_groups",
     "pair_order",
     "pair_summary",
     "pair_unit",

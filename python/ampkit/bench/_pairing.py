@@ -29,6 +29,33 @@ import statistics
 UNITS = ("step", "epoch")
 
 
+def pair_groups(variants) -> list:
+    """The units of a group of variants, as lists of indices in the group's order: [i] for a
+    variant alone, [i, j] (i < j) for a variant and its control (``paired_with``) that are
+    both in the group, at the place of the first of them. A control pairs once (the first
+    variant that names it). Works on anything with ``name`` and ``paired_with``.
+
+    >>> from types import SimpleNamespace as V
+    >>> vs = [V(name="a", paired_with=None), V(name="c", paired_with=None), V(name="b", paired_with=None),
+    ...       V(name="e", paired_with="c")]
+    >>> pair_groups(vs), pair_groups([vs[0], vs[2], vs[3]])
+    ([[0], [1, 3], [2]], [[0], [1], [2]])
+    """
+    index = {v.name: i for i, v in enumerate(variants)}
+    partner = {}
+    for i, v in enumerate(variants):
+        j = index.get(getattr(v, "paired_with", None))
+        if j is not None and j != i and i not in partner and j not in partner:
+            partner[i], partner[j] = j, i
+    units, seen = [], set()
+    for i in range(len(variants)):
+        if i not in seen:
+            unit = sorted([i, partner[i]]) if i in partner else [i]
+            units.append(unit)
+            seen.update(unit)
+    return units
+
+
 def pair_order(i: int, rnd: int) -> list:
     """The order of a pair's two members (0: the first of them in the group's order, 1: the
     other) at batch ``i`` of round ``rnd``: ``round_order(2, i + rnd)``, the runner's

@@ -39,7 +39,7 @@ import warnings
 import torch
 
 from ampkit.bench._build import BuiltCase
-from ampkit.bench._pairing import pair_order, pair_summary, pair_unit
+from ampkit.bench._pairing import pair_groups, pair_order, pair_summary, pair_unit
 from ampkit.bench._resolved import resolve_run
 from ampkit.bench._results import make_record
 from ampkit.bench._spec import Variant, load_variants
@@ -575,31 +575,10 @@ def _run_group(built: BuiltCase, variants, language: str, placement, before_piec
 
 
 def paired_units(runs) -> list:
-    """The units of a round, in the group's order: a one-element list per variant, and one
-    [first, second] per variant and its control (``Variant.paired_with``) that both run,
-    at the place of the first of them. Works on anything with a ``variant``.
-
-    >>> from types import SimpleNamespace as V
-    >>> vs = {n: V(name=n, paired_with=p) for n, p in [("a", None), ("c", None), ("b", None), ("e", "c")]}
-    >>> [[r.variant.name for r in u] for u in paired_units([V(variant=vs[n]) for n in "acbe"])]
-    [['a'], ['c', 'e'], ['b']]
-    >>> [[r.variant.name for r in u] for u in paired_units([V(variant=vs[n]) for n in "abe"])]
-    [['a'], ['b'], ['e']]
-    """
-    by_name = {r.variant.name: r for r in runs}
-    partner = {}
-    for r in runs:
-        c = by_name.get(r.variant.paired_with)
-        if c is not None and c.variant.name not in partner and r.variant.name not in partner:
-            partner[r.variant.name], partner[c.variant.name] = c, r
-    units, seen = [], set()
-    for r in runs:
-        if r.variant.name in seen:
-            continue
-        p = partner.get(r.variant.name)
-        units.append([r] if p is None else [r, p])
-        seen.update([r.variant.name] + ([p.variant.name] if p is not None else []))
-    return units
+    """The units of a round (``pair_groups`` of the runs' variants): a one-element list per
+    variant, and [first, second] per variant and its control that both run, at the place
+    of the first of them. Works on anything with a ``variant``."""
+    return [[runs[i] for i in unit] for unit in pair_groups([r.variant for r in runs])]
 
 
 def _paired_round(pair, rnd: int, unit: str, before) -> None:
