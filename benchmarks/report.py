@@ -213,6 +213,12 @@ def goals(doc: dict) -> str:
             e, h = _find(doc, case, "ampkit_step_eager", lang), _find(doc, case, "ampkit_amp_fused", lang)
             if e is None and h is None:
                 continue
+            p = e and e.get("paired")
+            if p and p["with"] == "ampkit_amp_fused":  # timed against it in turns: the per-pair ratios
+                ok = p["ratio"] <= 1.05 + _EPS
+                say(ok, "ampkit_step_eager within 5%% of the same step written by hand (ampkit_amp_fused) on %s "
+                    "(%s): %s" % (case, lang, paired_text(p, _digits(p["ratio"], 1.05, ok))))
+                continue
             t = time_ratio(e, h)
             ok = None if not t else t["value"] <= 1.05 + _EPS
             say(ok, "ampkit_step_eager within 5%% of the same step written by hand (ampkit_amp_fused) on %s "
@@ -363,6 +369,31 @@ def measured(r: dict) -> str:
     return "interleaved, %d rounds" % i["rounds"] if i else "alone"
 
 
+def paired_text(p: dict, digits: int = 2) -> str:
+    """A record's ``paired`` field in words: the median of the per-pair ratios, their IQR and
+    how the pairs were timed.
+
+    >>> paired_text({"with": "x", "unit": "step", "n": 50, "ratio": 1.004, "q1": 0.98, "q3": 1.03})
+    'time ratio 1.00 (median of 50 paired step ratios, IQR [0.98, 1.03]; one step of each in turn, the order alternating, each step timed alone, against x)'
+    """
+    how = ("one step of each in turn, the order alternating, each step timed alone" if p["unit"] == "step"
+           else "one epoch of each in turn, adjacent, the order alternating by round")
+    return "time ratio %.*f (median of %d paired %s ratios, IQR [%.2f, %.2f]; %s, against %s)" % (
+        digits, p["ratio"], p["n"], p["unit"], p["q1"], p["q3"], how, p["with"])
+
+
+def paired_note(doc: dict) -> str:
+    """How the paired variants (variants.yaml's paired_with) were measured: one line per record
+    that carries a ``paired`` field; empty when none does."""
+    recs = [r for r in single(doc["records"]) if r["status"] == "ok" and r.get("paired")]
+    if not recs:
+        return ""
+    return "\n".join(["Paired variants: timed against their control in turns, the ms/step above still "
+                       "each round's steps summed / num_batches; their goal reads the per-pair ratios."] + [
+        "- %s / %s / %s: %s" % (r["case"], r["variant"], r["language"], paired_text(r["paired"]))
+        for r in recs])
+
+
 def _how(ratio, rec) -> str:
     """Where a ratio's two medians come from, for the goals' lines."""
     if ratio and ratio.get("interleaved"):
@@ -472,6 +503,7 @@ def markdown(doc: dict) -> str:
         "'faster'/'slower' when the whole range lies past 1 +/- 5%. Speedup vs fp32 > 1 is "
         "faster; time vs torch_amp and R / Python time < 1 are faster. Final loss: mean "
         "training loss over the last repeat.")
+    head += [paired_note(doc)] if paired_note(doc) else []
     return "\n\n".join(head + ([table(doc)] if single(doc["records"]) else []) + (
         ["## ampkit against torch.compile", against_compile] if against_compile else []) + (
         ["## Across GPUs", spread] if spread else []) + (["## Fidelity", fid] if fid else []) + [

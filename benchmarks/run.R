@@ -284,17 +284,168 @@ run_variant <- function(built, v) {
   })
 }
 
+# A variant and its control (variants.yaml's paired_with), both planned: run together, as
+# the Python runner runs them (VariantRun's pieces, ampkit.bench._pairing): both built
+# and warmed up, then `reps` rounds of one unit, on the CPU one step of each per batch,
+# each timed alone, the order pair_order(i, round); on CUDA an epoch of each, adjacent,
+# the order pair_order(0, round). Each step or epoch is a turn of its variant, with its
+# own torch random state (restored before, saved after, outside the clock), so that a
+# variant trains the same, step for step, paired or alone. Each round's sample is the
+# variant's step times summed / num_batches; the paired variant's record has `paired`
+# (pair_summary, from the same Python code). NULL when a build finds nothing to measure:
+# the caller then runs each alone. `pair`: the two variants, in the group's order.
+run_pair <- function(built, pair) {
+  this_k <- if (identical(field(pair[[1]], "paired_with"), field(pair[[2]], "name"))) 1L else 2L
+  control_k <- 3L - this_k
+  commons <- lapply(pair, function(v) list(run = bench$resolve_run(built, v, "r")))
+  t_start <- now()
+  wall <- c(0, 0)
+  amp_gc()
+  bench$reset_peak_memory(device)
+  rng <- list(NULL, NULL)
+  # One turn of variant k: its random state and precision flags around `code`, its time
+  # added to its wall_s (the pair's build and warm-up are timed per variant, as in Python).
+  turn <- function(k, code) {
+    t0 <- now()
+    if (!is.null(rng[[k]])) torch$set_rng_state(rng[[k]])
+    flags <- runner$precision_flags(pair[[k]], device)
+    flags$`__enter__`()
+    on.exit({
+      flags$`__exit__`(NULL, NULL, NULL)
+      rng[[k]] <<- torch$get_rng_state()
+      wall[[k]] <<- wall[[k]] + now() - t0
+    })
+    force(code)
+  }
+  runs <- list(NULL, NULL)
+  tryCatch({
+    for (k in 1:2) {
+      runs[[k]] <- turn(k, build_run(built, pair[[k]]))
+      if (!is.null(runs[[k]]$skip)) {
+        if (!is.null(runs[[1]]$fp8)) runs[[1]]$fp8$scopes$remove()
+        runs <- NULL
+        amp_gc()
+        return(NULL)
+      }
+    }
+    batches <- runs[[1]]$batches
+    n <- length(batches)
+    reps <- py_to_r(built$repeats)
+    warm <- vector("list", 2)
+    for (k in 1:2) warm[[k]] <- turn(k, {
+      v <- pair[[k]]
+      warmup <- py_to_r(v$warmup_steps(built$warmup_steps))
+      compile_s <- NULL
+      counts0 <- runner$compile_counts()
+      for (i in seq_len(warmup)) {
+        b <- batches[[(i - 1) %% n + 1]]
+        t0 <- now()
+        runs[[k]]$step(b[[1]], b[[2]])
+        if (i == 1 && field(v, "compile") != "none") {
+          sync()
+          compile_s <- now() - t0
+        }
+      }
+      list(warmup = warmup, compile_s = compile_s, counts0 = counts0, counts_warm = runner$compile_counts())
+    })
+    unit <- py_to_r(bench$pair_unit(device))
+    samples <- list(numeric(reps), numeric(reps))
+    this_ms <- control_ms <- numeric(0)
+    losses <- list(NULL, NULL)
+    for (r in seq_len(reps)) {
+      rnd <- r - 1L
+      epoch <- list(vector("list", n), vector("list", n))
+      if (unit == "step") {
+        ms <- list(numeric(n), numeric(n))
+        for (i in seq_len(n)) {
+          b <- batches[[i]]
+          for (k in unlist(py_to_r(bench$pair_order(i - 1L, rnd))) + 1L) turn(k, {
+            t0 <- now()
+            epoch[[k]][[i]] <- runs[[k]]$step(b[[1]], b[[2]])
+            ms[[k]][[i]] <- (now() - t0) * 1000
+          })
+        }
+        for (k in 1:2) samples[[k]][[r]] <- sum(ms[[k]]) / n
+        this_ms <- c(this_ms, ms[[this_k]])
+        control_ms <- c(control_ms, ms[[control_k]])
+      } else {
+        for (k in unlist(py_to_r(bench$pair_order(0L, rnd))) + 1L) turn(k, {
+          sync()
+          t0 <- now()
+          for (i in seq_len(n)) {
+            b <- batches[[i]]
+            epoch[[k]][[i]] <- runs[[k]]$step(b[[1]], b[[2]])
+          }
+          sync()
+          samples[[k]][[r]] <- (now() - t0) * 1000 / n
+        })
+        this_ms <- c(this_ms, samples[[this_k]][[r]])
+        control_ms <- c(control_ms, samples[[control_k]][[r]])
+      }
+      previous <- !is.null(losses[[1]])
+      losses <- epoch
+      if (previous) amp_gc()
+    }
+    summary <- bench$pair_summary(field(pair[[control_k]], "name"), unit, as.list(this_ms), as.list(control_ms))
+    lapply(1:2, function(k) {
+      run <- runs[[k]]
+      final_scale <- scale_of(run$scaler)
+      skipped <- if (is.null(final_scale)) NULL else
+        py_to_r(bench$skipped_from_scale(final_scale, built$total_steps()))
+      py_step <- attr(run$step, "py")
+      w <- warm[[k]]
+      captured <- if (is.null(py_step)) NULL else py_to_r(reticulate::py_get_attr(py_step, "captured"))
+      note <- if (is.null(py_step)) {
+        py_to_r(runner$compile_note(pair[[k]], w$warmup, w$counts0, w$counts_warm, runner$compile_counts()))
+      } else {
+        py_to_r(runner$train_step_note(pair[[k]], py_step, w$warmup, w$counts0, w$counts_warm,
+                                       runner$compile_counts()))
+      }
+      if (!is.null(run$fp8)) note <- paste(c(field(run$fp8, "note"), note), collapse = "; ")
+      do.call(bench$make_record, c(commons[[k]], list(
+        status = "ok", samples_ms = as.list(samples[[k]]), final_loss = py_to_r(built$mean_loss(losses[[k]])),
+        graph_captured = captured, reason = note, compile_s = w$compile_s,
+        peak_memory_bytes = bench$peak_memory(device), final_scale = final_scale,
+        skipped_steps = skipped, wall_s = wall[[k]],
+        paired = if (k == this_k) summary else NULL)))
+    })
+  }, error = function(e) {
+    lapply(1:2, function(k) do.call(bench$make_record, c(commons[[k]], list(
+      status = "failed", error = conditionMessage(e), wall_s = now() - t_start))))
+  }, finally = {
+    for (k in 1:2) if (!is.null(runs[[k]]$fp8)) runs[[k]]$fp8$scopes$remove()
+    runs <- losses <- epoch <- NULL
+    amp_gc()
+    bench$reset_peak_memory(device)
+  })
+}
+
+# The units of a case's variants (ampkit.bench.pair_groups, as in the Python runner): a
+# variant alone, or a variant and its control, at the place of the first of them; a pair
+# of which one cannot run on this device runs each alone (its record says why).
+run_case <- function(built, variants, emit) {
+  units <- lapply(py_to_r(bench$pair_groups(variants)), function(u) unlist(u) + 1L)
+  for (u in units) {
+    recs <- NULL
+    if (length(u) == 2 && all(vapply(variants[u], function(v) is.null(py_to_r(v$skip_reason(device))),
+                                     logical(1)))) {
+      recs <- run_pair(built, variants[u])
+    }
+    if (is.null(recs)) recs <- lapply(variants[u], function(v) run_variant(built, v))
+    for (rec in recs) emit(rec)
+  }
+}
+
 if (!sourced) {
   records <- list()
   total <- length(cases) * length(variants)
   for (case in cases) {
     built <- bench$build_case(case, opts$profile, seed = seed, device = device,
                               repeats = if (is.null(repeats)) NULL else repeats)
-    for (v in variants) {
-      rec <- run_variant(built, v)
-      records[[length(records) + 1]] <- rec
+    run_case(built, variants, function(rec) {
+      records[[length(records) + 1]] <<- rec
       bench$progress("r", length(records), total, rec)
-    }
+    })
     rm(built)
     amp_gc()
   }

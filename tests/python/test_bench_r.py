@@ -99,7 +99,8 @@ def test_python_and_r_records_carry_the_same_fields(both):
     by_key = {(r["case"], r["variant"]): r for r in py}
     for r in r_doc["records"]:
         p = by_key[(r["case"], r["variant"])]
-        assert list(r) == list(p)
+        # the Python records here ran alone; R's ampkit_step_eager ran paired with its control
+        assert [k for k in r if k != "paired"] == list(p)
         for field in ("profile", "device", "status", "autocast", "scaler", "dtype", "tf32", "runner", "compile",
                       "graph_captured", "sizes",
                       "num_batches", "warmup_steps", "repeats", "unit", "skipped_steps"):
@@ -119,6 +120,22 @@ def test_r_trains_the_same_seeded_model_on_the_same_data_as_python(both):
         p = by_key[(r["case"], r["variant"])]
         if r["status"] == "ok":
             assert r["final_loss"] == pytest.approx(p["final_loss"], rel=1e-6), (r["case"], r["variant"])
+
+
+def test_r_times_the_eager_step_against_its_control_step_by_step(both):
+    """On every case R ran ampkit_step_eager with ampkit_amp_fused a step of each in turn:
+    the record's summary is the median of its recorded per-pair ratios, its samples the
+    rounds' step times / num_batches (the losses still Python's alone: the test above)."""
+    import statistics
+    r_doc, _, _ = both
+    recs = {(r["case"], r["variant"]): r for r in r_doc["records"]}
+    for case in bench.load_cases():
+        e, h = recs[(case, "ampkit_step_eager")], recs[(case, "ampkit_amp_fused")]
+        p, n = e["paired"], e["num_batches"]
+        assert "paired" not in h and (p["with"], p["unit"], p["n"]) == ("ampkit_amp_fused", "step", e["repeats"] * n)
+        assert p["ratio"] == statistics.median([a / b for a, b in zip(p["this_ms"], p["control_ms"])])
+        for rec, times in ((e, p["this_ms"]), (h, p["control_ms"])):
+            assert rec["samples"] == pytest.approx([sum(times[k * n:(k + 1) * n]) / n for k in range(rec["repeats"])])
 
 
 @pytest.mark.parametrize("variant", ["ampkit_fp8", "ampkit_fp8_auto"])

@@ -87,6 +87,10 @@ from ampkit.bench._runner import reset_peak_memory
 from ampkit.bench._runner import VariantRun
 from ampkit.bench._runner import rotation
 from ampkit.bench._runner import run_interleaved
+from ampkit.bench._pairing import pair_groups
+from ampkit.bench._pairing import pair_order
+from ampkit.bench._pairing import pair_summary
+from ampkit.bench._pairing import pair_unit
 from ampkit.bench._runner import run_variant
 from ampkit.bench._runner import skipped_from_scale
 from ampkit.bench._runner import step_compile
@@ -173,6 +177,10 @@ __all__ = [
     "resolve_device",
     "rotation",
     "run_interleaved",
+    "pair_groups",
+    "pair_order",
+    "pair_summary",
+    "pair_unit",
     "run_items",
     "run_variant",
     "resolve_run",

@@ -26,6 +26,7 @@ from ampkit.bench import _spec
 from ampkit.bench._build import build_case, resolve_device
 from ampkit.bench._engines import DDP_OPTIONS, ENGINES, parse_engines, plan_runs, run_items
 from ampkit.bench._results import context, write_document
+from ampkit.bench._pairing import pair_groups, pair_unit
 from ampkit.bench._runner import progress, run_interleaved, run_variant
 
 
@@ -106,8 +107,13 @@ def main(argv=None) -> int:
                 progress("python", len(records), total, rec)
         else:
             for group in interleave_groups(variants, device):
-                print("[python] %s: %s, %d round(s) in turn" % (case.name, ", ".join(v.name for v in group),
-                                                                built.repeats), file=sys.stderr, flush=True)
+                pairs = ["%s paired with %s: a %s of each in turn" % (
+                    ((group[j].name, group[i].name) if group[j].paired_with == group[i].name
+                     else (group[i].name, group[j].name)) + (pair_unit(device),))
+                    for i, j in (u for u in pair_groups(group) if len(u) == 2)]
+                print("[python] %s: %s, %d round(s) in turn%s" % (
+                    case.name, ", ".join(v.name for v in group), built.repeats,
+                    "".join("; " + p for p in pairs)), file=sys.stderr, flush=True)
                 for rec in run_interleaved(built, group, language="python"):
                     records.append(rec)
                     progress("python", len(records), total, rec)

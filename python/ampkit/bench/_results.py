@@ -183,13 +183,15 @@ def _num(x):
 
 def make_record(run, *, status: str = "ok", samples_ms=None, final_loss=None, peak_memory_bytes=None,
                 final_scale=None, skipped_steps=None, reason=None, error=None, torch_threads=None,
-                wall_s=None, graph_captured=None, compile_s=None, interleaved=None) -> dict:
+                wall_s=None, graph_captured=None, compile_s=None, interleaved=None, paired=None) -> dict:
     """One record, the same fields from either language: ``run`` (a ResolvedRun, see
     ``resolve_run``) says what ran; the keywords what it measured. samples_ms holds one
     ms/step value per timed repeat; compile_s the first warm-up step of a compiled variant
     (torch.compile's compilation); ``interleaved`` ({"group": [variants], "rounds": R,
     "positions": [this variant's place in each round]}, see ``run_interleaved``) says the
-    samples were taken in rounds in turn with the group's other variants (absent: alone)."""
+    samples were taken in rounds in turn with the group's other variants (absent: alone);
+    ``paired`` (``pair_summary``'s dict, see ``ampkit.bench._pairing``) that this variant was
+    timed against its control in turns, and the per-pair ratios (kept when ok)."""
     import torch
     if status not in ("ok", "skipped", "failed"):
         raise ValueError("status must be 'ok', 'skipped' or 'failed', got %r" % (status,))
@@ -250,6 +252,11 @@ def make_record(run, *, status: str = "ok", samples_ms=None, final_loss=None, pe
     if interleaved is not None:
         rec["interleaved"] = {"group": [str(v) for v in interleaved["group"]], "rounds": int(interleaved["rounds"]),
                               "positions": [int(p) for p in interleaved.get("positions", [])]}
+    if paired is not None and status == "ok":
+        rec["paired"] = {"with": str(paired["with"]), "unit": str(paired["unit"]), "n": int(paired["n"]),
+                         "ratio": float(paired["ratio"]), "q1": float(paired["q1"]), "q3": float(paired["q3"]),
+                         "this_ms": [float(t) for t in paired["this_ms"]],
+                         "control_ms": [float(t) for t in paired["control_ms"]]}
     if run.world_size is not None:  # across processes: where, and the throughput of all ranks
         batch = run.sizes.get("batch_size")
         rec.update(world_size=int(run.world_size), engine=run.engine, engine_options=dict(run.engine_options or {}),

@@ -19,7 +19,11 @@ of several variants, then 3 as `repeats` rounds
 of one epoch per variant, the order rotating (round r starts at the (r mod k)-th of the k
 variants still running), so that the variants' samples come from the same minutes; both are made of ``VariantRun``'s pieces
 (build, warm_up, epoch, record), one implementation. A variant's turns keep its own random
-state, so a run trains the same, step for step, alone or interleaved.
+state, so a run trains the same, step for step, alone or interleaved. A variant paired
+with another (``Variant.paired_with``: ampkit_step_eager with its hand-written control)
+runs with it as one unit of the rotation when both are in the group (``paired_units``):
+on the CPU one step of each per batch, each timed alone, the order alternating
+(``ampkit.bench._pairing``); its record's ``paired`` keeps the per-pair times and ratios.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import warnings
 import torch
 
 from ampkit.bench._build import BuiltCase
+from ampkit.bench._pairing import pair_groups, pair_order, pair_summary, pair_unit
 from ampkit.bench._resolved import resolve_run
 from ampkit.bench._results import make_record
 from ampkit.bench._spec import Variant, load_variants
@@ -352,6 +357,9 @@ class VariantRun:
         self.floor = floor
         self.held, self.peak = 0, None
         self.rng = None
+        self.step_ms, self.epoch_losses = [], []  # a paired round's step times and losses
+        self.pair_this, self.pair_control = [], []  # the paired variant's timed pairs (ms)
+        self.pair_with = self.pair_unit = None
 
     @contextlib.contextmanager
     def _turn(self):
@@ -438,6 +446,33 @@ class VariantRun:
             if self.variant.compile != "none":
                 self.timed_graphs += compile_counts()["graphs"] - graphs
 
+    def begin_round(self) -> None:
+        """A paired round (step unit) begins: no step timed yet, no loss kept."""
+        self.step_ms, self.epoch_losses = [], []
+
+    def timed_step(self, i: int) -> None:
+        """One step on batch ``i``, in a turn of its own, timed alone by the wall clock (on the
+        CPU no sync is needed); the turn's bookkeeping (random state, flags, memory) and the
+        compile counts stay outside the clock."""
+        with self._turn():
+            graphs = compile_counts()["graphs"] if self.variant.compile != "none" else 0
+            x, y = self.built.batches[i]
+            t0 = time.perf_counter()
+            loss = self.step(x, y)
+            ms = (time.perf_counter() - t0) * 1000.0
+            self.epoch_losses.append(loss)
+            self.step_ms.append(ms)
+            if self.variant.compile != "none":
+                self.timed_graphs += compile_counts()["graphs"] - graphs
+
+    def end_round(self) -> None:
+        """A paired round ends: its sample is its steps' times summed / num_batches (the
+        same ms/step as an epoch's), its losses the last round's."""
+        if self.error is None:
+            self.samples.append(sum(self.step_ms) / self.built.num_batches)
+            self.losses = self.epoch_losses
+        self.epoch_losses = []
+
     def attempt(self, piece) -> bool:
         """Run ``piece`` (a method of this class, unbound); False when it failed here or, across
         processes, on any rank (the error is then the first failing rank's, on every rank)."""
@@ -468,6 +503,8 @@ class VariantRun:
         if self.skip:
             return make_record(run, status="skipped", reason=self.skip)
         extra = {} if interleaved is None else dict(interleaved=dict(interleaved, positions=list(self.positions)))
+        if self.pair_this:
+            extra["paired"] = pair_summary(self.pair_with, self.pair_unit, self.pair_this, self.pair_control)
         if self.error is None:
             try:
                 final_loss = self.built.mean_loss(self.losses)
@@ -539,14 +576,21 @@ def _run_group(built: BuiltCase, variants, language: str, placement, before_piec
                     if not r.attempt(piece) or r.skip:  # skipped when built: nothing it can measure
                         r.close()
                         break
+        unit = pair_unit(built.device, placement)
         for rnd in range(built.repeats):
             # rotated over the variants still running, so that a skipped or failed one
-            # does not give the one after it the first place twice as often
-            running = [r for r in runs if not r.skip and r.error is None]
+            # does not give the one after it the first place twice as often; a paired
+            # variant and its control are one unit, at the place of the first of them
+            running = paired_units([r for r in runs if not r.skip and r.error is None])
             for place, j in enumerate(round_order(len(running), rnd)):
                 before()
-                if running[j].attempt(VariantRun.epoch):
-                    running[j].positions.append(place)
+                if len(running[j]) == 2:
+                    _paired_round(running[j], rnd, unit, before)
+                    for r in running[j]:
+                        if r.error is None:
+                            r.positions.append(place)
+                elif running[j][0].attempt(VariantRun.epoch):
+                    running[j][0].positions.append(place)
         took_part = [r.variant.name for r in runs if r.positions]
         group = {"group": took_part, "rounds": built.repeats} if len(took_part) > 1 else None
         return [r.record(group if r.positions else None) for r in runs]
@@ -555,6 +599,40 @@ def _run_group(built: BuiltCase, variants, language: str, placement, before_piec
             r.close()
         del runs
         reset_peak_memory(built.device)
+
+
+def paired_units(runs) -> list:
+    """The units of a round (``pair_groups`` of the runs' variants): a one-element list per
+    variant, and [first, second] per variant and its control that both run, at the place
+    of the first of them. Works on anything with a ``variant``."""
+    return [[runs[i] for i in unit] for unit in pair_groups([r.variant for r in runs])]
+
+
+def _paired_round(pair, rnd: int, unit: str, before) -> None:
+    """One round of a pair (``paired_units``): on the CPU ("step") one step of each per batch,
+    each timed alone, the order ``pair_order(i, rnd)``; else ("epoch") an epoch of each,
+    adjacent, the order ``pair_order(0, rnd)``. The paired variant keeps the pairs' times."""
+    this = pair[0] if pair[0].variant.paired_with == pair[1].variant.name else pair[1]
+    control = pair[1] if this is pair[0] else pair[0]
+    this.pair_with, this.pair_unit = control.variant.name, unit
+    if unit == "epoch":
+        for k in pair_order(0, rnd):
+            before()
+            pair[k].attempt(VariantRun.epoch)
+        if this.error is None and control.error is None:
+            this.pair_this.append(this.samples[-1])
+            this.pair_control.append(control.samples[-1])
+        return
+    for r in pair:
+        r.begin_round()
+    for i in range(this.built.num_batches):
+        for k in pair_order(i, rnd):
+            pair[k].attempt(lambda run: run.timed_step(i))
+        if this.error is None and control.error is None:
+            this.pair_this.append(this.step_ms[-1])
+            this.pair_control.append(control.step_ms[-1])
+    for r in pair:
+        r.end_round()
 
 
 RECOMPILE_LIMIT = 64  # dynamo's recompile (cache size) limit in a group with compiled variants

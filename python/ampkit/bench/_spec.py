@@ -208,6 +208,9 @@ class Variant:
     capture: Any = "auto"  # the train_step runner's make_train_step(capture=...): "auto" or False
     float8: str = "none"  # torchao's convert_to_float8_training recipe (an optional rival)
     fp8: str = "none"  # ampkit's fp8 tier: "policy" (the shipped fp8 policy) or "auto" (calibrated)
+    # the control this variant is timed against step by step when both run in a group
+    # (ampkit.bench.run_interleaved; ampkit.bench._pairing): another variant's name, or None
+    paired_with: Any = None
 
     def warmup_steps(self, profile_warmup: int) -> int:
         """The untimed steps this variant runs first: the profile's, and at least one for a
@@ -275,7 +278,7 @@ def load_variants(path=None) -> dict:
             raise _fail(path, where[:-1], "must be a mapping")
         _check_keys(path, where, v, ("description",), ("autocast", "scaler", "dtype", "tf32", "devices",
                                                          "languages", "runner", "fused_optimizer", "compile",
-                                                         "capture", "float8", "fp8"))
+                                                         "capture", "float8", "fp8", "paired_with"))
         for key, valid in (("autocast", AUTOCASTS), ("scaler", SCALERS), ("dtype", DTYPES), ("runner", RUNNERS),
                            ("compile", COMPILES), ("float8", FLOAT8S), ("fp8", FP8S)):
             if key in v and v[key] not in valid:
@@ -301,7 +304,26 @@ def load_variants(path=None) -> dict:
         kw = {k: (tuple(x) if k in ("devices", "languages") else x) for k, x in v.items()}
         kw["description"] = str(kw["description"]).strip()
         out[name] = Variant(name=name, **kw)
+    for name, v in out.items():  # once every name is known
+        _check_pairing(path, v, out)
     return out
+
+
+def _check_pairing(path: Path, v: Variant, variants: Mapping) -> None:
+    """A variant's ``paired_with`` names another variant of the file (its control)."""
+    if v.paired_with is None:
+        return
+    where = "variants.%s.paired_with" % v.name
+    if v.paired_with == v.name:
+        raise _fail(path, where, "a variant cannot be paired with itself (%r); name its control, one of: %s"
+                    % (v.paired_with, ", ".join(n for n in variants if n != v.name)))
+    if not isinstance(v.paired_with, str) or v.paired_with not in variants:
+        raise _fail(path, where, "got %r, not a variant of this file; valid: %s"
+                    % (v.paired_with, ", ".join(n for n in variants if n != v.name)))
+    control = variants[v.paired_with]
+    if control.paired_with is not None:
+        raise _fail(path, where, "%r is itself paired (with %r): a pair is a variant and a control "
+                    "that is paired with nothing" % (v.paired_with, control.paired_with))
 
 
 def select(names, valid, what: str) -> list:
