@@ -284,16 +284,18 @@ run_variant <- function(built, v) {
   })
 }
 
-# A variant and its control (variants.yaml's paired_with), both planned: run together, as
-# the Python runner runs them (VariantRun's pieces, ampkit.bench._pairing): both built
-# and warmed up, then `reps` rounds of one unit, on the CPU one step of each per batch,
-# each timed alone, the order pair_order(i, round); on CUDA an epoch of each, adjacent,
-# the order pair_order(0, round). Each step or epoch is a turn of its variant, with its
-# own torch random state (restored before, saved after, outside the clock), so that a
-# variant trains the same, step for step, paired or alone. Each round's sample is the
-# variant's step times summed / num_batches; the paired variant's record has `paired`
-# (pair_summary, from the same Python code). NULL when a build finds nothing to measure:
-# the caller then runs each alone. `pair`: the two variants, in the group's order.
+# A variant and its control (variants.yaml's paired_with), both planned, on the CPU (where
+# pair_unit() is "step"): run together, as the Python runner runs them (VariantRun's pieces,
+# ampkit.bench._pairing): both built and warmed up, then `reps` rounds of one step of each
+# per batch, each timed alone, the order pair_order(i, round). Each step is a turn of its
+# variant, with its own torch random state (restored before, saved after, outside the
+# clock), so that a variant trains the same, step for step, paired or alone. Each round's
+# sample is the variant's step times summed / num_batches; the paired variant's record has
+# `paired` (pair_summary, from the same Python code). NULL when a build finds nothing to
+# measure or a piece fails: the caller then runs each alone (the one that fails records its
+# own error). On CUDA the R runner runs each alone (its peak memory is then each variant's
+# own, and the CUDA random state needs no swapping); the GPU's paired measure of the eager
+# step is benchmarks/eager_step_cost.py. `pair`: the two variants, in the group's order.
 run_pair <- function(built, pair) {
   this_k <- if (identical(field(pair[[1]], "paired_with"), field(pair[[2]], "name"))) 1L else 2L
   control_k <- 3L - this_k
@@ -348,40 +350,25 @@ run_pair <- function(built, pair) {
       }
       list(warmup = warmup, compile_s = compile_s, counts0 = counts0, counts_warm = runner$compile_counts())
     })
-    unit <- py_to_r(bench$pair_unit(device))
+    unit <- "step"
     samples <- list(numeric(reps), numeric(reps))
     this_ms <- control_ms <- numeric(0)
     losses <- list(NULL, NULL)
     for (r in seq_len(reps)) {
       rnd <- r - 1L
       epoch <- list(vector("list", n), vector("list", n))
-      if (unit == "step") {
-        ms <- list(numeric(n), numeric(n))
-        for (i in seq_len(n)) {
-          b <- batches[[i]]
-          for (k in unlist(py_to_r(bench$pair_order(i - 1L, rnd))) + 1L) turn(k, {
-            t0 <- now()
-            epoch[[k]][[i]] <- runs[[k]]$step(b[[1]], b[[2]])
-            ms[[k]][[i]] <- (now() - t0) * 1000
-          })
-        }
-        for (k in 1:2) samples[[k]][[r]] <- sum(ms[[k]]) / n
-        this_ms <- c(this_ms, ms[[this_k]])
-        control_ms <- c(control_ms, ms[[control_k]])
-      } else {
-        for (k in unlist(py_to_r(bench$pair_order(0L, rnd))) + 1L) turn(k, {
-          sync()
+      ms <- list(numeric(n), numeric(n))
+      for (i in seq_len(n)) {
+        b <- batches[[i]]
+        for (k in unlist(py_to_r(bench$pair_order(i - 1L, rnd))) + 1L) turn(k, {
           t0 <- now()
-          for (i in seq_len(n)) {
-            b <- batches[[i]]
-            epoch[[k]][[i]] <- runs[[k]]$step(b[[1]], b[[2]])
-          }
-          sync()
-          samples[[k]][[r]] <- (now() - t0) * 1000 / n
+          epoch[[k]][[i]] <- runs[[k]]$step(b[[1]], b[[2]])
+          ms[[k]][[i]] <- (now() - t0) * 1000
         })
-        this_ms <- c(this_ms, samples[[this_k]][[r]])
-        control_ms <- c(control_ms, samples[[control_k]][[r]])
       }
+      for (k in 1:2) samples[[k]][[r]] <- sum(ms[[k]]) / n
+      this_ms <- c(this_ms, ms[[this_k]])
+      control_ms <- c(control_ms, ms[[control_k]])
       previous <- !is.null(losses[[1]])
       losses <- epoch
       if (previous) amp_gc()
@@ -410,8 +397,7 @@ run_pair <- function(built, pair) {
         paired = if (k == this_k) summary else NULL)))
     })
   }, error = function(e) {
-    lapply(1:2, function(k) do.call(bench$make_record, c(commons[[k]], list(
-      status = "failed", error = conditionMessage(e), wall_s = now() - t_start))))
+    NULL  # each runs alone again (run_case): the one that fails records its own error, the other its run
   }, finally = {
     for (k in 1:2) if (!is.null(runs[[k]]$fp8)) runs[[k]]$fp8$scopes$remove()
     runs <- losses <- epoch <- NULL
@@ -427,7 +413,7 @@ run_case <- function(built, variants, emit) {
   units <- lapply(py_to_r(bench$pair_groups(variants)), function(u) unlist(u) + 1L)
   for (u in units) {
     recs <- NULL
-    if (length(u) == 2 && all(vapply(variants[u], function(v) is.null(py_to_r(v$skip_reason(device))),
+    if (length(u) == 2 && py_to_r(bench$pair_unit(device)) == "step" && all(vapply(variants[u], function(v) is.null(py_to_r(v$skip_reason(device))),
                                      logical(1)))) {
       recs <- run_pair(built, variants[u])
     }
