@@ -317,15 +317,7 @@ class TrainStep:
         if not self._eligible:  # (a step that gave up has dropped its graph)
             return self._eager(flat_in, flat_tg)
         if self._graph is not None:
-            batch = [*flat_in, *flat_tg]
-            other = self._other_sig
-            # (the captured and the other signature differ, so at most one quick check
-            # passes: after a call beside the graph, the other one is asked first, and a run
-            # of other batches pays one check a call)
-            if (other.quick(batch) or not self._sig.quick(batch) and self._other_batch(batch)
-                    if self._grads_beside_graph and other is not None else
-                    not self._sig.quick(batch) and (
-                        other is not None and other.quick(batch) or self._other_batch(batch))):
+            if self._beside_graph([*flat_in, *flat_tg]):
                 why = self._other_why
                 if self._capture is True:
                     raise RuntimeError(f"make_train_step(capture=True): {why}")
@@ -350,6 +342,20 @@ class TrainStep:
             self._warm_left -= 1
             return self._warmup(flat_in, flat_tg)
         return self._capture_and_replay(flat_in, flat_tg)
+
+    def _beside_graph(self, batch) -> bool:
+        # Whether this batch runs beside the graph (it differs from the captured one). The
+        # captured and the last other signature differ, so at most one quick check passes:
+        # after a call beside the graph the other one is asked first, so that a run of
+        # other batches pays one check a call.
+        other = self._other_sig
+        if self._grads_beside_graph and other is not None:
+            if other.quick(batch):
+                return True
+            return not self._sig.quick(batch) and self._other_batch(batch)
+        if self._sig.quick(batch):
+            return False
+        return (other is not None and other.quick(batch)) or self._other_batch(batch)
 
     def _other_batch(self, batch):
         # Whether this batch, which the quick checks matched neither with the captured one
