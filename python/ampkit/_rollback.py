@@ -53,7 +53,8 @@ except ImportError:  # (not CPython)
 from ampkit._unchanged import SameMeta, dict_version
 from ampkit._scaler import GradScaler
 
-__all__ = ["HeldSignals", "KeptCopies", "ModelBuffers", "OptimizerCopy", "PLAIN",
+__all__ = ["HeldSignals", "KeptCopies", "ModelBuffers", "OptimizerCopy", "PLAIN", "ParkedGrad", "park_grads",
+           "unparked",
            "plain_value", "why_copy", "zero_grads_the_graph_had"]
 
 PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensors with a foreach copy (KeptCopies)
@@ -549,3 +550,46 @@ def plain_value(v):
     if isinstance(v, (tuple, list)):
         return all(plain_value(x) for x in v)
     return isinstance(v, (int, float, bool, str, type(None)))
+
+
+class ParkedGrad:
+    """A gradient that a rollback may need, kept on the host meanwhile.
+
+    A call of a train step keeps the ``.grad`` it found, so that a failure puts it back;
+    on the device that copy sits beside the step's own gradients and activations. In the
+    calls that run once or a few times (make_train_step's warm-up steps and the call that
+    captures) the old gradients are copied to the host instead, once, and their device
+    memory goes as soon as the step drops them: the model's size in gradients less at the
+    peak of those calls (issue 26: the captured step's peak, which is in its warm-up or its
+    capture). A rollback makes a device tensor again from the host copy: the same values,
+    dtype, shape and device, a new tensor.
+    """
+
+    __slots__ = ("host", "device")
+
+    def __init__(self, grad: torch.Tensor):
+        self.host = grad.to("cpu")
+        self.device = grad.device
+
+    def back(self) -> torch.Tensor:
+        return self.host.to(self.device)
+
+
+def park_grads(grads: list) -> None:
+    """Replace, in ``grads`` (a call's saved ``.grad`` references, in place), each plain CUDA
+    tensor that owns its memory by a ``ParkedGrad``. Views (DistributedDataParallel's
+    gradients as bucket views) and other tensor types (FSDP2's DTensors) stay as they are:
+    parking them would free nothing, or would not put back what they alias."""
+    for i, g in enumerate(grads):
+        if type(g) in PLAIN and g.device.type == "cuda" and g._base is None and g.layout is torch.strided:
+            grads[i] = ParkedGrad(g)
+
+
+def unparked(grad):
+    """``grad``, or the device tensor made again from a ``ParkedGrad``.
+
+    >>> g = torch.ones(2)
+    >>> unparked(g) is g, unparked(None) is None
+    (True, True)
+    """
+    return grad.back() if type(grad) is ParkedGrad else grad

@@ -59,8 +59,8 @@ from ampkit._capture import (CAPTURE_ERROR_MODE, AccumulationStreams, collector_
 from ampkit._compile import cache_off_for_capture, compile_failure, compile_model, no_compiling
 from ampkit._kernels import expect_compile
 from ampkit._policy import load_policy
-from ampkit._rollback import (HeldSignals, ModelBuffers, OptimizerCopy, plain_value, why_copy,
-                              zero_grads_the_graph_had)
+from ampkit._rollback import (HeldSignals, ModelBuffers, OptimizerCopy, park_grads, plain_value, unparked,
+                              why_copy, zero_grads_the_graph_had)
 from ampkit._scaler import GradScaler
 from ampkit._unchanged import SameSignature, signature
 
@@ -280,7 +280,7 @@ class TrainStep:
         # buffers, the parameters, the optimizer state and the scaler as they were.
         saved = self._save_for_rollback()
         try:
-            loss = self._call(flat_in, flat_tg)
+            loss = self._call(flat_in, flat_tg, saved[1])
         except BaseException as e:
             self._rollback(saved)
             self._deliver_held_signals()
@@ -311,7 +311,8 @@ class TrainStep:
         else:
             warnings.warn(message, UserWarning, stacklevel=_user_stacklevel())
 
-    def _call(self, flat_in, flat_tg) -> torch.Tensor:
+    def _call(self, flat_in, flat_tg, old_grads) -> torch.Tensor:
+        # old_grads: the .grad references this call's rollback keeps (_save_for_rollback)
         self.calls += 1
         self._last_replayed = False
         if not self._eligible:  # (a step that gave up has dropped its graph)
@@ -338,6 +339,9 @@ class TrainStep:
                 self._warm_left = 1
             else:
                 return self._replay(flat_in, flat_tg)
+        # A warm-up step or the capture: kept for a rollback on the host, not on the device
+        # beside this call's own gradients (these calls run once or a few times).
+        park_grads(old_grads)
         if self._warm_left > 0:
             self._warm_left -= 1
             return self._warmup(flat_in, flat_tg)
@@ -465,7 +469,7 @@ class TrainStep:
             attrs.pop(k, None)
         vars(self).update(attrs)
         for p, g in zip(self._params, grads):
-            p.grad = g
+            p.grad = unparked(g)
         # The failed iteration's stages (an unscale_ that ran before optimizer.step raised,
         # say) must not leak into the next call; the scale itself changes only in update(),
         # which changes nothing when it raises.

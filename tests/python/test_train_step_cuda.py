@@ -475,3 +475,35 @@ def test_the_garbage_collector_is_paused_inside_the_capture_and_restored_after()
         assert step2.captured and not gc.isenabled()
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("capture", ["auto", False])
+def test_warm_up_and_capture_calls_keep_the_old_gradients_on_the_host(capture):
+    """The gradients a call keeps for its rollback: in the warm-up steps and the call that
+    captures, a host copy (the device's are freed once the step drops them, so they are not
+    held beside the step's own: issue 26's peak); in an eager step (capture=False), the
+    references (no copy a step). The rollback from a host copy is
+    test_a_call_that_raises_changes_nothing_around_a_captured_graph's warm-up fault."""
+    import weakref
+
+    model = make_mlp()
+    opt = OPTIMIZERS["sgd_fused"](model.parameters())
+    alive = []  # per call: whether the previous call's gradients were still alive at its loss
+    old = []
+
+    def loss_fn(out, y):
+        alive.append(bool(old) and any(r() is not None for r in old))
+        return torch.nn.functional.mse_loss(out, y)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step = ampkit.make_train_step(model, loss_fn, opt, scaler=scaler(), autocast=AC, capture=capture)
+    for x, y in make_batches(n=5):
+        old[:] = [weakref.ref(p.grad) for p in model.parameters() if p.grad is not None]
+        step(x, y)
+    if capture == "auto":
+        assert step.captured and step.warmup == 3
+        # calls 1-2: warm-up steps after one; call 3: the capture; call 4 replays (no loss_fn)
+        assert alive == [False, False, False, False]
+    else:
+        assert alive == [False, True, True, True, True]
