@@ -173,13 +173,20 @@ def test_modules_the_base_policy_scopes_are_left_to_it():
     assert result.policy.modules[1].pin == "float32"
 
 
-def test_on_the_cpu_the_emulation_is_slower_so_nothing_gets_fp8():
+def test_with_real_timings_each_module_gets_what_its_own_measurements_say():
+    """On the CPU the fp8 emulation is usually slower than bfloat16, but not always: where
+    bfloat16 itself is emulated (AVX2: ~20x slower than float32) the emulation can win.
+    Whatever the machine measured, the choice and the words follow the report's own
+    speedup and error (fp8 where speedup > 1 and error <= 0.1, the defaults)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256))
     result = ampkit.calibrate_fp8(model, torch.randn(64, 256), warmup=1, repeats=3)
-    assert [r.precision for r in result.report] == ["bfloat16", "bfloat16"]
-    assert all("slower" in r.reason and r.speedup < 1 for r in result.report)
-    assert result.policy.modules == ()
+    assert [r.module for r in result.report] == ["0", "2"]
+    for r in result.report:
+        pays = r.speedup > 1.0 and r.error <= 0.1
+        assert r.precision == ("fp8" if pays else "bfloat16"), r
+        assert ("slower" in r.reason) == (not pays and r.speedup < 1), r
+    assert [m.pattern for m in result.policy.modules] == [r.module for r in result.report if r.precision == "fp8"]
 
 
 def test_the_report_prints_as_a_table_and_as_rows():
