@@ -503,7 +503,8 @@ def markdown(doc: dict) -> str:
         "'faster'/'slower' when the whole range lies past 1 +/- 5%. Speedup vs fp32 > 1 is "
         "faster; time vs torch_amp and R / Python time < 1 are faster. Final loss: mean "
         "training loss over the last repeat.")
-    head += [paired_note(doc)] if paired_note(doc) else []
+    note = paired_note(doc)
+    head += [note] if note else []
     return "\n\n".join(head + ([table(doc)] if single(doc["records"]) else []) + (
         ["## ampkit against torch.compile", against_compile] if against_compile else []) + (
         ["## Across GPUs", spread] if spread else []) + (["## Fidelity", fid] if fid else []) + [
