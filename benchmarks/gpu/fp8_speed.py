@@ -24,6 +24,9 @@ fp8 for the fp8 arms:
   ampkit_fp8_rowwise     the same, rowwise recipe
   ampkit_fp8_delayed     the same, delayed recipe (amax_history 16; its casts need no amax of
                          their operand first: docs/autocast.md, "fp8")
+  ampkit_fp8_tensorwise_fast, ampkit_fp8_delayed_fast  the tensorwise and delayed arms with the
+                         recipe's fast_accum (the forward GEMM's use_fast_accum, as torchao's
+                         default; the gradients' GEMMs precise)
   ampkit_fp8_auto        the policy ampkit.calibrate_fp8 gives for this model (base: the
                          tensorwise arm's policy; it keeps bf16 where fp8 does not pay)
   torchao_tensorwise     torchao's convert_to_float8_training (tensorwise; the head left out,
@@ -37,6 +40,7 @@ fp8 for the fp8 arms:
                          ampkit_bf16_step over bf16_compile what the captured step gives
   ampkit_fp8_delayed_step  the same with the delayed arm's policy (its histories written in
                          the graph, no graph break)
+  ampkit_fp8_delayed_fast_step  the same with the delayed_fast arm's policy
 
 A step arm runs make_train_step's warm-up (its eager steps, then the call that captures)
 inside the arm's warm-up, and fails (FAILED, with the reason) where the step runs uncompiled
@@ -116,9 +120,11 @@ from kernel_kinds import profile_breakdown  # (this folder: the kernel categoris
 
 ARMS = ("bf16_compile", "ampkit_bf16_compile", "ampkit_fp8_tensorwise", "ampkit_fp8_rowwise",
         "ampkit_fp8_delayed", "ampkit_fp8_auto", "torchao_tensorwise", "torchao_rowwise",
-        "ampkit_bf16_step", "ampkit_fp8_step", "ampkit_fp8_delayed_step")
+        "ampkit_bf16_step", "ampkit_fp8_step", "ampkit_fp8_delayed_step", "ampkit_fp8_tensorwise_fast",
+        "ampkit_fp8_delayed_fast", "ampkit_fp8_delayed_fast_step")
 # arm -> its fp8 recipe (None: bf16)
-STEP_ARMS = {"ampkit_bf16_step": None, "ampkit_fp8_step": "tensorwise", "ampkit_fp8_delayed_step": "delayed"}
+STEP_ARMS = {"ampkit_bf16_step": None, "ampkit_fp8_step": "tensorwise", "ampkit_fp8_delayed_step": "delayed",
+             "ampkit_fp8_delayed_fast_step": "delayed_fast"}
 # what each shape runs unless --arms says otherwise (the whole default run: ~8 minutes on an H100)
 DEFAULT_ARMS = {
     "gpt2": ("bf16_compile", "ampkit_bf16_compile", "ampkit_fp8_tensorwise", "ampkit_fp8_rowwise",
@@ -139,7 +145,9 @@ WARMUP_STEPS = 5
 STEP_EAGER_WARMUP = WARMUP_STEPS - 2
 BREAKDOWN_STEPS = 3
 RECIPES = {"tensorwise": {"scaling": "tensorwise"}, "rowwise": {"scaling": "rowwise"},
-           "delayed": {"scaling": "delayed", "amax_history": 16}}
+           "delayed": {"scaling": "delayed", "amax_history": 16},
+           "tensorwise_fast": {"scaling": "tensorwise", "fast_accum": True},
+           "delayed_fast": {"scaling": "delayed", "amax_history": 16, "fast_accum": True}}
 
 
 def build_shape(shape, smoke, device):

@@ -9,8 +9,9 @@ An op of a policy's ``fp8`` category (``linear``, ``mm``, ``matmul``; written as
               wq = (w * scale_w).clamp(-max, max).to(forward_dtype)
               CUDA, capability >= 8.9, shapes _scaled_mm takes:
                   out = torch._scaled_mm(xq, wq.T, 1/scale_x, 1/scale_w, bias=bias.to(dtype),
-                                         out_dtype=dtype)   # the bias added to the float32
-                                                            # sums, then one rounding to dtype
+                                         out_dtype=dtype,   # the bias added to the float32
+                                         use_fast_accum=    # sums, then one rounding to dtype
+                                             the recipe's fast_accum)
               elsewhere (the emulation, the same quantization; SCALED_MM_DEVICES):
                   out = linear((xq.float() / scale_x).to(dtype), (wq.float() / scale_w).to(dtype),
                                bias.to(dtype))
@@ -73,8 +74,14 @@ def fp8_max(dtype) -> float:
 
 
 def amax(t, rowwise: bool):
-    a = t.detach().abs()
-    return (a.amax(dim=-1, keepdim=True) if rowwise else a.amax()).to(F32)
+    """``max(|t|)`` per row (``rowwise``) or of the whole tensor, float32. The whole
+    tensor's is taken as the max of its rows' maxima (the same number: max is exact in any
+    order), so that under torch.compile it is a reduction along the last dim, as a layer
+    norm's or a softmax's are: inductor can then compute it in the kernel that makes ``t``
+    (or that casts it, under delayed scaling) instead of reading ``t`` again, and only a
+    small reduction over the rows' maxima is left."""
+    rows = t.detach().abs().amax(dim=-1, keepdim=rowwise)
+    return (rows if rowwise or t.dim() < 2 else rows.amax()).to(F32)
 
 
 def scale_of(am, dtype):
@@ -203,6 +210,7 @@ class _Plan:
     history: object  # delayed: the weight's (2, n) history of input and weight amaxes, else None
     grad_history: object  # delayed: its (1, n) history of grad_output amaxes, else None
     sink: object  # the active trace (its note_fp8 / record_fp8_backward) or None
+    fast_accum: bool = False  # the forward _scaled_mm's use_fast_accum (the recipe's)
 
 
 # Where _scaled_mm runs besides CUDA >= 8.9: torch's CPU build has a _scaled_mm too, which
@@ -259,7 +267,8 @@ def _forward(ctx, scaling, x, w, b, plan):
         # the bias in _scaled_mm's epilogue: added to the float32 sums and rounded to dt once,
         # as torch's addmm does, with no second pass over the output
         out = torch._scaled_mm(xq.contiguous(), wq.t(), scale_a=sx.reciprocal(), scale_b=sw.reciprocal().reshape(1, -1)
-                               if rowwise else sw.reciprocal(), bias=None if b is None else b.to(dt), out_dtype=dt)
+                               if rowwise else sw.reciprocal(), bias=None if b is None else b.to(dt), out_dtype=dt,
+                               use_fast_accum=plan.fast_accum)
     else:
         path = "emulated"
         out = torch.nn.functional.linear(dequantize(xq, sx).to(dt), dequantize(wq, sw).to(dt),
@@ -399,10 +408,11 @@ def runner(name, recipe, device_type, on):
             return _lower_precision(func, args, kwargs, dtype, on)
         x, w, b, key = ops
         if delayed and torch.compiler.is_compiling() and not isinstance(key, torch.nn.Parameter):
-            return _apply_eagerly(Function, x, w, b, key, _Plan(name, device_type, dtype, fwd, bwd, None, None, sink),
+            return _apply_eagerly(Function, x, w, b, key, _Plan(name, device_type, dtype, fwd, bwd, None, None, sink,
+                                                                          recipe.fast_accum),
                                   recipe.amax_history)
         history, grad_history = HISTORIES.get(key, recipe.amax_history) if delayed else (None, None)
-        plan = _Plan(name, device_type, dtype, fwd, bwd, history, grad_history, sink)
+        plan = _Plan(name, device_type, dtype, fwd, bwd, history, grad_history, sink, recipe.fast_accum)
         return Function.apply(x, w, b, plan)
 
     return run

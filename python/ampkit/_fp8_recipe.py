@@ -13,12 +13,18 @@ A policy's ``fp8`` category lists matmul-class ops that run with their operands 
 ``backward_dtype`` the dtype of the output's gradient: ``float8_e5m2`` (more
                    range) or ``float8_e4m3fn`` (more precision)
 ``amax_history``   delayed only: how many earlier amaxes the scale looks at
+``fast_accum``     ``true``: the forward's fp8 GEMM (``_scaled_mm``, CUDA)
+                   accumulates in the tensor cores' faster, less precise mode
+                   (``use_fast_accum``), as torchao's float8 training does by
+                   default; the gradients' GEMMs always accumulate precisely.
+                   ``false`` (the default): every GEMM precise. The emulation
+                   (CPU) has no such mode and ignores it
 =================  ===========================================================
 
 Absent, the recipe is :data:`DEFAULT_RECIPE` (tensorwise, e4m3fn forward, e5m2 backward).
 
 >>> parse_recipe({"scaling": "delayed", "amax_history": 16}, "here")
-Fp8Recipe(scaling='delayed', forward_dtype='float8_e4m3fn', backward_dtype='float8_e5m2', amax_history=16)
+Fp8Recipe(scaling='delayed', forward_dtype='float8_e4m3fn', backward_dtype='float8_e5m2', amax_history=16, fast_accum=False)
 >>> parse_recipe({"scaling": "blockwise"}, "here")
 Traceback (most recent call last):
 ...
@@ -34,7 +40,7 @@ from ampkit._errors import PolicyError
 SCALINGS = ("tensorwise", "rowwise", "delayed")
 FORWARD_DTYPES = ("float8_e4m3fn",)
 BACKWARD_DTYPES = ("float8_e5m2", "float8_e4m3fn")
-RECIPE_KEYS = ("scaling", "forward_dtype", "backward_dtype", "amax_history")
+RECIPE_KEYS = ("scaling", "forward_dtype", "backward_dtype", "amax_history", "fast_accum")
 #: The ops the fp8 category can hold (each runs as ``input @ weight.T``, ampkit._fp8).
 FP8_OPS = ("linear", "matmul", "mm")
 
@@ -47,6 +53,7 @@ class Fp8Recipe:
     forward_dtype: str = "float8_e4m3fn"
     backward_dtype: str = "float8_e5m2"
     amax_history: int | None = None  # delayed only
+    fast_accum: bool = False  # the forward GEMM's use_fast_accum
 
     def __post_init__(self):
         check_recipe(self, "Fp8Recipe")
@@ -56,6 +63,8 @@ class Fp8Recipe:
              "backward_dtype": self.backward_dtype}
         if self.amax_history is not None:
             d["amax_history"] = self.amax_history
+        if self.fast_accum:
+            d["fast_accum"] = True
         return d
 
 
@@ -68,6 +77,9 @@ def check_recipe(r, where) -> None:
     if r.backward_dtype not in BACKWARD_DTYPES:
         raise PolicyError(f"{where}: fp8_recipe backward_dtype {r.backward_dtype!r} is not one of "
                           f"{', '.join(BACKWARD_DTYPES)}")
+    if not isinstance(r.fast_accum, bool):
+        raise PolicyError(f"{where}: fp8_recipe fast_accum must be true or false (whether the forward's "
+                          f"fp8 GEMM accumulates in the faster, less precise mode), got {r.fast_accum!r}")
     if r.scaling == "delayed":
         n = r.amax_history
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:

@@ -141,10 +141,11 @@ devices:
     ("linear", "{scaling: delayed, amax_history: 0}", r"amax_history must be a whole number >= 1.*got 0"),
     ("linear", "{scaling: rowwise, amax_history: 4}", r"amax_history is for delayed scaling only"),
     ("linear", "{scale: tensorwise}", r"unknown fp8_recipe key 'scale'; valid: scaling, forward_dtype"),
+    ("linear", "{fast_accum: forward}", r"fast_accum must be true or false.*got 'forward'"),
     ("linear", "tensorwise", r"fp8_recipe must be a mapping"),
     ("conv2d", "{scaling: tensorwise}", r"line 12, key 'devices.cpu.fp8.conv2d': op 'conv2d' cannot run in fp8; the fp8 category takes linear, matmul, mm"),
 ], ids=["scaling", "forward", "backward", "no-history", "zero-history", "history-not-delayed",
-        "unknown-key", "not-a-mapping", "op"])
+        "unknown-key", "fast-accum", "not-a-mapping", "op"])
 def test_bad_recipe_is_a_clear_error(tmp_path, ops, recipe, match):
     path = tmp_path / "mine.yaml"
     path.write_text(YAML.format(ops=ops, recipe=recipe))
@@ -423,6 +424,35 @@ def test_the_scaled_mm_path_adds_the_bias_before_its_one_rounding(monkeypatch):
     assert_same(y.reshape(-1, 32), want)
     rounded_twice = torch._scaled_mm(xq, wq.t(), **args) + b.to(torch.bfloat16)
     assert not torch.equal(y.reshape(-1, 32), rounded_twice)
+
+
+@pytest.mark.parametrize("fast_accum", [False, True])
+def test_fast_accum_reaches_the_forward_gemm_only(fast_accum, monkeypatch):
+    """The recipe's fast_accum is the forward _scaled_mm's use_fast_accum; the two gradient
+    GEMMs accumulate precisely whatever it says. The output is _scaled_mm's with that flag,
+    bit for bit; the recipe round-trips through its dict (what a saved policy holds)."""
+    from ampkit import _fp8
+    from ampkit._fp8_recipe import parse_recipe
+    monkeypatch.setattr(_fp8, "SCALED_MM_DEVICES", {"cuda", "cpu"})
+    seen, real = [], torch._scaled_mm
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("use_fast_accum", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    policy = FP8.with_fp8_recipe("cpu", scaling="tensorwise", fast_accum=fast_accum)
+    recipe = policy.rules("cpu").fp8_recipe
+    assert recipe.fast_accum is fast_accum and parse_recipe(recipe.to_dict(), "here") == recipe
+    x, w, b, g = data(lead=(4, 16), k=64, n=32)
+    y, _, _, _, _ = _run(policy, x, w, b, g, "cpu")
+    assert seen == [fast_accum, False, False]  # forward, then grad_x and grad_w
+    x2 = x.reshape(-1, 64)
+    sx, sw = tensor_scale(x2, E4M3), tensor_scale(w, E4M3)
+    xq, wq = (x2 * sx).clamp(-448, 448).to(E4M3), (w * sw).clamp(-448, 448).to(E4M3)
+    want = real(xq, wq.t(), scale_a=1 / sx, scale_b=1 / sw, bias=b.to(torch.bfloat16),
+                out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
+    assert_same(y.reshape(-1, 32), want)
 
 
 def test_the_scaled_mm_path_writes_a_float32_weight_grad_once_unrounded(monkeypatch):

@@ -19,7 +19,8 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "gpu" / "fp8_speed.py"
 ARMS = ("bf16_compile", "ampkit_bf16_compile", "ampkit_fp8_tensorwise", "ampkit_fp8_rowwise",
         "ampkit_fp8_delayed", "ampkit_fp8_auto", "torchao_tensorwise", "torchao_rowwise",
-        "ampkit_bf16_step", "ampkit_fp8_step", "ampkit_fp8_delayed_step")
+        "ampkit_bf16_step", "ampkit_fp8_step", "ampkit_fp8_delayed_step", "ampkit_fp8_tensorwise_fast",
+        "ampkit_fp8_delayed_fast", "ampkit_fp8_delayed_fast_step")
 
 
 def test_smoke_run_times_every_arm_of_both_shapes(tmp_path):
