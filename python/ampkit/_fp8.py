@@ -59,6 +59,7 @@ import weakref
 
 import torch
 
+from ampkit._fp8_transpose import transposed
 from ampkit._listeners import fp8_quantized
 
 FP8_DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
@@ -305,15 +306,17 @@ def _backward(ctx, scaling, grad):
         gx = gw = gb = None
         # _scaled_mm where the forward took it and every scale is one number: a row-wise
         # scale of the weight (N) or of the input (M) would lie along the backward's
-        # contraction dimension, which _scaled_mm cannot scale.
+        # contraction dimension, which _scaled_mm cannot scale. Its operands' transposed
+        # copies are made by ampkit.transposed, which inductor does not fuse into the
+        # kernel that makes the operand (there the transposed store is strided: slow).
         if ctx.path == "scaled_mm" and scaling != "rowwise":
             path = "scaled_mm"
             inv_g = sg.reciprocal()
             if ctx.needs_input_grad[0]:  # (M, N) @ (N, K): the second operand column-major
-                gx = torch._scaled_mm(gq, wq.t().contiguous().t(), scale_a=inv_g, scale_b=sw.reciprocal(),
+                gx = torch._scaled_mm(gq, transposed(wq).t(), scale_a=inv_g, scale_b=sw.reciprocal(),
                                       out_dtype=dt).reshape(x_shape).to(x_dt)
             if ctx.needs_input_grad[1]:  # (N, M) @ (M, K)
-                gw = torch._scaled_mm(gq.t().contiguous(), xq.t().contiguous().t(), scale_a=inv_g,
+                gw = torch._scaled_mm(transposed(gq), transposed(xq).t(), scale_a=inv_g,
                                       scale_b=sx.reciprocal(), out_dtype=weight_grad_dtype(w_dt, dt)).to(w_dt)
         else:
             path = "emulated"
