@@ -23,6 +23,9 @@ bare_step <- function(i) {
 }
 amp_step <- ampkit:::py_fn(reticulate::import("ampkit.r_bridge")$amp_step)
 opt_py <- reticulate::r_to_py(opt)
+# (read once: `scaler$py` is an active binding, an R6 call and a deferred-update check
+# each time, ~14K R instructions a step that are the probe's, not the crossing's)
+scaler_py <- scaler$py
 one_crossing <- function(i) {
-  .External(x_$callx, NULL, 3L, amp_step, net_py, loss_py, opt_py, scaler$py, data[[i]], targets[[i]], "cpu")
+  .External(x_$callx, NULL, 3L, amp_step, net_py, loss_py, opt_py, scaler_py, data[[i]], targets[[i]], "cpu")
 }

@@ -2,7 +2,8 @@
 # deterministic where timings on the shared 2-core VM move by 2x between runs. One run
 # counts one loop (MODE: "r", the R loop through the package as installed; "reticulate",
 # the same with the compiled crossing switched off; "bare", the step's seven calls as bare
-# .External() crossings (bare_step.R): the floor of the package's R layer; "py", its Python
+# .External() crossings (bare_step.R): the floor of the package's R layer; "one", the whole step as one crossing into
+# ampkit.r_bridge.amp_step (bare_step.R's one_crossing): the floor of an R loop; "py", its Python
 # twin) over N steps
 # after a warm-up, then the seed step's lines one by one (LINES=1):
 #
@@ -55,11 +56,15 @@ if (mode == "bare") {
   source(file.path(Sys.getenv("AMPKIT_REPO", "."), "benchmarks", "r", "bare_step.R"))  # bare_step(i)
   r_loop <- function(n) for (s in seq_len(n)) bare_step((s - 1L) %% 10L + 1L)
 }
+if (mode == "one") {
+  source(file.path(Sys.getenv("AMPKIT_REPO", "."), "benchmarks", "r", "bare_step.R"))  # one_crossing(i)
+  r_loop <- function(n) for (s in seq_len(n)) one_crossing((s - 1L) %% 10L + 1L)
+}
 loop <- if (mode == "py") function(n) do.call(py$py_loop, c(twin, list(as.integer(n)))) else r_loop
 loop(50L)
 counted(mode, loop, n)
 
-if (!mode %in% c("py", "bare") && Sys.getenv("LINES", "1") == "1") {
+if (!mode %in% c("py", "bare", "one") && Sys.getenv("LINES", "1") == "1") {
   x <- data[[1]]
   y <- targets[[1]]
   output <- net(x)

@@ -92,22 +92,34 @@ def py_loop(net, loss_fn, opt, scaler, data, targets, n):
 ", convert = FALSE)
 twin <- list(net_py, loss_py, opt_py, scaler$py, reticulate::r_to_py(data), reticulate::r_to_py(targets))
 
+# CPU us per step, and the wall-clock us a step spends inside Python's calls (the compiled
+# crossing's own clock, crossing_status(); for "python", all of it): cpu - in_python is the
+# R side (R's interpreter, the package's R code, the crossing's C code around each call).
 cpu_us <- function(f, n) {
   for (s in 1:100) f((s - 1L) %% 10L + 1L)
+  ampkit:::crossing_status(reset = TRUE)
   t <- system.time(for (s in seq_len(n)) f((s - 1L) %% 10L + 1L))
-  (t[["user.self"]] + t[["sys.self"]]) / n * 1e6
+  c((t[["user.self"]] + t[["sys.self"]]) / n * 1e6, ampkit:::crossing_status()$seconds_in_python / n * 1e6)
 }
 loops <- list(step = step, bare = bare_step, one_crossing = one_crossing, bare_region = bare_region,
               bare_modules = bare_modules, bare_backward = bare_backward,
               bare_step_update = bare_step_update, bare_zero_grad = bare_zero_grad)
 res <- list()
+inside <- list()
 for (r in seq_len(rounds)) {
-  for (name in names(loops)) res[[name]] <- c(res[[name]], cpu_us(loops[[name]], steps))
+  for (name in names(loops)) {
+    m <- cpu_us(loops[[name]], steps)
+    res[[name]] <- c(res[[name]], m[[1]])
+    inside[[name]] <- c(inside[[name]], m[[2]])
+  }
   res$python <- c(res$python, reticulate::py_to_r(do.call(py$py_loop, c(twin, list(as.integer(steps))))))
+  inside$python <- res$python
 }
 tab <- data.frame(loop = names(res), median = round(vapply(res, stats::median, 0), 1),
                   min = round(vapply(res, min, 0), 1))
 tab$min_vs_python <- round(tab$min / min(res$python), 2)
-cat(sprintf("CPU us per step (median and min of %d rounds of %d steps, torch on one thread). ampkit %s, reticulate %s\n",
+tab$in_python <- round(vapply(inside, stats::median, 0), 1)
+tab$r_side <- round(vapply(names(res), function(k) stats::median(res[[k]] - inside[[k]]), 0), 1)
+cat(sprintf("CPU us per step (median and min of %d rounds of %d steps, torch on one thread; in_python, r_side: medians). ampkit %s, reticulate %s\n",
             rounds, steps, utils::packageVersion("ampkit"), utils::packageVersion("reticulate")))
 print(tab, row.names = FALSE)

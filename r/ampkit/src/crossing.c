@@ -160,17 +160,21 @@ static int plain_ascii(SEXP s) {
  * anything carrying one in its `py_object` attribute), NULL, a length-one logical,
  * integer, double or ASCII string without attributes and not NA, or a list without
  * attributes of such values but lists (a Python list). Checked for all arguments before
- * the GIL is taken. */
-static int convertible_in(SEXP x, int depth) {
+ * the GIL is taken; `obj` (unless NULL) receives the Python object of a top-level one. */
+static int convertible_in(SEXP x, int depth, PyObject **obj) {
   switch (TYPEOF(x)) {
   case VECSXP:
     if (ATTRIB(x) != R_NilValue) break;  /* a carrier: list() with `py_object` */
     if (depth > 0) return 0;
     for (R_xlen_t i = 0; i < XLENGTH(x); i++)
-      if (!convertible_in(VECTOR_ELT(x, i), depth + 1)) return 0;
+      if (!convertible_in(VECTOR_ELT(x, i), depth + 1, NULL)) return 0;
     return 1;
   case NILSXP: return 1;
-  case ENVSXP: return OBJECT(x) && env_object(x, NULL) != NULL;
+  case ENVSXP: {
+    PyObject *o = OBJECT(x) ? env_object(x, NULL) : NULL;
+    if (obj != NULL) *obj = o;
+    return o != NULL;
+  }
   case LGLSXP:
     return ATTRIB(x) == R_NilValue && XLENGTH(x) == 1 && LOGICAL(x)[0] != NA_LOGICAL;
   case INTSXP:
@@ -183,20 +187,32 @@ static int convertible_in(SEXP x, int depth) {
     break;
   }
   SEXP o = Rf_getAttrib(x, sym_py_object);
-  return o != R_NilValue && env_object(o, NULL) != NULL;
+  PyObject *p = o != R_NilValue ? env_object(o, NULL) : NULL;
+  if (obj != NULL) *obj = p;
+  return p != NULL;
 }
 
-static int convertible(SEXP x) { return convertible_in(x, 0); }
+/* Whether `x` converts here; `*obj` receives its Python object when it is one (a
+ * reticulate object or a carrier), else NULL. */
+static int convertible(SEXP x, PyObject **obj) {
+  *obj = NULL;
+  return convertible_in(x, 0, obj);
+}
 
-/* A new reference, or NULL with a Python error (the GIL held); `x` passed convertible(). */
-static PyObject *to_python(SEXP x) {
+/* A new reference, or NULL with a Python error (the GIL held); `x` passed convertible(),
+ * which gave `obj`, its Python object if it is one (then taken as it is). */
+static PyObject *to_python(SEXP x, PyObject *obj) {
   PyObject *o;
+  if (obj != NULL) {
+    py.IncRef(obj);
+    return obj;
+  }
   switch (TYPEOF(x)) {
   case VECSXP:
     if (ATTRIB(x) != R_NilValue) break;
     o = py.List_New(XLENGTH(x));
     for (R_xlen_t i = 0; o != NULL && i < XLENGTH(x); i++) {
-      PyObject *a = to_python(VECTOR_ELT(x, i));
+      PyObject *a = to_python(VECTOR_ELT(x, i), NULL);
       if (a == NULL || py.List_SetItem(o, i, a) != 0) {  /* (steals `a`) */
         py.DecRef(o);
         o = NULL;
@@ -305,15 +321,18 @@ static SEXP wrap_result(PyObject *res, PyObject *cls, int at, int convert) {
 }
 
 static int add_arg(call_args *a, SEXP value, const char *name) {
-  if (!convertible(value)) return 0;
+  PyObject *obj;
+  if (!convertible(value, &obj)) return 0;
   if (name == NULL) {
     if (a->npos == MAX_ARGS) return 0;
+    a->pobj[a->npos] = obj;
     a->pos[a->npos++] = value;
   } else {
     if (a->nkw == MAX_ARGS || name[0] == '\0') return 0;
     for (const unsigned char *p = (const unsigned char *) name; *p; p++)
       if (*p > 127) return 0;
     a->kw[a->nkw] = value;
+    a->kobj[a->nkw] = obj;
     a->name[a->nkw++] = name;
   }
   return 1;
@@ -407,14 +426,14 @@ SEXP call_python(PyObject *before, PyObject *f, PyObject **first, int nfirst,
     else py.DecRef(first[i]);
   }
   for (int i = 0; built && i < a->npos; i++) {
-    PyObject *o = to_python(a->pos[i]);
+    PyObject *o = to_python(a->pos[i], a->pobj[i]);
     built = o != NULL && py.Tuple_SetItem(tuple, nfirst + i, o) == 0;
   }
   if (built && a->nkw) {
     dict = py.Dict_New();
     built = dict != NULL;
     for (int i = 0; built && i < a->nkw; i++) {
-      PyObject *o = to_python(a->kw[i]);
+      PyObject *o = to_python(a->kw[i], a->kobj[i]);
       built = o != NULL && py.Dict_SetItemString(dict, a->name[i], o) == 0;
       if (o != NULL) py.DecRef(o);
     }
@@ -502,10 +521,15 @@ SEXP callx(SEXP context, int mode, SEXP f, SEXP first, SEXP rest) {
   PyObject *fobj = crossing_ready ? env_object(f, &convert) : NULL;
   int ok = fobj != NULL && args_from_pairlist(&a, rest);
   if (ok && first != NULL) {  /* `first` before the others, with no pairlist made for it */
-    ok = a.npos < MAX_ARGS && convertible(first);
+    PyObject *obj;
+    ok = a.npos < MAX_ARGS && convertible(first, &obj);
     if (ok) {
-      for (int i = a.npos; i > 0; i--) a.pos[i] = a.pos[i - 1];
+      for (int i = a.npos; i > 0; i--) {
+        a.pos[i] = a.pos[i - 1];
+        a.pobj[i] = a.pobj[i - 1];
+      }
       a.pos[0] = first;
+      a.pobj[0] = obj;
       a.npos++;
     }
   }

@@ -46,11 +46,14 @@ extern pyapi py;
 extern int crossing_ready;
 extern SEXP sym_pyobj, sym_convert, sym_py_object;
 
-/* The arguments of one call, as R values: positional, then keywords by name. */
+/* The arguments of one call, as R values: positional, then keywords by name; with the
+ * Python object of each that is one (`pobj`, `kobj`; NULL for the others), read once
+ * when the argument is checked, not again when it is converted. */
 #define MAX_ARGS 32
 typedef struct {
   int npos, nkw;
   SEXP pos[MAX_ARGS], kw[MAX_ARGS];
+  PyObject *pobj[MAX_ARGS], *kobj[MAX_ARGS];
   const char *name[MAX_ARGS];
 } call_args;
 

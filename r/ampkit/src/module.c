@@ -82,9 +82,11 @@ static int dropped(SEXP x) { return x != R_NilValue && REFCNT(x) <= base; }
  * calls; a scan that finds nothing doubles the interval (up to every_max). */
 static SEXP take_dropped(void) {
   int scan_kept = 0, n = 0, any_kept = 0;
+  /* (the scans read the rings in place: VECTOR_ELT() is a call into R each time) */
+  const SEXP *ring_slot = (const SEXP *) DATAPTR_RO(ring), *kept_slot = (const SEXP *) DATAPTR_RO(kept);
   if (++calls >= every) {
     calls = 0;
-    for (int j = 0; j < kept_n && !any_kept; j++) any_kept = VECTOR_ELT(kept, j) != R_NilValue;
+    for (int j = 0; j < kept_n && !any_kept; j++) any_kept = kept_slot[j] != R_NilValue;
     scan_kept = any_kept;
   }
   if (base < 1) {
@@ -93,9 +95,9 @@ static SEXP take_dropped(void) {
   }
   int from_kept = 0;
   if (scan_kept)
-    for (int j = 0; j < kept_n; j++) from_kept += dropped(VECTOR_ELT(kept, j));
+    for (int j = 0; j < kept_n; j++) from_kept += dropped(kept_slot[j]);
   n = from_kept;
-  for (int k = 0; k < keep_n; k++) n += dropped(VECTOR_ELT(ring, k));
+  for (int k = 0; k < keep_n; k++) n += dropped(ring_slot[k]);
   if (scan_kept) set_every(from_kept ? every_min : (every_max < 2 * every ? every_max : 2 * every));
   if (n == 0) return R_NilValue;
   SEXP out = PROTECT(Rf_allocVector(VECSXP, n));

@@ -96,6 +96,7 @@ static SEXP leave(region *r, SEXP context) {
   a.npos = 1;
   a.nkw = 0;
   a.pos[0] = r->token;
+  a.pobj[0] = NULL;
   SEXP keep;
   PyObject *before = pending_update(&keep);
   PROTECT(keep);
