@@ -22,13 +22,7 @@ candidate got its precision:
                fp8 when  ref_ms / fp8_ms > min_speedup  and  error <= max_error
     policy     base + with_module(name, fp8=["linear"]) for each fp8 module; where the base
                already has ``linear`` in fp8, with_module(name, lower_precision_fp=["linear"])
-               for each module kept in the region dtype, unless most are kept: then, where
-               the base has no scopes and every call of its fp8 category in the capture ran
-               inside a candidate, ``linear`` moves to lower_precision_fp on the device and
-               only the fp8 modules (and any candidate never called, which keeps the base's
-               fp8) get a scope. The same decision for every call the capture saw, with fewer
-               scopes: each scope costs a compiled model guards on every call (~20 us each
-               on a 2-core CPU; 48 scopes made GPT-2-small 5% slower on an H100)
+               for each module kept in the region dtype
 
 The emulation (the CPU, CUDA below capability 8.9) dequantizes before a matmul in the
 region dtype, so it is never faster: there, ``auto`` keeps every module in the region dtype.
@@ -60,7 +54,6 @@ from ampkit._autocast import autocast
 from ampkit._module_policy import matches
 from ampkit._policy import Policy, load_policy
 from ampkit._rules import DTYPE_NAMES
-from ampkit._trace import trace
 
 OP = "linear"  # the op a candidate (torch.nn.Linear) calls; the fp8 category takes it
 CANDIDATE_TYPES = (torch.nn.Linear,)
@@ -187,12 +180,10 @@ def relative_error(got, want) -> float:
 
 def _capture(model, inputs, device, dtype, base):
     """{name: [input tensors of its calls]} for the candidates, from one forward in the base
-    policy's region (scopes applied), plus their modules in model order, and whether every
-    call the fp8 category took in that forward was a candidate's (its count of fp8 records
-    equals the candidates' calls)."""
+    policy's region (scopes applied), plus their modules in model order."""
     named = [(n, m) for n, m in model.named_modules() if n and isinstance(m, CANDIDATE_TYPES)]
     seen = {n: [] for n, _ in named}
-    handles, scopes, records = [], None, None
+    handles, scopes = [], None
     try:
         scopes = base.apply(model) if base.modules else None
         for n, m in named:
@@ -200,15 +191,14 @@ def _capture(model, inputs, device, dtype, base):
                 if args and isinstance(args[0], torch.Tensor):
                     seen[n].append(args[0].detach().clone())
             handles.append(m.register_forward_pre_hook(pre))
-        with torch.no_grad(), autocast(device, dtype=dtype, policy=base.without_modules()), trace() as records:
+        with torch.no_grad(), autocast(device, dtype=dtype, policy=base.without_modules()):
             model(*inputs)
     finally:
         for h in handles:
             h.remove()
         if scopes is not None:
             scopes.remove()
-    fp8_calls = sum(r.rule == "fp8" for r in records)
-    return named, seen, fp8_calls == sum(len(xs) for xs in seen.values())
+    return named, seen
 
 
 def _runner(module, xs, device, dtype, policy, backward):
@@ -294,7 +284,7 @@ def calibrate_fp8(model, example_inputs, *, policy="torch_default", device_type=
     base, ref_policy, fp8_policy = _region_policies(load_policy(policy), device, recipe)
     dtype = base.rules(device).lower_precision_dtype if dtype is None else dtype
     ref = DTYPE_NAMES.get(dtype, str(dtype))
-    named, seen, all_inside = _capture(model, inputs, device, dtype, base)
+    named, seen = _capture(model, inputs, device, dtype, base)
     if not named:
         raise ValueError(f"calibrate_fp8: the {type(model).__name__} has no torch.nn.Linear, the "
                          "modules fp8 can take; nothing to calibrate (use the policy as it is)")
@@ -332,15 +322,6 @@ def calibrate_fp8(model, example_inputs, *, policy="torch_default", device_type=
     result = base.with_name(f"{base.name}_fp8_auto", f"{base.name}, with fp8 where ampkit.calibrate_fp8 found "
                             f"it faster than {ref} and within max_error {max_error:g} on {device}")
     base_fp8 = base.category(device, OP) == "fp8"
-    kept = sum(not chosen for _, chosen in moves)
-    if base_fp8 and not base.modules and all_inside and kept > len(moves) - kept:
-        # the same decisions with fewer scopes: linear in the region dtype on the device,
-        # a scope for each fp8 module and for each candidate the capture never called
-        result = result.with_ops(device, lower_precision_fp=[OP])
-        uncalled = [name for name, _ in named if not seen[name]]
-        for name in [n for n, chosen in moves if chosen] + uncalled:
-            result = result.with_module(name, fp8=[OP])
-        return Fp8Calibration(result, tuple(report))
     for name, chosen in moves:
         if chosen and not base_fp8:
             result = result.with_module(name, fp8=[OP])

@@ -21,7 +21,6 @@ torch.float32
 
 from __future__ import annotations
 
-import itertools
 import threading
 
 import torch
@@ -32,26 +31,16 @@ from ampkit._region import Region, check_policy_args
 
 
 class _ThreadState(threading.local):
-    """This thread's scope chain and, per entered scope, the devices autocast was on for and
-    (module, the regions its pre-hook entered), which its post-hook exits. All exist from a
-    thread's first look, so that the first forward and the next read the same attributes (a
-    compiled model guards on what its hooks read: no recompile). The regions are kept here,
-    not in a list each scope's pre- and post-hook share: a compiled model guards that two
-    hooks share an object with a check in Python, which, one per scope, cost ~20 us each per
-    call (49 scopes: ~1 ms a step, guards evaluated on every call)."""
+    """This thread's scope chain and, per entered scope, the devices autocast was on for.
+    Both exist from a thread's first look, so that the first forward and the next read the
+    same attributes (a compiled model guards on what its hooks read: no recompile)."""
 
     def __init__(self):
         self.chain = []
         self.devs = []
-        self.entered = []
 
 
 _tls = _ThreadState()
-# The installed ModuleScopes by token: a hook's closure holds its owner's token and its
-# target's index (numbers), not the owner or the scope, which several hooks would share; a
-# compiled model guards that hooks share an object with a check in Python per pair.
-_OWNERS = {}
-_tokens = itertools.count()
 _is_compiling = torch.compiler.is_compiling
 
 
@@ -113,18 +102,16 @@ class ModuleScopes:
     def install(self):
         if self._handles:
             return self
-        self._token = next(_tokens)
-        _OWNERS[self._token] = self
-        for i, (name, mod, scope) in enumerate(self.targets):
-            self._handles.append(mod.register_forward_pre_hook(_pre_hook(self._token, i), with_kwargs=True))
-            self._handles.append(mod.register_forward_hook(_post, always_call=True))
+        for name, mod, scope in self.targets:
+            stack = []
+            self._handles.append(mod.register_forward_pre_hook(self._pre(scope, stack), with_kwargs=True))
+            self._handles.append(mod.register_forward_hook(self._post(stack), always_call=True))
         return self
 
     def remove(self):
         for h in self._handles:
             h.remove()
         self._handles = []
-        _OWNERS.pop(getattr(self, "_token", None), None)
 
     def __enter__(self):
         return self.install()
@@ -146,72 +133,65 @@ class ModuleScopes:
             self._cache[key] = pol
         return pol
 
-    def _pre(self, scope, module, args, kwargs):
-        """The scope's entry: push it on the chain, enter its regions (see _ThreadState)."""
-        # the devices autocast is on for, with their dtype; inside a pinned scope the
-        # enclosing scope's devices (autocast is off there, but an inner scope may turn it on)
-        devs = {d: torch.get_autocast_dtype(d) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)}
-        outer = _tls.devs
-        outer_pinned = False
-        if outer:
-            outer_pinned = any(d not in devs for d in outer[-1])
-            devs = {**outer[-1], **devs}
-        chain = _chain()
-        chain.append(scope)
-        # traced (no graph break): the chain's policy built before the trace (its id() keys
-        # the traced table) and torch's autocast state unchanged (enabled, the enclosing
-        # dtype); else the eager Region (a graph break in traced code): a chain the model's
-        # nesting did not predict, a pin, or a scope inside a pin
-        traced = _is_compiling() and scope.pin is None and not outer_pinned \
-            and tuple(s.pattern for s in chain) in self._cache
-        regions = []
-        try:
-            if devs:
-                pol = self._policy_for(chain)
-                enabled = scope.pin is None
-                for d, dt in devs.items():
-                    dt = check_policy_args(d, dt, enabled, None, pol)[0]
-                    if traced:  # the eager Region compiles tables: code dynamo cannot trace
-                        regions.extend(enter_traced(d, dt, enabled, pol))
-                    else:
-                        r = Region(d, dt, enabled, None, pol)
-                        r.__enter__()
-                        regions.append(r)
-        except BaseException:
-            for r in reversed(regions):
+    def _pre(self, scope, stack):
+        def pre(module, args, kwargs):
+            # the devices autocast is on for, with their dtype; inside a pinned scope the
+            # enclosing scope's devices (autocast is off there, but an inner scope may turn it on)
+            devs = {d: torch.get_autocast_dtype(d) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)}
+            outer = _tls.devs
+            outer_pinned = False
+            if outer:
+                outer_pinned = any(d not in devs for d in outer[-1])
+                devs = {**outer[-1], **devs}
+            chain = _chain()
+            chain.append(scope)
+            # traced (no graph break): the chain's policy built before the trace (its id() keys
+            # the traced table) and torch's autocast state unchanged (enabled, the enclosing
+            # dtype); else the eager Region (a graph break in traced code): a chain the model's
+            # nesting did not predict, a pin, or a scope inside a pin
+            traced = _is_compiling() and scope.pin is None and not outer_pinned \
+                and tuple(s.pattern for s in chain) in self._cache
+            regions = []
+            try:
+                if devs:
+                    pol = self._policy_for(chain)
+                    enabled = scope.pin is None
+                    for d, dt in devs.items():
+                        dt = check_policy_args(d, dt, enabled, None, pol)[0]
+                        if traced:  # the eager Region compiles tables: code dynamo cannot trace
+                            regions.extend(enter_traced(d, dt, enabled, pol))
+                        else:
+                            r = Region(d, dt, enabled, None, pol)
+                            r.__enter__()
+                            regions.append(r)
+            except BaseException:
+                for r in reversed(regions):
+                    r.__exit__(None, None, None)
+                chain.pop()
+                raise
+            _tls.devs.append(devs)
+            stack.append(regions)
+            if scope.pin and devs:
+                return _to_fp32(tuple(args), devs), {k: _to_fp32(v, devs) for k, v in kwargs.items()}
+            return None
+
+        return pre
+
+    def _post(self, stack):
+        def post(module, args, output):
+            if not stack:  # the pre-hook raised before it pushed
+                return None
+            for r in reversed(stack.pop()):
                 r.__exit__(None, None, None)
+            chain = _chain()
             chain.pop()
-            raise
-        _tls.devs.append(devs)
-        _tls.entered.append((module, regions))
-        if scope.pin and devs:
-            return _to_fp32(tuple(args), devs), {k: _to_fp32(v, devs) for k, v in kwargs.items()}
-        return None
+            devs = _tls.devs.pop()
+            if chain and chain[-1].pin and devs:  # back into a pinned module: float32 again
+                return _to_fp32(output, devs)
+            return None
+
+        return post
 
     def __repr__(self):
         state = "installed" if self._handles else "removed"
         return f"<ampkit module scopes of {self.policy.name!r} on {len(self.targets)} modules, {state}>"
-
-
-def _pre_hook(token, index):
-    """The pre-hook of target ``index`` of the ModuleScopes installed as ``token``."""
-    def pre(module, args, kwargs):
-        owner = _OWNERS[token]
-        return owner._pre(owner.targets[index][2], module, args, kwargs)
-
-    return pre
-
-
-def _post(module, args, output):
-    """Every scope's post-hook: exits the regions its pre-hook entered."""
-    entered = _tls.entered
-    if not entered or entered[-1][0] is not module:  # the pre-hook raised before it pushed
-        return None
-    for r in reversed(entered.pop()[1]):
-        r.__exit__(None, None, None)
-    chain = _chain()
-    chain.pop()
-    devs = _tls.devs.pop()
-    if chain and chain[-1].pin and devs:  # back into a pinned module: float32 again
-        return _to_fp32(output, devs)
-    return None

@@ -198,20 +198,3 @@ def test_a_region_refuses_a_policy_with_module_scopes_and_names_the_remedy():
     with ampkit.autocast("cpu", policy=p.without_modules()):
         assert torch.is_autocast_enabled("cpu")
     assert not torch.is_autocast_enabled("cpu")
-
-
-def test_scope_hooks_share_no_object_a_compiled_model_would_guard_in_python():
-    """A compiled model checks, on every call, that two of its hooks that share an object
-    still share it, with a guard evaluated in Python (~20 us each on a 2-core CPU). The
-    hooks of policy.apply() hold numbers only (their owner's token, the target's index) and
-    the post-hook is one function: no object is reachable from two hooks' closures."""
-    import torch
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
-    policy = ampkit.load_policy("torch_default")
-    for name in ("0", "1", "2"):
-        policy = policy.with_module(name, lower_precision_fp=["linear"])
-    with policy.apply(model):
-        hooks = [h for m in model for d in (m._forward_pre_hooks, m._forward_hooks) for h in d.values()]
-        assert len(hooks) == 6
-        held = [c.cell_contents for h in hooks for c in (h.__closure__ or ())]
-        assert held and all(type(v) is int for v in held), held
