@@ -79,8 +79,9 @@ torch_autocast <- torch$autocast
 torch_dtype <- function(name) reticulate::py_get_attr(torch, name)
 
 # The training step of a variant, written as an R user writes it (the seeds' R walkthrough).
-# `policy`: the ampkit region's cast policy, by name (NULL: the default); an fp8 variant's
-# is the one setup_fp8 installed on the model (build_run).
+# `policy`: the ampkit region's cast policy (NULL: the default); an fp8 variant's is the
+# tables of the one setup_fp8 installed on the model, a Python Policy, which with_autocast()
+# takes as it is (build_run).
 make_step <- function(v, built, model, opt, scaler, policy = NULL) {
   loss_fn <- py_to_r(built$loss_fn)
   zero_grad <- opt$zero_grad
@@ -193,8 +194,9 @@ scale_of <- function(scaler) {
 # A variant's model, optimizer, scaler and step, the model and optimizer as an R user holds
 # them (py_to_r: callable, converting), and the case's batches as an R list.
 # An fp8 variant's policy is installed first, by the Python runner's code (setup_fp8: its
-# module scopes on the model, auto's calibration at the first batch), and its region names
-# it by name; `fp8` (the installed policy, whose scopes close() removes) and `skip` (why a
+# module scopes on the model, auto's calibration at the first batch), and its region takes
+# that policy's own tables (`region_policy`: auto's may differ from the shipped fp8's);
+# `fp8` (the installed policy, whose scopes close() removes) and `skip` (why a
 # model has nothing to measure, as the Python runner says) come back with the rest.
 build_run <- function(built, v) {
   model <- py_to_r(built$new_model())

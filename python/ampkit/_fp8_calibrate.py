@@ -22,7 +22,19 @@ candidate got its precision:
                fp8 when  ref_ms / fp8_ms > min_speedup  and  error <= max_error
     policy     base + with_module(name, fp8=["linear"]) for each fp8 module; where the base
                already has ``linear`` in fp8, with_module(name, lower_precision_fp=["linear"])
-               for each module kept in the region dtype
+               for each module kept in the region dtype, unless the form below has fewer
+               scopes and decides every call the same:
+    fewer      where the base has ``linear`` in fp8 on each of its devices, each of its scopes
+    scopes     decides ``linear`` itself (a pin, or ``linear`` among its ops), and every call
+               of the fp8 category in the capture ran inside an unscoped candidate (ampkit.trace
+               records), ``linear`` moves to lower_precision_fp on every device and a scope
+               ``fp8: [linear]`` goes on each fp8 module and each unscoped candidate the capture
+               never called (it keeps the base's fp8); the base's scopes stay. Each scope costs
+               a compiled model guards on every call (GPT-2-small, 48 scopes: ~1 ms a step on a
+               2-core CPU, host-bound on an H100); a call outside the candidates (a functional
+               linear) would leave fp8 with the move, so there the form above stays.
+               The result's device tables may then differ from the base's: run its region with
+               ``policy.without_modules()``, the tables its scopes start from
 
 The emulation (the CPU, CUDA below capability 8.9) dequantizes before a matmul in the
 region dtype, so it is never faster: there, ``auto`` keeps every module in the region dtype.
@@ -54,6 +66,7 @@ from ampkit._autocast import autocast
 from ampkit._module_policy import matches
 from ampkit._policy import Policy, load_policy
 from ampkit._rules import DTYPE_NAMES
+from ampkit._trace import trace
 
 OP = "linear"  # the op a candidate (torch.nn.Linear) calls; the fp8 category takes it
 CANDIDATE_TYPES = (torch.nn.Linear,)
@@ -178,11 +191,21 @@ def relative_error(got, want) -> float:
     return float(num / den)
 
 
+def _scopes_over(base, name) -> list:
+    """The patterns of the base policy's scopes that match module ``name`` or one around it."""
+    prefixes = [".".join(name.split(".")[:i + 1]) for i in range(name.count(".") + 1)]
+    return [s.pattern for s in base.modules if any(matches(s.pattern, p) for p in prefixes)]
+
+
 def _capture(model, inputs, device, dtype, base):
     """{name: [input tensors of its calls]} for the candidates, from one forward in the base
-    policy's region (scopes applied), plus their modules in model order."""
+    policy's region (scopes applied), plus their modules in model order, and whether every
+    call of the fp8 category in that forward ran inside an unscoped candidate (its ampkit.trace
+    record falls between the candidate's pre- and post-hook)."""
     named = [(n, m) for n, m in model.named_modules() if n and isinstance(m, CANDIDATE_TYPES)]
     seen = {n: [] for n, _ in named}
+    records = []  # the trace's records, once it is entered
+    inside, starts = set(), []  # indices of the records made inside unscoped candidates
     handles, scopes = [], None
     try:
         scopes = base.apply(model) if base.modules else None
@@ -190,15 +213,25 @@ def _capture(model, inputs, device, dtype, base):
             def pre(module, args, n=n):
                 if args and isinstance(args[0], torch.Tensor):
                     seen[n].append(args[0].detach().clone())
+                starts.append(len(records))
             handles.append(m.register_forward_pre_hook(pre))
-        with torch.no_grad(), autocast(device, dtype=dtype, policy=base.without_modules()):
+            if not _scopes_over(base, n):
+                def post(module, args, out):
+                    inside.update(range(starts.pop(), len(records)))
+            else:
+                def post(module, args, out):
+                    starts.pop()
+            handles.append(m.register_forward_hook(post, always_call=True))
+        with torch.no_grad(), autocast(device, dtype=dtype, policy=base.without_modules()), trace() as tr:
+            records = tr.records
             model(*inputs)
     finally:
         for h in handles:
             h.remove()
         if scopes is not None:
             scopes.remove()
-    return named, seen
+    fp8_inside = all(i in inside for i, r in enumerate(records) if r.rule == "fp8")
+    return named, seen, fp8_inside
 
 
 def _runner(module, xs, device, dtype, policy, backward):
@@ -284,7 +317,7 @@ def calibrate_fp8(model, example_inputs, *, policy="torch_default", device_type=
     base, ref_policy, fp8_policy = _region_policies(load_policy(policy), device, recipe)
     dtype = base.rules(device).lower_precision_dtype if dtype is None else dtype
     ref = DTYPE_NAMES.get(dtype, str(dtype))
-    named, seen = _capture(model, inputs, device, dtype, base)
+    named, seen, fp8_inside = _capture(model, inputs, device, dtype, base)
     if not named:
         raise ValueError(f"calibrate_fp8: the {type(model).__name__} has no torch.nn.Linear, the "
                          "modules fp8 can take; nothing to calibrate (use the policy as it is)")
@@ -298,8 +331,7 @@ def calibrate_fp8(model, example_inputs, *, policy="torch_default", device_type=
     for name, module in named:
         xs = seen[name]
         shapes = tuple(tuple(x.shape) for x in xs)
-        scoped = [s.pattern for s in base.modules
-                  if any(matches(s.pattern, ".".join(name.split(".")[:i + 1])) for i in range(name.count(".") + 1))]
+        scoped = _scopes_over(base, name)
         if scoped or not xs:
             why = (f"the policy's scope {scoped[0]!r} decides here" if scoped else
                    "not called by model(*example_inputs)")
@@ -322,9 +354,34 @@ def calibrate_fp8(model, example_inputs, *, policy="torch_default", device_type=
     result = base.with_name(f"{base.name}_fp8_auto", f"{base.name}, with fp8 where ampkit.calibrate_fp8 found "
                             f"it faster than {ref} and within max_error {max_error:g} on {device}")
     base_fp8 = base.category(device, OP) == "fp8"
+    if base_fp8 and fp8_inside:
+        fewer = _fewer_scopes(result, base, named, seen, moves)
+        if fewer is not None:
+            return Fp8Calibration(fewer, tuple(report))
     for name, chosen in moves:
         if chosen and not base_fp8:
             result = result.with_module(name, fp8=[OP])
         elif not chosen and base_fp8:
             result = result.with_module(name, lower_precision_fp=[OP])
     return Fp8Calibration(result, tuple(report))
+
+
+def _fewer_scopes(result, base, named, seen, moves):
+    """The result with ``linear`` in lower_precision_fp on every device and a scope ``fp8:
+    [linear]`` on each fp8 module and each unscoped candidate never called, where that decides
+    every call as base + one lower_precision_fp scope per kept module does and has fewer scopes
+    (this module's docstring, "fewer scopes"); else None. The caller has checked that every
+    call of the fp8 category in the capture ran inside an unscoped candidate."""
+    if any(base.category(d, OP) != "fp8" for d in base.device_types()):
+        return None  # a device where linear is not in fp8: a scope fp8: [linear] would change it
+    if any(s.pin is None and s.category(OP) is None for s in base.modules):
+        return None  # a scope that leaves linear to the device tables, which change here
+    uncalled = [n for n, _ in named if not seen[n] and not _scopes_over(base, n)]
+    fp8 = [n for n, chosen in moves if chosen] + uncalled
+    kept = [n for n, chosen in moves if not chosen]
+    if len(fp8) >= len(kept):
+        return None
+    result = result.with_ops(lower_precision_fp=[OP])
+    for name in fp8:
+        result = result.with_module(name, fp8=[OP])
+    return result

@@ -141,7 +141,7 @@ def test_r_times_the_eager_step_against_its_control_step_by_step(both):
 @pytest.mark.parametrize("variant", ["ampkit_fp8", "ampkit_fp8_auto"])
 def test_r_trains_an_fp8_variant_as_python_does(tmp_path, variant):
     """run.R's own build and step for the fp8 variant (uncompiled, on the CPU: the emulation,
-    auto's calibration), the policy named by name in with_autocast(): the same losses, bit
+    auto's calibration), the region taking the policy's own tables: the same losses, bit
     for bit, as the Python runner's, and the same note."""
     out = tmp_path / "losses.txt"
     p = subprocess.run(["Rscript", str(REPO / "tests" / "python" / "r_fp8_losses.R"), "transformer", variant,

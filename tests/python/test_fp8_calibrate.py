@@ -132,16 +132,131 @@ def test_the_policy_round_trips_through_yaml_and_runs_fp8_exactly_in_the_chosen_
     assert [(r.rule, r.scope) for r in rows] == [("fp8", "0"), ("fp8", "2"), ("lower_precision_fp", "")]
 
 
-def test_a_base_policy_with_linear_in_fp8_keeps_the_rejected_modules_out():
+def per_kept_module(base, result):
+    """The oracle policy: the base plus a scope ``lower_precision_fp: [linear]`` on each module
+    the report kept in the region dtype (the form calibrate_fp8 gives a base with linear in fp8
+    when most modules get fp8)."""
+    for r in result.report:
+        if r.precision not in ("fp8", "(policy)"):
+            base = base.with_module(r.module, lower_precision_fp=["linear"])
+    return base
+
+
+def run_traced(policy, model, x, extra=None):
+    """Forward and backward under the policy (its scopes on the model, its region its own
+    tables): the output, the parameters' gradients and (op, rule, output dtype) per call;
+    ``extra``: a module name also called on the output (one the forward never calls)."""
+    model.zero_grad(set_to_none=True)
+    with policy.apply(model), ampkit.trace() as tr, ampkit.autocast("cpu", policy=policy.without_modules()):
+        y = model(x)
+        if extra is not None:
+            y = model.get_submodule(extra)(y.float())
+    y.float().square().sum().backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    return y, grads, [(r.op, r.rule, r.output_dtype) for r in tr.records]
+
+
+def assert_decides_as(policy, oracle, model, x, extra=None):
+    y, grads, rows = run_traced(policy, model, x, extra)
+    want, want_grads, want_rows = run_traced(oracle, model, x, extra)
+    assert rows == want_rows
+    assert y.dtype == want.dtype and torch.equal(y, want)
+    assert len(grads) == len(want_grads) and all(torch.equal(g, w) for g, w in zip(grads, want_grads))
+    return rows
+
+
+def test_a_base_with_linear_in_fp8_keeping_most_modules_moves_linear_out_and_scopes_the_fp8_ones():
+    """Most modules kept: linear leaves the fp8 category on every device and only the fp8
+    module gets a scope; each call decides as the one-scope-per-kept-module policy, with the
+    same output and gradients bit for bit."""
     model = make_model()
-    result = ampkit.calibrate_fp8(model, X, policy="fp8", timer=timer_where_fp8_is_faster_in({"2"}))
+    base = ampkit.load_policy("fp8")
+    result = ampkit.calibrate_fp8(model, X, policy=base, timer=timer_where_fp8_is_faster_in({"2"}))
     assert [r.precision for r in result.report] == ["bfloat16", "fp8", "bfloat16"]
-    assert [(m.pattern, m.ops) for m in result.policy.modules] == [
-        ("0", (("linear", "lower_precision_fp"),)), ("4", (("linear", "lower_precision_fp"),))]
-    with result.policy.apply(model), ampkit.trace() as tr, \
-            ampkit.autocast("cpu", policy=result.policy.without_modules()):
-        model(X)
-    assert [r.rule for r in tr.records if r.op == "linear"] == ["lower_precision_fp", "fp8", "lower_precision_fp"]
+    assert [(m.pattern, m.ops) for m in result.policy.modules] == [("2", (("linear", "fp8"),))]
+    assert [result.policy.category(d, "linear") for d in ("cpu", "cuda")] == ["lower_precision_fp"] * 2
+    oracle = per_kept_module(base, result)
+    assert [m.pattern for m in oracle.modules] == ["0", "4"]
+    rows = assert_decides_as(result.policy, oracle, model, X)
+    assert [rule for op, rule, _ in rows if op == "linear"] == ["lower_precision_fp", "fp8", "lower_precision_fp"]
+
+
+class WithSpare(torch.nn.Module):
+    """make_model()'s layers, a Linear the forward never calls (``spare``) and one the base
+    policy scopes (``head``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = make_model()
+        self.head = torch.nn.Linear(16, 16)
+        self.spare = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+@pytest.mark.parametrize("head_scope", [{"lower_precision_fp": ["linear"]}, {"pin": "float32"}])
+def test_the_base_scopes_stay_and_a_candidate_never_called_keeps_the_base_fp8(head_scope):
+    """None in fp8: the base's scope on the head stays (it decides linear itself), the spare
+    Linear, never called while calibrating, gets a scope keeping the base's fp8, and every
+    call (the spare's too, called after the forward) decides as the oracle policy."""
+    torch.manual_seed(0)
+    model = WithSpare()
+    base = ampkit.load_policy("fp8").with_module("head", **head_scope)
+    result = ampkit.calibrate_fp8(model, X, policy=base, timer=timer_where_fp8_is_faster_in(set()))
+    assert [(r.module, r.precision) for r in result.report] == [
+        ("body.0", "bfloat16"), ("body.2", "bfloat16"), ("body.4", "bfloat16"), ("head", "(policy)"),
+        ("spare", "(policy)")]
+    assert [m.pattern for m in result.policy.modules] == ["head", "spare"]
+    assert result.policy.modules[0] == base.modules[0] and result.policy.modules[1].ops == (("linear", "fp8"),)
+    rows = assert_decides_as(result.policy, per_kept_module(base, result), model, X, extra="spare")
+    linear = [rule for op, rule, _ in rows if op == "linear"]
+    assert linear[:3] == ["lower_precision_fp"] * 3 and linear[-1] == "fp8"
+
+
+class FunctionalHead(torch.nn.Module):
+    """A Linear and a functional linear outside any Linear module (not a candidate)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(32, 16)
+        self.w = torch.nn.Parameter(torch.randn(8, 16))
+
+    def forward(self, x):
+        return F.linear(self.lin(x), self.w)
+
+
+def _functional():
+    torch.manual_seed(0)
+    return FunctionalHead(), ampkit.load_policy("fp8"), set()
+
+
+def _scope_leaving_linear_to_the_tables():
+    return make_model(), ampkit.load_policy("fp8").with_module("3", fp32=["mul"]), set()
+
+
+def _a_device_without_linear_in_fp8():
+    return make_model(), ampkit.load_policy("fp8").with_ops("cuda", lower_precision_fp=["linear"]), set()
+
+
+def _most_in_fp8():
+    return make_model(), ampkit.load_policy("fp8"), {"0", "2"}
+
+
+@pytest.mark.parametrize("make", [_functional, _scope_leaving_linear_to_the_tables, _a_device_without_linear_in_fp8,
+                                  _most_in_fp8], ids=lambda f: f.__name__.strip("_"))
+def test_where_the_move_would_change_a_decision_or_save_no_scope_each_kept_module_gets_a_scope(make):
+    """A functional linear outside the candidates (the base's fp8 must still decide it), a
+    base scope that leaves linear to the device tables, a device whose linear is not in fp8,
+    and more modules in fp8 than kept: the one-scope-per-kept-module form, unchanged."""
+    model, base, fast = make()
+    result = ampkit.calibrate_fp8(model, X, policy=base, timer=timer_where_fp8_is_faster_in(fast))
+    oracle = per_kept_module(base, result)
+    assert result.policy.modules == oracle.modules and result.policy.devices == base.devices
+    assert any(m.ops == (("linear", "lower_precision_fp"),) for m in result.policy.modules)
+    rows = assert_decides_as(result.policy, oracle, model, X)
+    if make is _functional:
+        assert [rule for op, rule, _ in rows if op == "linear"] == ["lower_precision_fp", "fp8"]
 
 
 def test_a_delayed_recipe_is_measured_once_its_history_holds_the_input():
@@ -160,7 +275,7 @@ def test_the_model_is_left_as_it_was():
     before = [p.detach().clone() for p in model.parameters()]
     ampkit.calibrate_fp8(model, X, timer=timer_where_fp8_is_faster_in({"0"}))
     assert all(torch.equal(p, q) and p.grad is None for p, q in zip(model.parameters(), before))
-    assert not model._forward_pre_hooks and not model[0]._forward_pre_hooks
+    assert not model._forward_pre_hooks and not model[0]._forward_pre_hooks and not model[0]._forward_hooks
 
 
 def test_modules_the_base_policy_scopes_are_left_to_it():

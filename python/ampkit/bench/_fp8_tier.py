@@ -10,13 +10,18 @@ per run, before the model is compiled and its optimizer built:
     scopes   the base policy: the shipped "fp8" with a module scope keeping in the region
              dtype (``lower_precision_fp: [linear]``) the layers torchao's rival leaves out
              (``float8_layers``): the head (the model's last nn.Linear) and those whose
-             dimensions are not multiples of 16 (fp8 GEMMs need them); auto adds one scope
-             per module that calibration kept in the region dtype
+             dimensions are not multiples of 16 (fp8 GEMMs need them); auto's is what
+             ``calibrate_fp8`` returns over it: one scope per module kept in the region
+             dtype or, where most are kept, ``linear`` moved out of fp8 in the device tables
+             and one scope per fp8 module (fewer scopes, each costing a compiled model
+             guards on every call)
     install  ``policy.apply(model)``: the scopes as hooks on the matched modules (kept for
              the run's life: ``Fp8Setup.scopes``)
-    region   the autocast region's policy is the scopes' tables, the shipped policy, which
-             both runners name by name: ``ampkit.autocast(device, dtype, policy="fp8")``,
-             R's ``with_autocast(..., policy = "fp8")``
+    region   the autocast region's policy is the scopes' tables, ``policy.without_modules()``
+             (``Fp8Setup.region_policy``, a Policy): the shipped fp8 tables for ``policy``,
+             auto's own for ``auto``; both runners pass that object,
+             ``ampkit.autocast(device, dtype, policy=setup.region_policy)``, R's
+             ``with_autocast(..., policy = setup$region_policy)``
 
 Timing: fp8 matmuls run on CUDA at capability 8.9 or more (``fp8_reason``); elsewhere ampkit
 runs its emulation, which quantizes exactly as the ``_scaled_mm`` path (the same fp8 codes
@@ -26,11 +31,11 @@ definition's quantized operands) but then multiplies in the region dtype: never 
 so its time means nothing. The semantics (losses: the fidelity harness) may use it:
 ``numerics_stand_in``.
 
->>> import torch
+>>> import torch, ampkit
 >>> model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
 >>> setup = setup_fp8("policy", model, None, "cpu")
->>> setup.region_policy, [m.pattern for m in setup.policy.modules]
-('fp8', ['2'])
+>>> setup.region_policy == ampkit.load_policy("fp8"), [m.pattern for m in setup.policy.modules]
+(True, ['2'])
 >>> setup.scopes.remove()
 """
 
@@ -44,7 +49,7 @@ import torch
 from ampkit.bench._float8 import float8_layers
 
 KINDS = ("policy", "auto")
-REGION_POLICY = "fp8"  # the shipped policy, named by name from both languages
+BASE_POLICY = "fp8"  # the shipped policy the base starts from
 MIN_CAPABILITY = (8, 9)  # torch._scaled_mm's float8 GEMMs (Ada, Hopper and later)
 
 
@@ -89,13 +94,13 @@ def emulation_note(device: str):
 @dataclasses.dataclass
 class Fp8Setup:
     """An fp8 variant's policy installed on a model: ``policy`` (its scopes, a value to read
-    or keep as YAML), ``scopes`` (the installed hooks' handle), ``region_policy`` (the name the
-    autocast region takes), ``note`` (for the record), ``calibrate_s`` (auto: seconds the
+    or keep as YAML), ``scopes`` (the installed hooks' handle), ``region_policy`` (the Policy
+    the autocast region takes: ``policy.without_modules()``), ``note`` (for the record), ``calibrate_s`` (auto: seconds the
     calibration took, inside the build; else None)."""
 
     policy: object
     scopes: object
-    region_policy: str
+    region_policy: object
     note: str
     calibrate_s: float | None = None
 
@@ -107,7 +112,7 @@ def base_policy(model: torch.nn.Module, device: str):
     chosen, left = float8_layers(model)
     if not chosen:
         return None
-    policy = ampkit.load_policy(REGION_POLICY)
+    policy = ampkit.load_policy(BASE_POLICY)
     for name in [left["head"]] + left["not multiples of 16"]:
         policy = policy.with_module(name, lower_precision_fp=["linear"])
     return policy
@@ -124,7 +129,7 @@ def setup_fp8(kind: str, model: torch.nn.Module, example_inputs, device: str, dt
         return None
     kept = len(policy.modules)
     note = "ampkit fp8 (policy %r, tensorwise): every nn.Linear but %d kept in %s by module scopes (%s)" % (
-        REGION_POLICY, kept, str(dtype).replace("torch.", ""), ", ".join(m.pattern for m in policy.modules))
+        BASE_POLICY, kept, str(dtype).replace("torch.", ""), ", ".join(m.pattern for m in policy.modules))
     seconds = None
     if kind == "auto":
         import ampkit
@@ -140,5 +145,5 @@ def setup_fp8(kind: str, model: torch.nn.Module, example_inputs, device: str, dt
         fp8 = [r.module for r in cal.report if r.precision == "fp8"]
         note = "ampkit fp8 auto: calibrated in %.2f s (in the build), %d of %d nn.Linear in fp8 (%s)" % (
             seconds, len(fp8), len(cal.report), ", ".join(fp8[:6]) + (" ..." if len(fp8) > 6 else "") or "none")
-    return Fp8Setup(policy=policy, scopes=policy.apply(model), region_policy=REGION_POLICY, note=note,
+    return Fp8Setup(policy=policy, scopes=policy.apply(model), region_policy=policy.without_modules(), note=note,
                     calibrate_s=seconds)

@@ -214,8 +214,8 @@ def compile_note(variant: Variant, warmup_steps: int, before: dict, warm: dict, 
 def make_step(variant: Variant, built: BuiltCase, model, opt, scaler, reset: bool = True, policy=None):
     """The training step of a variant: a function (inputs, targets) -> loss tensor.
     ``reset``: whether a compiled variant resets dynamo first (``compile_model``);
-    ``policy``: the ampkit region's cast policy (a name; None: the default), for an fp8
-    variant the one its ``setup_fp8`` installed."""
+    ``policy``: the ampkit region's cast policy (a name or a Policy; None: the default), for
+    an fp8 variant the tables of the one its ``setup_fp8`` installed (``region_policy``)."""
     device, loss_fn = built.device, built.loss_fn
     dtype = variant.resolved_dtype(device)
     dtype = getattr(torch, dtype) if dtype else None
@@ -398,7 +398,7 @@ class VariantRun:
                                  "measure" % (variant.name, built.name))
                     return
                 model, self.model_note = convert_float8(model, variant.float8)
-            if variant.fp8 != "none":  # ampkit's fp8 tier: scopes on the model, the policy named by the region
+            if variant.fp8 != "none":  # ampkit's fp8 tier: scopes on the model, their tables the region's
                 from ampkit.bench._fp8_tier import setup_fp8
                 self.fp8 = setup_fp8(variant.fp8, model, (built.batches[0][0],), self.device,
                                      getattr(torch, variant.resolved_dtype(self.device)))
