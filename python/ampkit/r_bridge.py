@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import inspect
+import itertools
 import os
 import sys
 import warnings
@@ -99,11 +100,20 @@ def retry_call(fn: Callable, *args, **kwargs):
     The collection is R's ``gc()`` (the tensors R dropped), Python's ``gc.collect()`` and
     ``torch.cuda.empty_cache()``, as mlverse torch retries an allocation after ``gc()``.
     A second out-of-memory error propagates, its message saying that the retry was made.
+
+    The per-step calls below make the first try themselves and call ``_retry`` only
+    after an out-of-memory error: one Python frame a call, as in Python's own loop.
     """
     try:
         return fn(*args, **kwargs)
     except _OOM_TYPES:
         pass  # leave the except block: the traceback would keep the failed call's tensors
+    return _retry(fn, args, kwargs)
+
+
+def _retry(fn: Callable, args: tuple, kwargs: dict):
+    """``retry_call``'s second try, after its first raised an out-of-memory error (which
+    the caller must have left: its traceback would keep the failed call's tensors)."""
     freed = _collect_all()
     try:
         return fn(*args, **kwargs)
@@ -124,16 +134,23 @@ def _collect_all() -> float:
 # ---------------------------------------------------------------- autocast regions
 
 _open: dict[int, Any] = {}
-_last = [0]
+_tokens = itertools.count(1)
 
 
 def enter_autocast(device_type, dtype=None, enabled=True, cache_enabled=None, policy=None) -> int:
     """Build and enter ``ampkit.autocast(...)``; return the token that leaves it."""
-    cm = ampkit.autocast(device_type, dtype, enabled, cache_enabled, policy=_policy_arg(policy))
-    retry_call(cm.__enter__)
-    _last[0] += 1
-    _open[_last[0]] = cm
-    return _last[0]
+    cm = ampkit.autocast(device_type, dtype, enabled, cache_enabled,
+                         policy=None if policy is None else _policy_arg(policy))
+    try:
+        cm.__enter__()
+        oom = False
+    except _OOM_TYPES:
+        oom = True  # (retried outside the except block: see retry_call)
+    if oom:
+        _retry(cm.__enter__, (), {})
+    token = next(_tokens)
+    _open[token] = cm
+    return token
 
 
 def exit_autocast(token: int) -> None:
@@ -239,26 +256,28 @@ def call_releasing(dead, fn, *args, **kwargs):
 
 # ---------------------------------------------------------------- the seed loop's calls
 
+# Each per-step call makes its first try itself and calls `_retry` only after an
+# out-of-memory error, outside the except block (see retry_call): one Python frame
+# between R and torch, where `retry_call(lambda: ...)` made three or four.
+
 def scale_backward(scaler, loss, *args, **kwargs) -> None:
     """``scaler.scale(loss).backward()`` in one call: the scaled tensor never reaches R."""
-    retry_call(lambda: scaler.scale(loss).backward(*args, **kwargs))
+    ScalerCalls(scaler).scale_backward(loss, *args, **kwargs)
 
 
 def scaler_step(scaler, optimizer, *args, **kwargs):
     """``scaler.step(optimizer)``, retried once after an out-of-memory error."""
-    return retry_call(scaler.step, optimizer, *args, **kwargs)
+    return ScalerCalls(scaler).step(optimizer, *args, **kwargs)
 
 
 def zero_grad(opt, *args, **kwargs) -> float:
     """``opt.zero_grad()``; returns the CUDA memory allocated (``memory_allocated``)."""
-    retry_call(opt.zero_grad, *args, **kwargs)
-    return float(_memory_reader[0]())
+    return bound_zero_grad(opt)(*args, **kwargs)
 
 
 def scaler_update(scaler, new_scale=None) -> float:
     """``scaler.update(new_scale)``; returns the CUDA memory allocated."""
-    retry_call(scaler.update, new_scale)
-    return float(_memory_reader[0]())
+    return ScalerCalls(scaler).update(new_scale)
 
 
 class ScalerCalls:
@@ -266,24 +285,52 @@ class ScalerCalls:
 
     reticulate 1.28 converts every Python object an R call passes through R's
     ``r_to_py()`` dispatch (about 30 us an argument on a small CPU), so the calls a
-    loop makes each step take as few object arguments as they can.
+    loop makes each step take as few object arguments as they can. Each method is the
+    call itself (the bound method is what R calls: no second layer).
     """
+
+    __slots__ = ("scaler",)
 
     def __init__(self, scaler):
         self.scaler = scaler
 
     def scale_backward(self, loss, *args, **kwargs) -> None:
-        scale_backward(self.scaler, loss, *args, **kwargs)
+        scaler = self.scaler
+        try:
+            scaler.scale(loss).backward(*args, **kwargs)
+            return
+        except _OOM_TYPES:
+            pass
+        _retry(lambda: scaler.scale(loss).backward(*args, **kwargs), (), {})
 
     def step(self, optimizer, *args, **kwargs):
-        return scaler_step(self.scaler, optimizer, *args, **kwargs)
+        scaler = self.scaler
+        try:
+            return scaler.step(optimizer, *args, **kwargs)
+        except _OOM_TYPES:
+            pass
+        return _retry(scaler.step, (optimizer, *args), kwargs)
 
     def update(self, new_scale=None) -> float:
-        return scaler_update(self.scaler, new_scale)
+        scaler = self.scaler
+        try:
+            scaler.update(new_scale)
+        except _OOM_TYPES:
+            pass
+        else:
+            return float(_memory_reader[0]())
+        _retry(scaler.update, (new_scale,), {})
+        return float(_memory_reader[0]())
 
     def update_deferred(self) -> None:
         """``scaler.update()`` as R's deferred ``$update()`` runs it (see ``update_then``)."""
-        retry_call(self.scaler.update)
+        scaler = self.scaler
+        try:
+            scaler.update()
+            return
+        except _OOM_TYPES:
+            pass
+        _retry(scaler.update, (), {})
 
 
 def update_then(update: Callable[[], Any], fn: Callable | None, *args, **kwargs):
@@ -307,8 +354,21 @@ def update_then(update: Callable[[], Any], fn: Callable | None, *args, **kwargs)
 
 
 def bound_zero_grad(opt) -> Callable[..., float]:
-    """``opt.zero_grad`` bound once (see ``ScalerCalls``); returns the CUDA memory reading."""
-    return lambda *args, **kwargs: zero_grad(opt, *args, **kwargs)
+    """``opt.zero_grad`` bound once (see ``ScalerCalls``); returns the CUDA memory reading.
+
+    The function returned is the call itself (``zero_grad``'s body: no second layer).
+    """
+    def zero_grad_bound(*args, **kwargs) -> float:
+        try:
+            opt.zero_grad(*args, **kwargs)
+        except _OOM_TYPES:
+            pass
+        else:
+            return float(_memory_reader[0]())
+        _retry(opt.zero_grad, args, kwargs)
+        return float(_memory_reader[0]())
+
+    return zero_grad_bound
 
 
 def call_method(obj, name: str, *args, **kwargs):

@@ -118,6 +118,102 @@ def test_retry_call_collects_and_retries_an_out_of_memory_error_once():
         r_bridge.set_r_collector(None)
 
 
+class _FlakyParts:
+    """A scaler and an optimizer whose per-step methods raise an out-of-memory error on
+    their first `failures` calls (or `error` instead), recording the calls that ran."""
+
+    def __init__(self, failures, error=torch.OutOfMemoryError):
+        self.failures, self.error, self.ran = failures, error, []
+
+    def _call(self, name, *args, **kwargs):
+        self.ran.append((name, args, kwargs))
+        if len(self.ran) <= self.failures:
+            raise self.error("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+
+    def scale(self, loss):
+        parts = self
+
+        class Scaled:
+            def backward(self, *args, **kwargs):
+                parts._call("backward", loss, *args, **kwargs)
+
+        return Scaled()
+
+    def step(self, optimizer, *args, **kwargs):
+        self._call("step", optimizer, *args, **kwargs)
+        return "stepped"
+
+    def update(self, new_scale=None):
+        self._call("update", new_scale)
+
+    def zero_grad(self, *args, **kwargs):
+        self._call("zero_grad", *args, **kwargs)
+
+
+# Each per-step call of the R loop, as R makes it, and the call it makes, as retry_call
+# would make it (the oracle): (name, the call given the parts, what it returns).
+_PER_STEP = [
+    ("scale_backward", lambda p: r_bridge.ScalerCalls(p).scale_backward("loss", retain_graph=True), None),
+    ("step", lambda p: r_bridge.ScalerCalls(p).step("opt", 1, k=2), "stepped"),
+    ("update", lambda p: r_bridge.ScalerCalls(p).update(4.0), 0.0),
+    ("update_deferred", lambda p: r_bridge.ScalerCalls(p).update_deferred(), None),
+    ("bound_zero_grad", lambda p: r_bridge.bound_zero_grad(p)(set_to_none=False), 0.0),
+    ("scale_backward_fn", lambda p: r_bridge.scale_backward(p, "loss", retain_graph=True), None),
+    ("scaler_step_fn", lambda p: r_bridge.scaler_step(p, "opt", 1, k=2), "stepped"),
+    ("scaler_update_fn", lambda p: r_bridge.scaler_update(p, 4.0), 0.0),
+    ("zero_grad_fn", lambda p: r_bridge.zero_grad(p, set_to_none=False), 0.0),
+]
+
+
+@pytest.mark.parametrize("call, expected", [(c, e) for _, c, e in _PER_STEP], ids=[n for n, _, _ in _PER_STEP])
+def test_per_step_calls_retry_an_out_of_memory_error_once_as_retry_call_does(call, expected):
+    collections = []
+    r_bridge.set_r_collector(lambda: collections.append(1))
+    r_bridge.set_memory_reader(lambda: 0)
+    try:
+        clean = _FlakyParts(0)
+        assert call(clean) == expected
+        assert len(clean.ran) == 1 and collections == []
+        once = _FlakyParts(1)
+        assert call(once) == expected
+        assert once.ran == clean.ran * 2 and len(collections) == 1  # the same call, again
+        twice = _FlakyParts(2)
+        with pytest.raises(torch.OutOfMemoryError, match=r"Tried to allocate 2\.00 GiB.*out of memory again"):
+            call(twice)
+        assert twice.ran == clean.ran * 2 and len(collections) == 2
+        other = _FlakyParts(1, error=ZeroDivisionError)
+        with pytest.raises(ZeroDivisionError):
+            call(other)
+        assert other.ran == clean.ran and len(collections) == 2  # not retried
+    finally:
+        r_bridge.set_r_collector(None)
+        r_bridge.set_memory_reader(None)
+
+
+def test_entering_a_region_retries_an_out_of_memory_error_once(monkeypatch):
+    entered = []
+    real_enter = ampkit.autocast.__enter__
+
+    def flaky_enter(self):
+        entered.append(1)
+        if len(entered) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_enter(self)
+
+    monkeypatch.setattr(ampkit.autocast, "__enter__", flaky_enter)
+    collections = []
+    r_bridge.set_r_collector(lambda: collections.append(1))
+    try:
+        token = r_bridge.enter_autocast("cpu", torch.bfloat16)
+        try:
+            assert torch.is_autocast_enabled("cpu") and len(entered) == 2 and len(collections) == 1
+        finally:
+            r_bridge.exit_autocast(token)
+        assert not torch.is_autocast_enabled("cpu")
+    finally:
+        r_bridge.set_r_collector(None)
+
+
 def test_is_out_of_memory_names():
     assert r_bridge.is_out_of_memory("OutOfMemoryError")
     assert r_bridge.is_out_of_memory("torch.OutOfMemoryError")
