@@ -435,14 +435,15 @@ def cuda_total_memory() -> float:
     return float(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
 
 
-def collect_garbage() -> float:
-    """Python's ``gc.collect()`` and, with CUDA, ``torch.cuda.empty_cache()``.
+def collect_garbage(empty_cache: bool = True) -> float:
+    """Python's ``gc.collect()`` and, with CUDA and ``empty_cache``, ``torch.cuda.empty_cache()``.
 
     R runs its own ``gc()`` first (the tensors R dropped are freed there); this frees
-    Python's cycles and hands cached blocks back. Returns the CUDA memory allocated after.
+    Python's cycles and hands cached blocks back (after an out-of-memory error; R's
+    ``amp_gc()`` keeps the cache). Returns the CUDA memory allocated after.
     """
     gc.collect()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if empty_cache and torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
     return memory_allocated()
 

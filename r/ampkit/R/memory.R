@@ -85,7 +85,9 @@
 #' the same way and raises that condition without a retry.
 #'
 #' On the CPU (or before CUDA is used) the memory reading is 0 and nothing is
-#' collected. `amp_gc()` collects now.
+#' collected. `amp_gc()` collects now: R's full `gc()`, then Python's
+#' `gc.collect()` (a tensor R dropped that a Python reference cycle still held
+#' is freed there, not at Python's next automatic collection).
 #'
 #' @return `amp_gc()` (a full collection now) returns, invisibly, a list:
 #'   `allocated_before_mb` and `allocated_after_mb` (CUDA memory allocated by
@@ -105,7 +107,10 @@ amp_gc <- function() {
   py_ready()
   before <- memory_allocated()
   forget_outputs()  # a fresh start: what is still referenced is left to R's collector
-  after <- collect_memory(before, full = TRUE, automatic = FALSE)
+  collect_memory(before, full = TRUE, automatic = FALSE)
+  after <- .h$collect_garbage(empty_cache = FALSE)
+  .mem$base <- after
+  .mem$floor <- after
   invisible(list(allocated_before_mb = before / 2^20, allocated_after_mb = after / 2^20,
                  collections = .mem$collections))
 }

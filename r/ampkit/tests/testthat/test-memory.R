@@ -119,6 +119,30 @@ test_that("the reading is 0 on the CPU, so nothing is collected there", {
   expect_equal(res$allocated_after_mb, 0)
 })
 
+test_that("amp_gc() frees a tensor R dropped that a Python reference cycle still held", {
+  skip_if_no_ampkit()
+  ns <- reticulate::py_run_string(paste(
+    "def cycle_holding_tensor():",
+    "    import torch, weakref",
+    "    t = torch.ones(1000)",
+    "    box = [t]",
+    "    box.append(box)  # a cycle: only Python's collector frees it",
+    "    return box, weakref.ref(t)",
+    "def alive(ref):",
+    "    return ref() is not None", sep = "\n"), local = TRUE, convert = FALSE)
+  pygc <- reticulate::import("gc")
+  pygc$disable()  # no automatic collection of Python's while the test runs
+  on.exit(pygc$enable(), add = TRUE)
+  made <- ns$cycle_holding_tensor()  # (the cycle, a weak reference to its tensor), unconverted
+  ref <- reticulate::py_get_item(made, 1L)
+  alive <- function() reticulate::py_to_r(ns$alive(ref))
+  made <- NULL
+  gc(full = TRUE)  # R's collector alone: the cycle keeps the tensor
+  expect_true(alive())
+  amp_gc()
+  expect_false(alive())
+})
+
 test_that("readings past 2^31 bytes reach R exactly", {
   skip_if_no_ampkit()
   # reticulate 1.28 wraps a Python int past 2^31 into an R integer (2**33 -> 0)
