@@ -2,7 +2,8 @@
 
     python benchmarks/fidelity.py --profile tiny --steps 40 --seeds 3 --out benchmarks/results/fidelity
     python benchmarks/fidelity.py --profile full --steps 500 --seeds 5 --device cuda \
-        [--cases seed_mlp,transformer] [--variants fp32,ampkit_amp] [--reference ampkit_bf16] --out DIR
+        [--cases seed_mlp,transformer] [--variants fp32,ampkit_amp] [--reference ampkit_bf16] \
+        [--data stream] --out DIR
 
 For each case and variant, seeds 0..N-1 (the model's init and the data's; seed s of every
 variant trains on the same batches in the same order), `--steps` steps each, every step's
@@ -12,7 +13,10 @@ as a relative gap at 25/50/75/100% of the steps; verdict "same" when the final g
 2 std (ampkit.bench's _fidelity module says how, step by step). ampkit's fp8 variant
 (ampkit_fp8) runs on any device: where fp8 matmuls do not run (the CPU, CUDA under
 capability 8.9) through ampkit's emulation, which quantizes exactly as the _scaled_mm path
-(the report says so); ampkit_fp8_auto only where fp8 runs. Compiled variants are left
+(the report says so); ampkit_fp8_auto only where fp8 runs. `--data stream` (token cases)
+trains on a fresh batch a step from a token map whose entropy is the loss's floor, instead of
+the case's few batches, which the models memorise (a loss near 0 makes relative gaps say
+little). Compiled variants are left
 out unless named in --variants or --compiled is given (each seed compiles again). Writes
 DIR/results.json (no timing records, a `fidelity` block), DIR/report.md and
 DIR/fidelity.png; prints the tables. `make fidelity` runs the short CPU pass.
@@ -40,6 +44,10 @@ def parse_args(argv=None):
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per variant (at least 2)")
     p.add_argument("--window", type=int, default=None,
                    help="trailing mean over this many steps before comparing (default: steps / 20, at least 1)")
+    p.add_argument("--data", default="case",
+                   help="case: the case's own batches, taken epoch after epoch (default); stream: token "
+                        "cases only, a fresh batch a step from a token map with a known entropy floor, "
+                        "which no run can memorise (ampkit.bench.TokenStream)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: 1 on the CPU)")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "fidelity"), help="output folder")
@@ -64,6 +72,7 @@ def main(argv=None) -> int:
         if a.seeds < 2 or a.steps < 1:
             raise ValueError("--seeds must be >= 2 (the reference's spread) and --steps >= 1; got %d and %d"
                              % (a.seeds, a.steps))
+        bench.check_fidelity_data(a.data, [c.name for c in cases])
         window = bench.default_window(a.steps) if a.window is None else a.window
         if window < 1:
             raise ValueError("--window must be >= 1, got %d" % window)
@@ -78,10 +87,10 @@ def main(argv=None) -> int:
     records = []
     for case in cases:
         records += bench.fidelity_records(case.name, variants, reference, a.profile, a.seeds, a.steps, device,
-                                          window, on_curve=lambda v, s, c=case.name: tick(c, v, s))
+                                          window, on_curve=lambda v, s, c=case.name: tick(c, v, s), data=a.data)
     out = Path(a.out)
     section = bench.fidelity_section(records, reference=reference.name, profile=a.profile, device=device,
-                                     seeds=a.seeds, steps=a.steps, window=window)
+                                     seeds=a.seeds, steps=a.steps, window=window, data=a.data)
     doc = bench.write_document(out / "results.json", bench.context(a.profile, device, "python"), [], section)
     md = report.write(doc, out)
     print(report.fidelity(doc))

@@ -540,6 +540,10 @@ def fidelity(doc: dict) -> str:
            "(absolute); verdict 'same' when the final gap is at most %g std. Seed spread: the variant's own "
            "seed-to-seed std at the last step, relative to its mean."
            % (f["seeds"], f["steps"], f["profile"], f["device"], f["window"], f["reference"], f["threshold_std"])]
+    if f.get("data") == "stream":
+        out[0] += (" Data: a fresh batch every step from ampkit.bench's TokenStream (each input id's target "
+                   "drawn from its own fixed successors), not the case's batches: nothing to memorise, and "
+                   "no run can average below the stream's entropy, %.4f nats." % f["floor"])
     cases = list(dict.fromkeys(r["case"] for r in f["records"]))
     for case in cases:
         out += ["### %s" % case, "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -616,6 +620,8 @@ def fidelity_chart(doc: dict, path) -> bool:
                 continue
             top.plot(steps, gap.mean, color="C%d" % i, lw=0.9, label=r["variant"])
             bottom.plot(steps, [float("nan") if g is None else g for g in gap.gap_std], color="C%d" % i, lw=0.9)
+        if f.get("floor") is not None:
+            top.axhline(f["floor"], color="gray", ls=":", lw=0.8, label="entropy floor")
         bottom.axhline(k, color="gray", ls="--", lw=0.8)
         top.set_title("%s (%s profile, %d seeds)" % (case, f["profile"], f["seeds"]), fontsize=9)
         top.set_ylabel("loss (mean of seeds, %d-step mean)" % f["window"], fontsize=8)

@@ -202,3 +202,91 @@ def test_the_cli_writes_the_document_and_refuses_one_seed(tmp_path, capsys):
     assert all(len(c) == 5 for r in f["records"] for c in r["losses"])
     assert (tmp_path / "report.md").exists()
     assert "[fidelity 4/4]" in capsys.readouterr().err
+
+
+# --- data "stream": a fresh batch a step from a token map with a known entropy floor ----------
+
+def test_the_stream_targets_are_the_inputs_successors_drawn_with_q_and_its_floor_is_their_entropy():
+    s = bench.TokenStream(vocab=300, batch_size=64, seq_len=128, seed=3, device="cpu", successors=5, inputs=40)
+    assert s.successors.shape == (40, 5)
+    assert all(len(set(row.tolist())) == 5 for row in s.successors)  # distinct successors per input
+    ids, targets = s.batch()
+    assert ids.dtype == targets.dtype == torch.int64 and int(ids.max()) < 40 and int(targets.max()) < 300
+    # which successor each target is: its frequencies follow q (binomial 4-sigma bounds)
+    j = (targets.unsqueeze(-1) == s.successors[ids]).float().argmax(-1)
+    assert bool((targets == s.successors[ids, j]).all())
+    n = ids.numel()
+    for k in range(5):
+        p = float(s.q[k])
+        assert abs(float((j == k).float().mean()) - p) <= 4 * math.sqrt(p * (1 - p) / n)
+    # the floor: the best predictor (log q on each input's successors) averages the entropy
+    per_token = -s.q.log()[j]
+    mean, sd = float(per_token.mean()), float(per_token.std())
+    assert abs(mean - s.floor) <= 4 * sd / math.sqrt(n)
+    assert s.floor == pytest.approx(-sum(q * math.log(q) for q in s.q.tolist()), rel=1e-12)
+
+
+def test_the_stream_is_the_same_for_a_seed_and_one_language_for_every_seed():
+    a, b, c = (bench.TokenStream(64, 4, 8, seed=s, device="cpu") for s in (0, 0, 1))
+    assert torch.equal(a.successors, c.successors)  # one language
+    for _ in range(3):
+        (ia, ta), (ib, tb), (ic, _) = a.batch(), b.batch(), c.batch()
+        assert torch.equal(ia, ib) and torch.equal(ta, tb)  # paired: seed s of every variant
+    assert not torch.equal(ia, ic)  # another seed, other batches
+    first = a.batch()
+    assert not torch.equal(first[0], ia)  # fresh every step
+
+
+def hand_stream_curve(case: str, seed: int, steps: int, dtype):
+    """The oracle: the case's tiny model from ``seed`` trained by hand on the seed's stream."""
+    built = bench.build_case(case, "tiny", seed=seed, device="cpu")
+    z = built.sizes
+    stream = bench.TokenStream(z["vocab"], z["batch_size"], z["seq_len"], seed, "cpu")
+    model = built.new_model()
+    opt = built.new_optimizer(model)
+    out = []
+    for _ in range(steps):
+        x, y = stream.batch()
+        with ampkit.autocast("cpu", dtype=dtype):
+            loss = built.loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out.append(float(loss.detach().double()))
+    return out
+
+
+def test_stream_curves_train_on_the_seeds_stream_and_the_section_says_so(tmp_path):
+    variants = bench.load_variants()
+    recs = bench.fidelity_records("transformer", [variants["ampkit_amp"]], variants["ampkit_bf16"], "tiny",
+                                  seeds=2, steps=5, device="cpu", window=1, data="stream")
+    by = {r["variant"]: r for r in recs}
+    for s in range(2):
+        assert by["ampkit_bf16"]["losses"][s] == hand_stream_curve("transformer", s, 5, torch.bfloat16)
+    section = bench.fidelity_section(recs, reference="ampkit_bf16", profile="tiny", device="cpu", seeds=2,
+                                     steps=5, window=1, data="stream")
+    assert section["data"] == "stream" and section["floor"] == bench.TokenStream(64, 1, 1, 0, "cpu").floor
+    doc = bench.write_document(tmp_path / "r.json", bench.context("tiny", "cpu"), [], section)
+    assert bench.validate(doc) == []
+    assert "%.4f nats" % section["floor"] in report.fidelity(doc)
+    case_doc = {"context": doc["context"], "records": [], "fidelity": dict(section, data="case", floor=None)}
+    with pytest.raises(ValueError, match="different data"):
+        bench.merge([doc, case_doc])
+    old = dict(section, records=[])
+    del old["data"], old["floor"]  # a document from before the field: its data were the case's
+    assert bench.merge([dict(case_doc, fidelity=dict(case_doc["fidelity"], records=[])),
+                        dict(case_doc, fidelity=old)])["fidelity"]["data"] == "case"
+
+
+def test_stream_data_is_refused_for_a_case_without_tokens_and_an_unknown_source(tmp_path, capsys):
+    variants = bench.load_variants()
+    with pytest.raises(ValueError, match=r"data 'stream' needs a case whose data are tokens \(.*transformer.*\), "
+                                         r"not seed_mlp"):
+        bench.fidelity_records("seed_mlp", [], variants["fp32"], "tiny", seeds=2, steps=2, device="cpu",
+                               window=1, data="stream")
+    with pytest.raises(ValueError, match="unknown data source 'shuffled'; valid: case, stream"):
+        bench.fidelity_section([], reference="fp32", profile="tiny", device="cpu", seeds=2, steps=2, window=1,
+                               data="shuffled")
+    assert fidelity_py.main(["--cases", "seed_mlp,transformer", "--data", "stream", "--out", str(tmp_path)]) == 2
+    assert "not seed_mlp" in capsys.readouterr().err
+    assert not (tmp_path / "results.json").exists()

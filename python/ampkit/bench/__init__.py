@@ -97,10 +97,12 @@ from ampkit.bench._runner import step_compile
 from ampkit.bench._runner import synchronize
 from ampkit.bench._runner import train_step_note
 from ampkit.bench._fidelity import CHECKPOINTS
+from ampkit.bench._fidelity import DATA_SOURCES as FIDELITY_DATA
 from ampkit.bench._fidelity import THRESHOLD_STD
 from ampkit.bench._fidelity import Gap
 from ampkit.bench._fidelity import Progress as FidelityProgress
 from ampkit.bench._fidelity import batch_order
+from ampkit.bench._fidelity import check_data as check_fidelity_data
 from ampkit.bench._fidelity import checkpoint_steps
 from ampkit.bench._fidelity import compare as fidelity_compare
 from ampkit.bench._fidelity import default_window
@@ -108,6 +110,7 @@ from ampkit.bench._fidelity import fidelity_records
 from ampkit.bench._fidelity import fidelity_section
 from ampkit.bench._fidelity import smooth
 from ampkit.bench._fidelity import train_curve
+from ampkit.bench._stream import TokenStream
 
 __all__ = [
     "BenchSpecError",
@@ -201,6 +204,9 @@ __all__ = [
     "batch_order",
     "checkpoint_steps",
     "default_window",
+    "FIDELITY_DATA",
+    "TokenStream",
+    "check_fidelity_data",
     "fidelity_compare",
     "fidelity_records",
     "fidelity_section",

@@ -37,10 +37,13 @@ import torch
 from ampkit.bench._build import build_case
 from ampkit.bench._fp8_tier import emulation_note
 from ampkit.bench._runner import VariantRun, precision_flags
-from ampkit.bench._spec import Variant
+from ampkit.bench._spec import Variant, load_cases
+from ampkit.bench._stream import TokenStream
+from ampkit.bench._stream import floor as stream_floor
 
 CHECKPOINTS = (0.25, 0.5, 0.75, 1.0)
 THRESHOLD_STD = 2.0
+DATA_SOURCES = ("case", "stream")  # the case's own batches, or a fresh TokenStream batch a step
 
 
 def default_window(steps: int) -> int:
@@ -142,23 +145,51 @@ def compare(losses, ref_losses, window: int, fractions=CHECKPOINTS, threshold: f
                max_gap_std=max_gap, verdict="same" if final is not None and final <= threshold else "different")
 
 
-def train_curve(case, variant: Variant, profile: str, seed: int, steps: int, device: str) -> list:
+def train_curve(case, variant: Variant, profile: str, seed: int, steps: int, device: str,
+                data: str = "case") -> list:
     """The per-step training losses of one variant from one seed: the case's model built from
-    ``seed``, its batches drawn from ``seed`` (``build_case``) and taken in ``batch_order``.
+    ``seed``, its batches drawn from ``seed`` (``build_case``) and taken in ``batch_order``;
+    with ``data="stream"`` (token cases) a fresh ``TokenStream`` batch of the case's sizes each
+    step instead, drawn from ``seed``.
     The losses stay on the device until the end (one copy a step, no host sync)."""
     built = build_case(case, profile, seed=seed, device=device)
+    if data == "stream":
+        stream = token_stream(built, seed)
+        batches = (stream.batch() for _ in range(steps))
+    else:
+        batches = (built.batches[i] for i in batch_order(built.num_batches, steps, seed))
     run = VariantRun(built, variant, "python", None, 0)
     run.build()
     curve = torch.empty(steps, dtype=torch.float64, device=device)
     with precision_flags(variant, device):
-        for t, i in enumerate(batch_order(built.num_batches, steps, seed)):
-            curve[t] = run.step(*built.batches[i]).detach()  # a copy: a captured step reuses its output
+        for t, batch in enumerate(batches):
+            curve[t] = run.step(*batch).detach()  # a copy: a captured step reuses its output
     out = curve.tolist()
     run.close()
     bad = next((t for t, x in enumerate(out) if not math.isfinite(x)), None)
     if bad is not None:
         raise FloatingPointError("loss not finite (%r) at step %d of seed %d" % (out[bad], bad + 1, seed))
     return out
+
+
+def token_stream(built, seed: int) -> TokenStream:
+    """The ``TokenStream`` of a built token case: its vocabulary, batch size and sequence length."""
+    z = built.sizes
+    return TokenStream(z["vocab"], z["batch_size"], z["seq_len"], seed, built.device)
+
+
+def check_data(data: str, cases) -> None:
+    """A ValueError naming the fix when ``data`` is not a source or ``stream`` meets a case
+    whose data are not tokens (``cases``: names)."""
+    if data not in DATA_SOURCES:
+        raise ValueError("unknown data source %r; valid: %s" % (data, ", ".join(DATA_SOURCES)))
+    if data == "stream":
+        specs = load_cases()
+        token_cases = [n for n, c in specs.items() if c.data == "tokens"]
+        bad = [c for c in cases if c not in token_cases]
+        if bad:
+            raise ValueError("data 'stream' needs a case whose data are tokens (%s), not %s"
+                             % (", ".join(token_cases), ", ".join(bad)))
 
 
 def _record(case: str, variant: Variant, device: str, reference: str, seeds: list, status: str, **kw) -> dict:
@@ -171,7 +202,7 @@ def _record(case: str, variant: Variant, device: str, reference: str, seeds: lis
 
 
 def fidelity_records(case: str, variants: list, reference: Variant, profile: str, seeds: int, steps: int,
-                     device: str, window: int, on_curve=None) -> list:
+                     device: str, window: int, on_curve=None, data: str = "case") -> list:
     """Train every variant (the reference first) from ``seeds`` seeds for ``steps`` steps and
     compare each with the reference; one record per variant, the reference's included
     (verdict "reference"). An fp8 variant runs where its numerics stand in for the GPU's
@@ -179,7 +210,10 @@ def fidelity_records(case: str, variants: list, reference: Variant, profile: str
     matmuls do not run, its record's ``reason`` saying so (``emulation_note``). A variant
     that cannot run on the device is skipped, one whose
     loss is not finite or that raises is failed, with the error. ``on_curve(variant, seed)``
-    is called after each curve (progress)."""
+    is called after each curve (progress). ``data``: "case" (the case's batches in
+    ``batch_order``) or "stream" (token cases: a fresh ``TokenStream`` batch a step; each
+    section says so, with the stream's entropy floor)."""
+    check_data(data, [case])
     if seeds < 2:
         raise ValueError("fidelity needs --seeds 2 or more (the reference's spread), got %d" % seeds)
     if steps < 1:
@@ -194,7 +228,7 @@ def fidelity_records(case: str, variants: list, reference: Variant, profile: str
         try:
             curves[v.name] = []
             for s in range(seeds):
-                curves[v.name].append(train_curve(case, v, profile, s, steps, device))
+                curves[v.name].append(train_curve(case, v, profile, s, steps, device, data))
                 if on_curve:
                     on_curve(v, s)
         except Exception as e:  # noqa: BLE001 - a failure is a result, recorded with the error
@@ -225,11 +259,13 @@ def fidelity_records(case: str, variants: list, reference: Variant, profile: str
 
 
 def fidelity_section(records: list, *, reference: str, profile: str, device: str, seeds: int, steps: int,
-                     window: int) -> dict:
-    """The results document's ``fidelity`` block: how the curves were made and compared, and the records."""
+                     window: int, data: str = "case") -> dict:
+    """The results document's ``fidelity`` block: how the curves were made and compared, and the
+    records; ``data`` the curves' source and, for "stream", its entropy ``floor`` (nats)."""
+    check_data(data, [])
     return dict(reference=reference, profile=profile, device=device, seeds=int(seeds), steps=int(steps),
-                window=int(window), threshold_std=THRESHOLD_STD, checkpoints=list(CHECKPOINTS),
-                records=list(records))
+                window=int(window), threshold_std=THRESHOLD_STD, checkpoints=list(CHECKPOINTS), data=data,
+                floor=stream_floor() if data == "stream" else None, records=list(records))
 
 
 class Progress:

@@ -342,9 +342,11 @@ def merge_fidelity(sections: list):
     first = sections[0]
     for s in sections[1:]:
         diff = [k for k in keys if s[k] != first[k]]
+        if s.get("data", "case") != first.get("data", "case"):  # "data" is newer than the other keys
+            diff.append("data")
         if diff:
             raise ValueError("cannot merge fidelity runs made with different %s: %s" % (
-                ", ".join(diff), "; ".join("%r and %r" % (first[k], s[k]) for k in diff)))
+                ", ".join(diff), "; ".join("%r and %r" % (first.get(k, "case"), s.get(k, "case")) for k in diff)))
     records = [r for s in sections for r in s["records"]]
     seen = set()
     for r in records:
