@@ -29,6 +29,7 @@ BENCH_OUT ?= benchmarks/results
 # Fidelity (make fidelity; docs/bench.md, "Fidelity"): every variant's loss curve against REFERENCE's,
 # SEEDS seeds x STEPS steps at FIDELITY_PROFILE's sizes; CASES and VARIANTS as for bench.
 # On a GPU: make fidelity FIDELITY_PROFILE=full STEPS=500 SEEDS=5 [REFERENCE=ampkit_bf16]
+# DATA=stream (token cases): a fresh batch a step from a token map with a known entropy floor
 FIDELITY_PROFILE ?= tiny
 STEPS ?= 40
 SEEDS ?= 3
@@ -86,7 +87,8 @@ bench: setup
 
 fidelity: setup-python
 	$(VPY) benchmarks/fidelity.py --profile $(FIDELITY_PROFILE) --steps $(STEPS) --seeds $(SEEDS) \
-	  --reference $(REFERENCE) --out $(FIDELITY_OUT) $(if $(CASES),--cases $(CASES)) $(if $(VARIANTS),--variants $(VARIANTS))
+	  --reference $(REFERENCE) --out $(FIDELITY_OUT) $(if $(CASES),--cases $(CASES)) $(if $(VARIANTS),--variants $(VARIANTS)) \
+	  $(if $(DATA),--data $(DATA))
 
 clean:
 	rm -rf $(VENV) $(RLIB) build *.egg-info python/*.egg-info
