@@ -91,15 +91,13 @@ def test_batch_order_is_one_permutation_an_epoch_the_same_for_a_seed_different_a
         assert all(sorted(order[e: e + 5]) == list(range(5)) for e in range(0, 20, 5))
 
 
-def hand_curve(seed: int, steps: int, dtype):
-    """The oracle: seed_mlp's tiny model and batches built from ``seed``, trained by hand in the
-    batch order of that seed, under ampkit.autocast when ``dtype`` is given."""
-    built = bench.build_case("seed_mlp", "tiny", seed=seed, device="cpu")
+def hand_train(built, batches, dtype) -> list:
+    """The oracle's loop: the built case's model trained by hand on ``batches``, under
+    ampkit.autocast when ``dtype`` is given; the losses."""
     model = built.new_model()
     opt = built.new_optimizer(model)
     out = []
-    for i in bench.batch_order(built.num_batches, steps, seed):
-        x, y = built.batches[i]
+    for x, y in batches:
         if dtype is None:
             loss = built.loss_fn(model(x), y)
         else:
@@ -110,6 +108,13 @@ def hand_curve(seed: int, steps: int, dtype):
         opt.zero_grad(set_to_none=True)
         out.append(float(loss.detach().double()))
     return out
+
+
+def hand_curve(seed: int, steps: int, dtype):
+    """The oracle: seed_mlp's tiny model and batches built from ``seed``, trained by hand in the
+    batch order of that seed."""
+    built = bench.build_case("seed_mlp", "tiny", seed=seed, device="cpu")
+    return hand_train(built, (built.batches[i] for i in bench.batch_order(built.num_batches, steps, seed)), dtype)
 
 
 def test_every_variant_of_a_seed_trains_on_that_seeds_batches_in_its_order():
@@ -242,18 +247,7 @@ def hand_stream_curve(case: str, seed: int, steps: int, dtype):
     built = bench.build_case(case, "tiny", seed=seed, device="cpu")
     z = built.sizes
     stream = bench.TokenStream(z["vocab"], z["batch_size"], z["seq_len"], seed, "cpu")
-    model = built.new_model()
-    opt = built.new_optimizer(model)
-    out = []
-    for _ in range(steps):
-        x, y = stream.batch()
-        with ampkit.autocast("cpu", dtype=dtype):
-            loss = built.loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        out.append(float(loss.detach().double()))
-    return out
+    return hand_train(built, (stream.batch() for _ in range(steps)), dtype)
 
 
 def test_stream_curves_train_on_the_seeds_stream_and_the_section_says_so(tmp_path):
