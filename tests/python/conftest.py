@@ -8,7 +8,9 @@
   ``bits_equal`` (bitwise tensor equality) and ``SyncError`` (a CUDA host-device sync
   inside it raises); ``TORCH_BEFORE_2_5`` and ``needs_no_declared_differences`` for
   what differs on the oldest supported torch; ``compiles_correctly_here`` skips a
-  torch.compile comparison under CPU-capability emulation (no oracle there).
+  torch.compile comparison under CPU-capability emulation (no oracle there);
+  ``cpu_scaled_mm_on`` turns the fp8 tier's ``_scaled_mm`` path on for the CPU, or skips
+  where this CPU cannot run torch's CPU ``_scaled_mm``.
 """
 
 from __future__ import annotations
@@ -93,3 +95,27 @@ def compiles_correctly_here(dev):
     if dev == "cpu" and os.environ.get("ATEN_CPU_CAPABILITY"):
         pytest.skip("torch.compile on the CPU under ATEN_CPU_CAPABILITY emulation gives wrong results "
                     "even without autocast; run on a machine whose CPU is that kind")
+
+
+_CPU_SCALED_MM_ERROR = None  # None: not probed yet; "": it runs
+
+
+def cpu_scaled_mm_on(monkeypatch):
+    """Turn the fp8 tier's ``_scaled_mm`` path on for the CPU (``SCALED_MM_DEVICES``; shipped,
+    the CPU runs the emulation), or skip where torch's CPU ``_scaled_mm`` cannot run: oneDNN
+    has no fp8 matmul for an AVX2-only CPU ("could not create a primitive descriptor for the
+    matmul primitive", seen under ONEDNN_MAX_CPU_ISA=AVX2)."""
+    global _CPU_SCALED_MM_ERROR
+    if _CPU_SCALED_MM_ERROR is None:
+        a, one = torch.ones(16, 16).to(torch.float8_e4m3fn), torch.tensor(1.0)
+        try:
+            for out_dtype in (torch.bfloat16, torch.float32):  # the forward's and grad_w's
+                torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=out_dtype)
+            _CPU_SCALED_MM_ERROR = ""
+        except (RuntimeError, NotImplementedError, AttributeError) as e:
+            _CPU_SCALED_MM_ERROR = (str(e).split(". ")[0] or type(e).__name__).strip()
+    if _CPU_SCALED_MM_ERROR:
+        pytest.skip("torch's CPU _scaled_mm does not run on this CPU (%s); the emulated path's "
+                    "tests still run" % _CPU_SCALED_MM_ERROR)
+    from ampkit import _fp8
+    monkeypatch.setattr(_fp8, "SCALED_MM_DEVICES", {"cuda", "cpu"})

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import ampkit
-from conftest import compiles_correctly_here
+from conftest import compiles_correctly_here, cpu_scaled_mm_on
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8 = ampkit.load_policy("fp8")
@@ -402,8 +402,7 @@ def _check_scaled_mm_path(scaling, device):
 def test_the_scaled_mm_path_computes_its_definition_on_the_cpu(scaling, monkeypatch):
     """The GPU's path (layouts, scales, the backward's _scaled_mm) run by torch's CPU
     _scaled_mm, turned on for the test (shipped, the CPU runs the emulation)."""
-    from ampkit import _fp8
-    monkeypatch.setattr(_fp8, "SCALED_MM_DEVICES", {"cuda", "cpu"})
+    cpu_scaled_mm_on(monkeypatch)
     _check_scaled_mm_path(scaling, "cpu")
 
 
@@ -411,8 +410,7 @@ def test_the_scaled_mm_path_adds_the_bias_before_its_one_rounding(monkeypatch):
     """The output is _scaled_mm's with the bias in its epilogue, bit for bit: the bias added
     to the float32 sums, then one rounding to bfloat16 (as torch's addmm under autocast), not
     the product rounded and the bias added in bfloat16 after it."""
-    from ampkit import _fp8
-    monkeypatch.setattr(_fp8, "SCALED_MM_DEVICES", {"cuda", "cpu"})
+    cpu_scaled_mm_on(monkeypatch)
     policy = FP8.with_fp8_recipe("cpu", scaling="tensorwise")
     x, w, b, g = data(lead=(4, 16), k=64, n=32)
     y, _, _, _, _ = _run(policy, x, w, b, g, "cpu")
@@ -431,8 +429,7 @@ def test_fast_accum_reaches_the_forward_gemm_only(fast_accum, monkeypatch, tmp_p
     """The recipe's fast_accum is the forward _scaled_mm's use_fast_accum; the two gradient
     GEMMs accumulate precisely whatever it says. The output is _scaled_mm's with that flag,
     bit for bit; the recipe round-trips through its dict (what a saved policy holds)."""
-    from ampkit import _fp8
-    monkeypatch.setattr(_fp8, "SCALED_MM_DEVICES", {"cuda", "cpu"})
+    cpu_scaled_mm_on(monkeypatch)
     seen, real = [], torch._scaled_mm
 
     def spy(*args, **kwargs):
@@ -461,8 +458,7 @@ def test_the_scaled_mm_path_writes_a_float32_weight_grad_once_unrounded(monkeypa
     """grad_w is the float32 output of the same _scaled_mm on the same fp8 operands, bit for
     bit, and not rounded to bfloat16 on the way (the emulation's bf16 product, widened, is
     not it); grad_x keeps the region's rounding, as torch.autocast's linear does."""
-    from ampkit import _fp8
-    monkeypatch.setattr(_fp8, "SCALED_MM_DEVICES", {"cuda", "cpu"})
+    cpu_scaled_mm_on(monkeypatch)
     policy = FP8.with_fp8_recipe("cpu", scaling="tensorwise")
     x, w, b, g = data(lead=(4, 16), k=64, n=32)
     _, gx, gw, _, _ = _run(policy, x, w, b, g, "cpu")

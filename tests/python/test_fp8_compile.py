@@ -25,6 +25,7 @@ from torch._dynamo.utils import counters
 import ampkit
 import ampkit.bench as bench
 from ampkit import _fp8
+from conftest import cpu_scaled_mm_on
 
 FP8 = ampkit.load_policy("fp8")
 RECIPES = {"tensorwise": {"scaling": "tensorwise"}, "rowwise": {"scaling": "rowwise"},
@@ -38,7 +39,7 @@ def head_in_bf16(recipe):
 @pytest.fixture(params=["emulated", "scaled_mm"])
 def path(request, monkeypatch):
     if request.param == "scaled_mm":
-        monkeypatch.setattr(_fp8, "SCALED_MM_DEVICES", {"cuda", "cpu"})
+        cpu_scaled_mm_on(monkeypatch)
     return request.param
 
 

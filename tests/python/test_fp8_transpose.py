@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import ampkit  # noqa: F401  (registers the operator)
+from conftest import compiles_correctly_here
 
 transposed = torch.ops.ampkit.transposed
 
@@ -32,6 +33,7 @@ def test_a_compiled_graph_calls_it_as_one_op():
     """Inside torch.compile the copy is an op of its own (inductor calls it; it does not fuse
     the transposed store into the cast), with the same bytes as eagerly."""
     from torch._inductor.utils import run_and_get_code
+    compiles_correctly_here("cpu")
 
     def f(x):
         q = (x * 3).clamp(-448, 448).to(torch.float8_e4m3fn)

@@ -28,9 +28,9 @@ PACKAGE = "ampkit"
 WHITE_BOX = "a white-box test of this private module's internals, which have no public face"
 # (file, name read) -> why it stays.
 ALLOWED = {
-    ("tests/python/test_fp8.py", "ampkit._fp8"):
-        "the fp8 tests turn on the _scaled_mm path on the CPU (SCALED_MM_DEVICES), so that the "
-        "GPU's layouts, scales and backward run where CI can check them",
+    ("tests/python/conftest.py", "ampkit._fp8"):
+        "cpu_scaled_mm_on turns the fp8 tier's _scaled_mm path on for the CPU (SCALED_MM_DEVICES), "
+        "so that the GPU's layouts, scales and backward run where CI can check them",
     ("tests/python/test_fp8_compile.py", "ampkit._fp8"):
         "the compiled-model tests trace the _scaled_mm path on the CPU too (SCALED_MM_DEVICES), "
         "so that a graph break in the GPU's path shows where CI runs, and compare the delayed "
