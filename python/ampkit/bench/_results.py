@@ -338,15 +338,17 @@ def merge_fidelity(sections: list):
     sections = [s for s in sections if s]
     if not sections:
         return None
-    keys = ("reference", "profile", "device", "seeds", "steps", "window", "threshold_std", "checkpoints")
+    keys = ("reference", "profile", "device", "seeds", "steps", "window", "threshold_std", "checkpoints", "data")
+
+    def setting(section, key):  # only "data" may be absent: an older document's data were the case's
+        return section.get(key, "case")
+
     first = sections[0]
     for s in sections[1:]:
-        diff = [k for k in keys if s[k] != first[k]]
-        if s.get("data", "case") != first.get("data", "case"):  # "data" is newer than the other keys
-            diff.append("data")
+        diff = [k for k in keys if setting(s, k) != setting(first, k)]
         if diff:
             raise ValueError("cannot merge fidelity runs made with different %s: %s" % (
-                ", ".join(diff), "; ".join("%r and %r" % (first.get(k, "case"), s.get(k, "case")) for k in diff)))
+                ", ".join(diff), "; ".join("%r and %r" % (setting(first, k), setting(s, k)) for k in diff)))
     records = [r for s in sections for r in s["records"]]
     seen = set()
     for r in records:
