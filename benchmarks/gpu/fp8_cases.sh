@@ -1,0 +1,80 @@
+#!/bin/bash
+# Issue 27 on the benchmark's own cases, in device calls of under 10 minutes each:
+#
+#   bash benchmarks/gpu/fp8_cases.sh runner "$OUT"    # speed: the runner's fp8 variants, one case at a time
+#   bash benchmarks/gpu/fp8_cases.sh fidelity "$OUT"  # fidelity: every precision of seed_mlp, text_classifier,
+#                                                     # convnet (their own batches) and transformer (the stream)
+#   bash benchmarks/gpu/fp8_cases.sh fidelity-gpt2 "$OUT"   # gpt2_small (the stream), in two processes
+#
+# runner: `benchmarks/run.py --profile full --langs python` on transformer, gpt2_small,
+# text_classifier and seed_mlp with torch_compile_bf16 (bf16 + compile), ampkit_fp8 and
+# ampkit_fp8_auto, interleaved (the runner's GPU default), one process per case; then, if the
+# call's time allows, torchao's two recipes on transformer (RUNNER_TORCHAO=0 leaves them out).
+# convnet is not run: its only nn.Linear is the head, which every fp8 variant keeps in bf16.
+#
+# fidelity: `benchmarks/fidelity.py --profile full --steps 500 --seeds 3`, one process per
+# case, side by side on the one GPU (nothing is timed: processes sharing the card change how
+# long a curve takes, not its losses, and the compilations of the fp8 variants, one per seed,
+# run on the CPU cores in parallel). Reference fp32 for the small cases; fp32_tf32 for the
+# token cases, whose plain float32 steps would not fit a call. Each folder holds one case's
+# curves; `python benchmarks/fidelity.py --from A/results.json B/results.json --reference
+# ampkit_bf16 --out DIR` re-compares them with any variant as the reference, here.
+#
+# Needs: the torchao wheel in .whl/ (runner only; carry .whl), AMPKIT_GIT_COMMIT set by the
+# caller (the device's tree has no .git). Each step has its own time limit, so that whatever
+# finished comes back inside the call's.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+mode=${1:?runner, fidelity or fidelity-gpt2}
+dest=${2:-${OUT:?give an output folder}}
+mkdir -p "$dest"
+export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c 'import torch, sys; print("torch", torch.__version__, "python", sys.version.split()[0])'
+  nproc | sed 's/^/cpu cores: /'
+  echo "commit: ${AMPKIT_GIT_COMMIT:-unknown}"; } | tee "$dest/card.txt"
+
+fid() {  # fid LIMIT_S CASE DATA REFERENCE VARIANTS [FOLDER_SUFFIX]
+    local limit=$1 case=$2 data=$3 ref=$4 variants=$5 name=fid-$2${6:-}
+    timeout "$limit" python3 benchmarks/fidelity.py --device cuda --profile full --steps 500 --seeds 3 \
+        --cases "$case" --data "$data" --reference "$ref" --variants "$variants" --out "$dest/$name" \
+        > "$dest/$name.txt" 2>&1
+    echo "fidelity $name: exit $? after ${SECONDS}s" | tee -a "$dest/card.txt"
+}
+
+case $mode in
+runner)
+    python3 -m pip install -q --no-deps .whl/torchao-*.whl 2>&1 | tail -2
+    python3 -c 'import torchao; print("torchao", torchao.__version__)' | tee -a "$dest/card.txt"
+    # limits from fp8_speed.py's compile times at these sizes (20-60 s an arm on a cold cache)
+    for spec in transformer:170 gpt2_small:170 text_classifier:110 seed_mlp:90; do
+        c=${spec%%:*}
+        timeout "${spec##*:}" python3 benchmarks/run.py --device cuda --profile full --langs python --cases "$c" \
+            --variants torch_compile_bf16,ampkit_fp8,ampkit_fp8_auto --out "$dest/py-$c" > "$dest/py-$c.txt" 2>&1
+        echo "runner $c: exit $? after ${SECONDS}s" | tee -a "$dest/card.txt"
+    done
+    if [ "${RUNNER_TORCHAO:-1}" = 1 ] && [ "$SECONDS" -lt 420 ]; then
+        timeout $((570 - SECONDS)) python3 benchmarks/run.py --device cuda --profile full --langs python \
+            --cases transformer --variants torch_compile_bf16,ampkit_fp8,torchao_float8,torchao_float8_rowwise \
+            --out "$dest/py-transformer-torchao" > "$dest/py-transformer-torchao.txt" 2>&1
+        echo "runner transformer torchao: exit $? after ${SECONDS}s" | tee -a "$dest/card.txt"
+    fi
+    ;;
+fidelity)
+    precisions=torch_amp,ampkit_amp,ampkit_bf16,ampkit_fp8,ampkit_fp8_auto
+    fid 560 seed_mlp case fp32 "fp32,$precisions" &
+    fid 560 text_classifier case fp32 "fp32,$precisions" &
+    fid 560 convnet case fp32 "fp32,$precisions" &
+    fid 560 transformer stream fp32_tf32 "fp32_tf32,$precisions" &
+    wait
+    ;;
+fidelity-gpt2)
+    # two processes, each with its own reference; --from joins them here
+    fid 560 gpt2_small stream ampkit_bf16 ampkit_bf16,ampkit_fp8,ampkit_fp8_auto -a &
+    sleep 1
+    fid 560 gpt2_small stream fp32_tf32 fp32_tf32,torch_amp,ampkit_amp -b &
+    wait
+    ;;
+*) echo "unknown mode $mode: runner, fidelity or fidelity-gpt2" >&2; exit 2 ;;
+esac
+ls -la "$dest"
