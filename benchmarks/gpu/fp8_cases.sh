@@ -28,6 +28,8 @@ cd "$(dirname "$0")/../.."
 mode=${1:?runner, fidelity or fidelity-gpt2}
 dest=${2:-${OUT:?give an output folder}}
 mkdir -p "$dest"
+# the device returns at most 8 files: everything but the card is packed into one archive at the end
+final=$dest; dest=$(mktemp -d); trap 'tar czf "$final/all.tar.gz" -C "$dest" . && cp "$dest/card.txt" "$final/"; ls -la "$final"' EXIT
 export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c 'import torch, sys; print("torch", torch.__version__, "python", sys.version.split()[0])'
@@ -77,4 +79,3 @@ fidelity-gpt2)
     ;;
 *) echo "unknown mode $mode: runner, fidelity or fidelity-gpt2" >&2; exit 2 ;;
 esac
-ls -la "$dest"
