@@ -13,12 +13,13 @@
 # convnet is not run: its only nn.Linear is the head, which every fp8 variant keeps in bf16.
 #
 # fidelity: `benchmarks/fidelity.py --profile full --steps 500 --seeds 3`, one process per
-# case, side by side on the one GPU (nothing is timed: processes sharing the card change how
-# long a curve takes, not its losses, and the compilations of the fp8 variants, one per seed,
-# run on the CPU cores in parallel). Reference fp32 for the small cases; fp32_tf32 for the
-# token cases, whose plain float32 steps would not fit a call. Each folder holds one case's
-# curves; `python benchmarks/fidelity.py --from A/results.json B/results.json --reference
-# ampkit_bf16 --out DIR` re-compares them with any variant as the reference, here.
+# case and variant (its own reference), six side by side on the one GPU: nothing is timed, so
+# processes sharing the card change how long a curve takes, not its losses, and the fp8
+# variants' compilations (one per seed) run on the CPU cores in parallel; a process the
+# call's deadline stops loses only its own curves. fp32 for the small cases; fp32_tf32 for
+# the token cases, whose plain float32 steps would not fit a call. Here, `python
+# benchmarks/fidelity.py --from DIR/fid-*/results.json --reference ampkit_bf16 --out DIR2`
+# joins the folders and compares every variant with the reference named.
 #
 # Needs: the torchao wheel in .whl/ (runner only; carry .whl), AMPKIT_GIT_COMMIT set by the
 # caller (the device's tree has no .git). Each step has its own time limit, so that whatever
@@ -36,12 +37,16 @@ export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
   nproc | sed 's/^/cpu cores: /'
   echo "commit: ${AMPKIT_GIT_COMMIT:-unknown}"; } | tee "$dest/card.txt"
 
-fid() {  # fid LIMIT_S CASE DATA REFERENCE VARIANTS [FOLDER_SUFFIX]
-    local limit=$1 case=$2 data=$3 ref=$4 variants=$5 name=fid-$2${6:-}
-    timeout "$limit" python3 benchmarks/fidelity.py --device cuda --profile full --steps 500 --seeds 3 \
-        --cases "$case" --data "$data" --reference "$ref" --variants "$variants" --out "$dest/$name" \
-        > "$dest/$name.txt" 2>&1
-    echo "fidelity $name: exit $? after ${SECONDS}s" | tee -a "$dest/card.txt"
+deadline=$(( $(date +%s) + ${DEADLINE_S:-565} )) FID_ARGS=${FID_ARGS:-}
+fid() {  # fid CASE DATA VARIANT: one variant's 3 seeds x 500 steps, a process of its own, its own folder
+    local name=fid-$1-$3
+    timeout $(( deadline - $(date +%s) )) python3 benchmarks/fidelity.py ${FID_ARGS:---device cuda --profile full --steps 500 --seeds 3} \
+        --cases "$1" --data "$2" --reference "$3" --variants "$3" --out "$dest/$name" > "$dest/$name.txt" 2>&1
+    echo "fidelity $name: exit $? at $(date +%T)" | tee -a "$dest/card.txt"
+}
+pool() {  # run the jobs "CASE DATA VARIANT" from stdin, $1 at a time, the longest first
+    export -f fid; export dest deadline FID_ARGS
+    xargs -P "$1" -L 1 bash -c 'fid "$@"' _
 }
 
 case $mode in
@@ -63,19 +68,40 @@ runner)
     fi
     ;;
 fidelity)
-    precisions=torch_amp,ampkit_amp,ampkit_bf16,ampkit_fp8,ampkit_fp8_auto
-    fid 560 seed_mlp case fp32 "fp32,$precisions" &
-    fid 560 text_classifier case fp32 "fp32,$precisions" &
-    fid 560 convnet case fp32 "fp32,$precisions" &
-    fid 560 transformer stream fp32_tf32 "fp32_tf32,$precisions" &
-    wait
+    pool 6 <<'JOBS'
+transformer stream fp32_tf32
+text_classifier case fp32
+transformer stream ampkit_fp8
+transformer stream ampkit_fp8_auto
+text_classifier case ampkit_fp8
+text_classifier case ampkit_fp8_auto
+transformer stream ampkit_bf16
+transformer stream torch_amp
+transformer stream ampkit_amp
+text_classifier case ampkit_bf16
+text_classifier case torch_amp
+text_classifier case ampkit_amp
+convnet case fp32
+seed_mlp case ampkit_fp8
+seed_mlp case ampkit_fp8_auto
+convnet case ampkit_bf16
+convnet case torch_amp
+convnet case ampkit_amp
+seed_mlp case fp32
+seed_mlp case ampkit_bf16
+seed_mlp case torch_amp
+seed_mlp case ampkit_amp
+JOBS
     ;;
 fidelity-gpt2)
-    # two processes, each with its own reference; --from joins them here
-    fid 560 gpt2_small stream ampkit_bf16 ampkit_bf16,ampkit_fp8,ampkit_fp8_auto -a &
-    sleep 1
-    fid 560 gpt2_small stream fp32_tf32 fp32_tf32,torch_amp,ampkit_amp -b &
-    wait
+    pool 6 <<'JOBS'
+gpt2_small stream fp32_tf32
+gpt2_small stream ampkit_fp8
+gpt2_small stream ampkit_fp8_auto
+gpt2_small stream ampkit_bf16
+gpt2_small stream torch_amp
+gpt2_small stream ampkit_amp
+JOBS
     ;;
 *) echo "unknown mode $mode: runner, fidelity or fidelity-gpt2" >&2; exit 2 ;;
 esac
