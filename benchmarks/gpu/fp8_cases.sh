@@ -26,7 +26,7 @@
 # finished comes back inside the call's.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-mode=${1:?runner, fidelity or fidelity-gpt2}
+mode=${1:?runner, fidelity, fidelity-gpt2 or jobs}
 dest=${2:-${OUT:?give an output folder}}
 mkdir -p "$dest"
 # the device returns at most 8 files: everything but the card is packed into one archive at the end
@@ -102,6 +102,9 @@ gpt2_small stream ampkit_bf16
 gpt2_small stream torch_amp
 gpt2_small stream ampkit_amp
 JOBS
+    ;;
+jobs)  # the jobs given in $JOBS, "CASE DATA VARIANT" separated by ';' (e.g. those a deadline stopped)
+    tr ';' '\n' <<< "${JOBS:?set JOBS}" | sed '/^ *$/d' | pool "${POOL:-6}"
     ;;
 *) echo "unknown mode $mode: runner, fidelity or fidelity-gpt2" >&2; exit 2 ;;
 esac
