@@ -4,6 +4,7 @@
     python benchmarks/fidelity.py --profile full --steps 500 --seeds 5 --device cuda \
         [--cases seed_mlp,transformer] [--variants fp32,ampkit_amp] [--reference ampkit_bf16] \
         [--data stream] --out DIR
+    python benchmarks/fidelity.py --from A/results.json B/results.json --reference ampkit_bf16 --out DIR
 
 For each case and variant, seeds 0..N-1 (the model's init and the data's; seed s of every
 variant trains on the same batches in the same order), `--steps` steps each, every step's
@@ -20,6 +21,10 @@ little). Compiled variants are left
 out unless named in --variants or --compiled is given (each seed compiles again). Writes
 DIR/results.json (no timing records, a `fidelity` block), DIR/report.md and
 DIR/fidelity.png; prints the tables. `make fidelity` runs the short CPU pass.
+
+`--from` trains nothing: it reads the curves of earlier runs (one or several results.json
+made with the same settings, e.g. one process per variant, each its own reference) and
+compares every variant with `--reference`, writing the same three files.
 """
 
 from __future__ import annotations
@@ -51,11 +56,38 @@ def parse_args(argv=None):
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: 1 on the CPU)")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "fidelity"), help="output folder")
+    p.add_argument("--from", dest="sources", nargs="+", default=None, metavar="RESULTS_JSON",
+                   help="train nothing: compare the curves these results files hold (same settings) with "
+                        "--reference")
     return p.parse_args(argv)
+
+
+def from_files(a) -> int:
+    """--from: the curves of earlier runs, compared anew with --reference."""
+    from ampkit import bench
+    import report
+
+    try:
+        docs = [bench.read_document(f) for f in a.sources]
+        missing = [f for f, d in zip(a.sources, docs) if not d.get("fidelity")]
+        if missing:
+            raise ValueError("no fidelity block in %s: give results.json files written by benchmarks/fidelity.py"
+                             % ", ".join(missing))
+        section = bench.fidelity_recompare([d["fidelity"] for d in docs], a.reference)
+    except (OSError, ValueError) as e:
+        print("error: %s" % e, file=sys.stderr)
+        return 2
+    doc = bench.write_document(Path(a.out) / "results.json", docs[0]["context"], [], section)
+    md = report.write(doc, a.out)
+    print(report.fidelity(doc))
+    print("\nreport: %s" % md)
+    return 0
 
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    if a.sources:
+        return from_files(a)
     import torch
 
     from ampkit import bench

@@ -284,3 +284,52 @@ def test_stream_data_is_refused_for_a_case_without_tokens_and_an_unknown_source(
     assert fidelity_py.main(["--cases", "seed_mlp,transformer", "--data", "stream", "--out", str(tmp_path)]) == 2
     assert "not seed_mlp" in capsys.readouterr().err
     assert not (tmp_path / "results.json").exists()
+
+
+# --- --from: curves of separate runs compared anew -------------------------------------------
+
+def one_variant_run(variant: str, steps: int = 4) -> dict:
+    """A fidelity block of one variant trained alone (its own reference), as a process of the
+    GPU script's pool makes it."""
+    v = bench.load_variants()[variant]
+    recs = bench.fidelity_records("seed_mlp", [v], v, "tiny", seeds=2, steps=steps, device="cpu", window=2)
+    return bench.fidelity_section(recs, reference=variant, profile="tiny", device="cpu", seeds=2, steps=steps,
+                                  window=2)
+
+
+@pytest.mark.parametrize("reference", ["fp32", "ampkit_bf16"])
+def test_recompare_of_runs_made_apart_equals_one_run_of_both(reference):
+    variants = bench.load_variants()
+    other = "ampkit_bf16" if reference == "fp32" else "fp32"
+    together = bench.fidelity_records("seed_mlp", [variants[other]], variants[reference], "tiny", seeds=2, steps=4,
+                                      device="cpu", window=2)
+    apart = bench.fidelity_recompare([one_variant_run(other), one_variant_run(reference)], reference)
+    assert apart["reference"] == reference and apart["steps"] == 4
+    assert apart["records"] == together  # every field: losses bitwise (the same kernels), gaps, verdicts
+
+
+def test_recompare_refuses_other_settings_a_record_twice_and_a_missing_reference():
+    a, b = one_variant_run("fp32"), one_variant_run("ampkit_amp")
+    with pytest.raises(ValueError, match="different steps"):
+        bench.fidelity_recompare([a, one_variant_run("ampkit_bf16", steps=5)], "fp32")
+    with pytest.raises(ValueError, match="seed_mlp / fp32 / python is in two"):
+        bench.fidelity_recompare([a, b, a], "fp32")
+    with pytest.raises(ValueError, match=r"no curves of the reference 'torch_amp'; variants with curves: fp32, "
+                                         r"ampkit_amp"):
+        bench.fidelity_recompare([a, b], "torch_amp")
+
+
+def test_the_cli_from_compares_saved_curves_and_names_a_file_without_curves(tmp_path, capsys):
+    for name in ("fp32", "ampkit_amp"):
+        sec = one_variant_run(name)
+        bench.write_document(tmp_path / name / "results.json", bench.context("tiny", "cpu"), [], sec)
+    files = [str(tmp_path / n / "results.json") for n in ("ampkit_amp", "fp32")]
+    assert fidelity_py.main(["--from", *files, "--reference", "fp32", "--out", str(tmp_path / "both")]) == 0
+    f = bench.read_document(tmp_path / "both" / "results.json")["fidelity"]
+    assert [(r["variant"], r["reference"], r["verdict"] != "reference") for r in f["records"]] == [
+        ("fp32", "fp32", False), ("ampkit_amp", "fp32", True)]
+    assert "| ampkit_amp |" in capsys.readouterr().out and (tmp_path / "both" / "report.md").exists()
+    bench.write_document(tmp_path / "timing.json", bench.context("tiny", "cpu"), [])
+    assert fidelity_py.main(["--from", str(tmp_path / "timing.json"), "--out", str(tmp_path / "x")]) == 2
+    assert "no fidelity block in %s" % (tmp_path / "timing.json") in capsys.readouterr().err
+

@@ -152,7 +152,11 @@ def test_fidelity_on_the_cpu_runs_ampkit_fp8_through_the_emulation_and_says_so(t
                                   device="cpu", window=1)
     by = {r["variant"]: r for r in recs}
     assert by["ampkit_fp8"]["status"] == "ok" and by["ampkit_fp8"]["verdict"] in ("same", "different")
-    assert by["ampkit_fp8"]["reason"] == bench.emulation_note("cpu")
+    # the emulation named, then what the build did to the model (the same note as the runner's record)
+    setup = bench.setup_fp8("policy", bench.build_case("transformer", "tiny", seed=0, device="cpu").new_model(),
+                            None, "cpu")
+    assert by["ampkit_fp8"]["reason"] == bench.emulation_note("cpu") + "; " + setup.note
+    assert by["ampkit_bf16"]["reason"] is None  # its build changes nothing in the model
     assert by["ampkit_fp8_auto"]["status"] == "skipped" and "not the GPU's" in by["ampkit_fp8_auto"]["reason"]
     assert by["torch_compile_bf16"]["status"] == "skipped" and "runs only on cuda" in by["torch_compile_bf16"]["reason"]
     # the curve is the runner's: fp8 differs from the bf16 reference
@@ -162,7 +166,22 @@ def test_fidelity_on_the_cpu_runs_ampkit_fp8_through_the_emulation_and_says_so(t
     doc = bench.write_document(tmp_path / "r.json", bench.context("tiny", "cpu"), [], section)
     text = report.fidelity(doc)
     assert any(line.startswith("| ampkit_fp8 | python | bfloat16 |") for line in text.splitlines())
-    assert "- ampkit_fp8: " + bench.emulation_note("cpu") in text
+    assert "- ampkit_fp8: " + bench.emulation_note("cpu") + "; " + setup.note in text
+
+
+@pytest.mark.parametrize("reason", [None, "ampkit fp8 auto: calibrated in 0.31 s (in the build), 1 of 2 nn.Linear "
+                                          "in fp8 (0)"])
+def test_the_runners_progress_line_says_what_the_run_did_below_its_time(reason):
+    """A run's note (fp8 auto's choice, the graphs compiled) is printed under its line, so a
+    log says it where the results file did not come back."""
+    import io
+    rec = {"case": "seed_mlp", "variant": "ampkit_fp8_auto", "status": "ok", "median": 1.79, "min": 1.52,
+           "max": 1.79, "samples": [1.79] * 3, "final_loss": 1.009, "wall_s": 2.0, "reason": reason}
+    out = io.StringIO()
+    bench.progress("python", 1, 1, rec, file=out)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "[python  1/1] seed_mlp / ampkit_fp8_auto: 1.79 ms/step (median of 3, 1.52-1.79), final loss 1.009"
+    assert lines[1:] == ([] if reason is None else ["        note: " + reason])
 
 
 def _doc(times, case="transformer", status=None):

@@ -108,6 +108,7 @@ from ampkit.bench._fidelity import compare as fidelity_compare
 from ampkit.bench._fidelity import default_window
 from ampkit.bench._fidelity import fidelity_records
 from ampkit.bench._fidelity import fidelity_section
+from ampkit.bench._fidelity import recompare as fidelity_recompare
 from ampkit.bench._fidelity import smooth
 from ampkit.bench._fidelity import train_curve
 from ampkit.bench._stream import TokenStream
@@ -210,6 +211,7 @@ __all__ = [
     "fidelity_compare",
     "fidelity_records",
     "fidelity_section",
+    "fidelity_recompare",
     "merge_fidelity",
     "smooth",
     "train_curve",

@@ -37,7 +37,7 @@ import torch
 from ampkit.bench._build import build_case
 from ampkit.bench._fp8_tier import emulation_note
 from ampkit.bench._runner import VariantRun, precision_flags
-from ampkit.bench._spec import Variant, load_cases
+from ampkit.bench._spec import Variant, load_cases, load_variants
 from ampkit.bench._stream import TokenStream
 from ampkit.bench._stream import floor as stream_floor
 
@@ -146,12 +146,14 @@ def compare(losses, ref_losses, window: int, fractions=CHECKPOINTS, threshold: f
 
 
 def train_curve(case, variant: Variant, profile: str, seed: int, steps: int, device: str,
-                data: str = "case") -> list:
+                data: str = "case", notes: list | None = None) -> list:
     """The per-step training losses of one variant from one seed: the case's model built from
     ``seed``, its batches drawn from ``seed`` (``build_case``) and taken in ``batch_order``;
     with ``data="stream"`` (token cases) a fresh ``TokenStream`` batch of the case's sizes each
     step instead, drawn from ``seed``.
-    The losses stay on the device until the end (one copy a step, no host sync)."""
+    The losses stay on the device until the end (one copy a step, no host sync). ``notes``, a
+    list, gets what the build did to the model (an fp8 variant's policy, fp8 auto's choice),
+    or None."""
     built = build_case(case, profile, seed=seed, device=device)
     if data == "stream":
         stream = token_stream(built, seed)
@@ -160,6 +162,8 @@ def train_curve(case, variant: Variant, profile: str, seed: int, steps: int, dev
         batches = (built.batches[i] for i in batch_order(built.num_batches, steps, seed))
     run = VariantRun(built, variant, "python", None, 0)
     run.build()
+    if notes is not None:
+        notes.append(run.model_note)
     curve = torch.empty(steps, dtype=torch.float64, device=device)
     with precision_flags(variant, device):
         for t, batch in enumerate(batches):
@@ -201,6 +205,23 @@ def _record(case: str, variant: Variant, device: str, reference: str, seeds: lis
     return rec
 
 
+def _compared(rec: dict, losses: list, ref_losses: list, window: int, is_reference: bool) -> dict:
+    """``rec`` (a record without its comparison) with ``losses`` compared with the reference's."""
+    gap = compare(losses, ref_losses, window)
+    own_mean, own_sd = _mean_std([smooth(c, window)[-1] for c in losses])
+    return dict(rec, status="ok", seeds=list(range(len(losses))), losses=losses, checkpoints=gap.checkpoints,
+                final_loss=gap.mean[-1], final_spread=own_sd / abs(own_mean) if own_mean else None,
+                final_rel_gap=gap.final_rel_gap, final_gap_std=gap.final_gap_std, max_gap_std=gap.max_gap_std,
+                verdict="reference" if is_reference else gap.verdict)
+
+
+def _build_notes(notes: list):
+    """One line from each seed's build note: the note, or each seed's where they differ."""
+    if len(set(notes)) <= 1:
+        return notes[0] if notes else None
+    return "; ".join("seed %d: %s" % (s, n) for s, n in enumerate(notes) if n)
+
+
 def fidelity_records(case: str, variants: list, reference: Variant, profile: str, seeds: int, steps: int,
                      device: str, window: int, on_curve=None, data: str = "case") -> list:
     """Train every variant (the reference first) from ``seeds`` seeds for ``steps`` steps and
@@ -219,16 +240,16 @@ def fidelity_records(case: str, variants: list, reference: Variant, profile: str
     if steps < 1:
         raise ValueError("--steps must be >= 1, got %d" % steps)
     order = [reference] + [v for v in variants if v.name != reference.name]
-    curves, records = {}, []
+    curves, notes, records = {}, {}, []
     for v in order:
         skip = v.skip_reason(device, numerics=True)  # fp8 may run through ampkit's emulation
         if skip:
             records.append(_record(case, v, device, reference.name, [], "skipped", reason=skip))
             continue
         try:
-            curves[v.name] = []
+            curves[v.name], notes[v.name] = [], []
             for s in range(seeds):
-                curves[v.name].append(train_curve(case, v, profile, s, steps, device, data))
+                curves[v.name].append(train_curve(case, v, profile, s, steps, device, data, notes[v.name]))
                 if on_curve:
                     on_curve(v, s)
         except Exception as e:  # noqa: BLE001 - a failure is a result, recorded with the error
@@ -243,19 +264,63 @@ def fidelity_records(case: str, variants: list, reference: Variant, profile: str
             out.append(done)
             continue
         losses = curves[rec_v.name]
+        emulated = emulation_note(device) if rec_v.fp8 != "none" else None
+        reason = "; ".join(p for p in (emulated, _build_notes(notes[rec_v.name])) if p) or None
         if ref is None:
             out.append(_record(case, rec_v, device, reference.name, range(seeds), "ok", losses=losses,
-                               reason="the reference %s did not run: no comparison" % reference.name))
+                               reason="; ".join(p for p in ("the reference %s did not run: no comparison"
+                                                            % reference.name, reason) if p)))
             continue
-        gap = compare(losses, ref, window)
-        emulated = emulation_note(device) if rec_v.fp8 != "none" else None
-        own_mean, own_sd = _mean_std([smooth(c, window)[-1] for c in losses])
-        out.append(_record(
-            case, rec_v, device, reference.name, range(seeds), "ok", losses=losses, checkpoints=gap.checkpoints,
-            final_loss=gap.mean[-1], final_spread=own_sd / abs(own_mean) if own_mean else None,
-            final_rel_gap=gap.final_rel_gap, final_gap_std=gap.final_gap_std, max_gap_std=gap.max_gap_std,
-            verdict="reference" if rec_v.name == reference.name else gap.verdict, reason=emulated))
+        out.append(_compared(_record(case, rec_v, device, reference.name, [], "ok", reason=reason),
+                             losses, ref, window, rec_v.name == reference.name))
     return out
+
+
+def recompare(sections: list, reference: str) -> dict:
+    """One ``fidelity`` block from the curves of one or several (made with the same settings,
+    each case x variant x language in one of them), every variant compared anew with
+    ``reference``: so that variants trained in separate processes (each its own reference)
+    are set against one, or one run is read against another reference, without training
+    again. Records that did not run (skipped, failed) are kept as they are. ValueError when
+    the settings differ, a record is in two, or a case has no curves of ``reference``.
+
+    >>> rec = lambda v, c: dict(case="m", variant=v, language="python", dtype="float32", reference=v,
+    ...                         status="ok", reason=None, losses=c)
+    >>> a = dict(reference="fp32", profile="tiny", device="cpu", seeds=2, steps=2, window=1,
+    ...          threshold_std=2.0, checkpoints=[1.0], data="case", records=[rec("fp32", [[1.0, 0.8], [1.2, 1.0]])])
+    >>> b = dict(a, reference="ampkit_bf16", records=[rec("ampkit_bf16", [[1.2, 1.0], [1.2, 1.0]])])
+    >>> out = recompare([a, b], "fp32")
+    >>> [(r["variant"], r["verdict"], round(r["final_rel_gap"], 4)) for r in out["records"]]
+    [('fp32', 'reference', 0.0), ('ampkit_bf16', 'same', 0.1111)]
+    """
+    from ampkit.bench._results import check_fidelity_settings
+    sections = [s for s in sections if s]
+    if not sections:
+        raise ValueError("no fidelity block to compare: give results.json files written by benchmarks/fidelity.py")
+    check_fidelity_settings(sections, ignore=("reference",))
+    first, seen, cases = sections[0], set(), {}
+    for sec in sections:
+        for r in sec["records"]:
+            key = (r["case"], r["variant"], r["language"])
+            if key in seen:
+                raise ValueError("fidelity record %s / %s / %s is in two of the documents" % key)
+            seen.add(key)
+            cases.setdefault(r["case"], []).append(r)
+    known = list(load_variants())  # the variants' order in the spec, where a record's is one of them
+    rank = lambda r: known.index(r["variant"]) if r["variant"] in known else len(known)  # noqa: E731
+    out = []
+    for case, recs in cases.items():
+        ref = next((r for r in recs if r["variant"] == reference and r["status"] == "ok" and r.get("losses")), None)
+        if ref is None:
+            raise ValueError("case %s has no curves of the reference %r; variants with curves: %s" % (
+                case, reference, ", ".join(r["variant"] for r in recs if r["status"] == "ok") or "none"))
+        for r in [ref] + sorted((r for r in recs if r is not ref), key=rank):
+            base = dict(r, reference=reference)
+            if r["status"] != "ok" or not r.get("losses"):
+                out.append(base)
+                continue
+            out.append(_compared(base, r["losses"], ref["losses"], first["window"], r is ref))
+    return dict(first, reference=reference, records=out)
 
 
 def fidelity_section(records: list, *, reference: str, profile: str, device: str, seeds: int, steps: int,

@@ -703,3 +703,5 @@ def progress(language: str, i: int, total: int, rec: dict, file=sys.stderr) -> N
     else:
         tail = "FAILED: " + rec["error"]
     print(head, tail, file=file, flush=True)
+    if rec["status"] == "ok" and rec.get("reason"):  # what the run did (fp8 auto's choice, graphs compiled)
+        print("        note: " + rec["reason"], file=file, flush=True)
