@@ -599,6 +599,8 @@ def fidelity_chart(doc: dict, path) -> bool:
         return False
     from ampkit.bench import fidelity_compare
     cases = list(dict.fromkeys(r["case"] for r in ok))
+    others = list(dict.fromkeys(r["variant"] for r in ok if r["verdict"] != "reference"))
+    color = {v: "C%d" % (i + 1) for i, v in enumerate(others)}  # one colour a variant in every panel
     fig, axes = plt.subplots(2, len(cases), figsize=(4.6 * len(cases), 6.4), squeeze=False,
                              gridspec_kw=dict(height_ratios=[2, 1]))
     k = f["threshold_std"]
@@ -610,7 +612,7 @@ def fidelity_chart(doc: dict, path) -> bool:
             top.set_title("%s: the reference %s did not run" % (case, f["reference"]), fontsize=9)
             continue
         steps = range(1, f["steps"] + 1)
-        for i, r in enumerate(recs):
+        for r in recs:
             gap = fidelity_compare(r["losses"], ref["losses"], f["window"])
             if r is ref:
                 lo = [m - k * sd for m, sd in zip(gap.ref_mean, gap.ref_std)]
@@ -618,8 +620,9 @@ def fidelity_chart(doc: dict, path) -> bool:
                 top.fill_between(steps, lo, hi, color="0.8", label="%s +/- %g std" % (r["variant"], k))
                 top.plot(steps, gap.ref_mean, color="k", lw=1.2, label=r["variant"])
                 continue
-            top.plot(steps, gap.mean, color="C%d" % i, lw=0.9, label=r["variant"])
-            bottom.plot(steps, [float("nan") if g is None else g for g in gap.gap_std], color="C%d" % i, lw=0.9)
+            top.plot(steps, gap.mean, color=color[r["variant"]], lw=0.9, label=r["variant"])
+            bottom.plot(steps, [float("nan") if g is None else g for g in gap.gap_std], color=color[r["variant"]],
+                        lw=0.9)
         if f.get("floor") is not None:
             top.axhline(f["floor"], color="gray", ls=":", lw=0.8, label="entropy floor")
         bottom.axhline(k, color="gray", ls="--", lw=0.8)
