@@ -293,19 +293,14 @@ def recompare(sections: list, reference: str) -> dict:
     >>> [(r["variant"], r["verdict"], round(r["final_rel_gap"], 4)) for r in out["records"]]
     [('fp32', 'reference', 0.0), ('ampkit_bf16', 'same', 0.1111)]
     """
-    from ampkit.bench._results import check_fidelity_settings
-    sections = [s for s in sections if s]
-    if not sections:
+    from ampkit.bench._results import merge_fidelity
+    # one block, as merging blocks of one reference would make it (the same settings, each record once)
+    merged = merge_fidelity([dict(s, reference=reference) for s in sections if s])
+    if merged is None:
         raise ValueError("no fidelity block to compare: give results.json files written by benchmarks/fidelity.py")
-    check_fidelity_settings(sections, ignore=("reference",))
-    first, seen, cases = sections[0], set(), {}
-    for sec in sections:
-        for r in sec["records"]:
-            key = (r["case"], r["variant"], r["language"])
-            if key in seen:
-                raise ValueError("fidelity record %s / %s / %s is in two of the documents" % key)
-            seen.add(key)
-            cases.setdefault(r["case"], []).append(r)
+    cases = {}
+    for r in merged["records"]:
+        cases.setdefault(r["case"], []).append(r)
     known = list(load_variants())  # the variants' order in the spec, where a record's is one of them
     rank = lambda r: known.index(r["variant"]) if r["variant"] in known else len(known)  # noqa: E731
     out = []
@@ -319,8 +314,8 @@ def recompare(sections: list, reference: str) -> dict:
             if r["status"] != "ok" or not r.get("losses"):
                 out.append(base)
                 continue
-            out.append(_compared(base, r["losses"], ref["losses"], first["window"], r is ref))
-    return dict(first, reference=reference, records=out)
+            out.append(_compared(base, r["losses"], ref["losses"], merged["window"], r is ref))
+    return dict(merged, records=out)
 
 
 def fidelity_section(records: list, *, reference: str, profile: str, device: str, seeds: int, steps: int,

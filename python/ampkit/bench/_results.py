@@ -332,32 +332,23 @@ def derive(records: list) -> list:
     return records
 
 
-FIDELITY_SETTINGS = ("reference", "profile", "device", "seeds", "steps", "window", "threshold_std", "checkpoints",
-                     "data")
-
-
-def check_fidelity_settings(sections: list, ignore=()) -> None:
-    """A ValueError naming the settings in which the ``fidelity`` blocks differ (but ``ignore``)."""
-    def setting(section, key):  # only "data" may be absent: an older document's data were the case's
-        return section.get(key, "case")
-
-    keys = [k for k in FIDELITY_SETTINGS if k not in ignore]
-    first = sections[0]
-    for s in sections[1:]:
-        diff = [k for k in keys if setting(s, k) != setting(first, k)]
-        if diff:
-            raise ValueError("cannot merge fidelity runs made with different %s: %s" % (
-                ", ".join(diff), "; ".join("%r and %r" % (setting(first, k), setting(s, k)) for k in diff)))
-
-
 def merge_fidelity(sections: list):
     """One ``fidelity`` block from several documents' (None where none has one): the records
     of all, when the settings agree; a case x variant x language twice is an error."""
     sections = [s for s in sections if s]
     if not sections:
         return None
-    check_fidelity_settings(sections)
+    keys = ("reference", "profile", "device", "seeds", "steps", "window", "threshold_std", "checkpoints", "data")
+
+    def setting(section, key):  # only "data" may be absent: an older document's data were the case's
+        return section.get(key, "case")
+
     first = sections[0]
+    for s in sections[1:]:
+        diff = [k for k in keys if setting(s, k) != setting(first, k)]
+        if diff:
+            raise ValueError("cannot merge fidelity runs made with different %s: %s" % (
+                ", ".join(diff), "; ".join("%r and %r" % (setting(first, k), setting(s, k)) for k in diff)))
     records = [r for s in sections for r in s["records"]]
     seen = set()
     for r in records:
