@@ -6,6 +6,7 @@ timings are CUDA >= 8.9 only, so here the runner records them as skipped, with t
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 from pathlib import Path
 
@@ -129,6 +130,13 @@ def test_ampkit_fp8_auto_calibrates_in_the_build_and_on_the_cpu_keeps_every_modu
     built = bench.build_case(case, "tiny", seed=0, device="cpu")
     losses, params, note = runner_losses(built, eager("ampkit_fp8_auto"))
     assert note.startswith("ampkit fp8 auto: calibrated in ") and "0 of " in note and "in fp8 (none)" in note
+    # and what decided it: each measured module (an unscoped candidate the forward called) with
+    # its time in bfloat16 over fp8's, in model order
+    measured = note.split("; measured bfloat16 / fp8 time: ")[1].split(", ")
+    names = [m.rsplit(" ", 1)[0] for m in measured]
+    chosen = bench.float8_layers(built.new_model())[0]
+    assert names and set(names) <= set(chosen) and names == sorted(names, key=chosen.index)
+    assert all(re.fullmatch(r"\d+\.\d\dx", m.rsplit(" ", 1)[1]) for m in measured)
     want_l, want_p = hand_losses(built, None, "torch_default")
     assert same(losses, want_l) and same(params, want_p)
 

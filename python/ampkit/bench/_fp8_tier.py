@@ -143,7 +143,11 @@ def setup_fp8(kind: str, model: torch.nn.Module, example_inputs, device: str, dt
         seconds = time.perf_counter() - t0
         policy = cal.policy
         fp8 = [r.module for r in cal.report if r.precision == "fp8"]
+        measured = [r for r in cal.report if r.speedup is not None]
         note = "ampkit fp8 auto: calibrated in %.2f s (in the build), %d of %d nn.Linear in fp8 (%s)" % (
             seconds, len(fp8), len(cal.report), ", ".join(fp8[:6]) + (" ..." if len(fp8) > 6 else "") or "none")
+        if measured:  # what decided it: each measured module's time in the region dtype over fp8's
+            note += "; measured %s / fp8 time: %s" % (str(dtype).replace("torch.", ""), ", ".join(
+                "%s %.2fx" % (r.module, r.speedup) for r in measured[:8]) + (" ..." if len(measured) > 8 else ""))
     return Fp8Setup(policy=policy, scopes=policy.apply(model), region_policy=policy.without_modules(), note=note,
                     calibrate_s=seconds)
