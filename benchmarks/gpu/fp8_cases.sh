@@ -4,7 +4,14 @@
 #   bash benchmarks/gpu/fp8_cases.sh runner "$OUT"    # speed: the runner's fp8 variants, one case at a time
 #   bash benchmarks/gpu/fp8_cases.sh fidelity "$OUT"  # fidelity: every precision of seed_mlp, text_classifier,
 #                                                     # convnet (their own batches) and transformer (the stream)
-#   bash benchmarks/gpu/fp8_cases.sh fidelity-gpt2 "$OUT"   # gpt2_small (the stream), in two processes
+#   bash benchmarks/gpu/fp8_cases.sh fidelity-gpt2 "$OUT"   # gpt2_small (the stream), one process a variant
+#   JOBS="CASE DATA VARIANT;..." bash benchmarks/gpu/fp8_cases.sh jobs "$OUT"   # the fidelity jobs named
+#   (DEADLINE_S: the fidelity modes' deadline, default 565 s; POOL: processes at once, default 6;
+#    FID_ARGS: fidelity.py's run arguments, default "--device cuda --profile full --steps 500 --seeds 3")
+#
+# The results file lies in the archive (all.tar.gz: the device returns at most 8 files) beside
+# card.txt, which also lists each step's exit status; call 1 of
+# benchmarks/results/gpu/fp8-cases-h200-553a544 took 429 s, the fidelity pool its full deadline.
 #
 # runner: `benchmarks/run.py --profile full --langs python` on transformer, gpt2_small,
 # text_classifier and seed_mlp with torch_compile_bf16 (bf16 + compile), ampkit_fp8 and
