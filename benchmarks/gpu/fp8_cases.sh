@@ -6,6 +6,7 @@
 #                                                     # convnet (their own batches) and transformer (the stream)
 #   bash benchmarks/gpu/fp8_cases.sh fidelity-gpt2 "$OUT"   # gpt2_small (the stream), one process a variant
 #   JOBS="CASE DATA VARIANT;..." bash benchmarks/gpu/fp8_cases.sh jobs "$OUT"   # the fidelity jobs named
+#   SPEED="ARGS;ARGS" bash benchmarks/gpu/fp8_cases.sh speed "$OUT"   # benchmarks/gpu/fp8_speed.py runs, in turn
 #   (DEADLINE_S: the fidelity modes' deadline, default 565 s; POOL: processes at once, default 6;
 #    FID_ARGS: fidelity.py's run arguments, default "--device cuda --profile full --steps 500 --seeds 3")
 #
@@ -33,7 +34,7 @@
 # finished comes back inside the call's.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-mode=${1:?runner, fidelity, fidelity-gpt2 or jobs}
+mode=${1:?runner, fidelity, fidelity-gpt2, jobs or speed}
 dest=${2:-${OUT:?give an output folder}}
 mkdir -p "$dest"
 # the device returns at most 8 files: everything but the card is packed into one archive at the end
@@ -110,8 +111,19 @@ gpt2_small stream torch_amp
 gpt2_small stream ampkit_amp
 JOBS
     ;;
+speed)  # benchmarks/gpu/fp8_speed.py runs, one after another under the deadline: $SPEED, each run's
+        # arguments separated by ';' (e.g. "--shapes seed_mlp --breakdown --arms bf16_compile,ampkit_fp8_auto")
+    python3 -m pip install -q --no-deps .whl/torchao-*.whl 2>&1 | tail -2
+    i=0
+    while IFS= read -r args; do
+        i=$((i + 1))
+        timeout $(( deadline - $(date +%s) )) python3 benchmarks/gpu/fp8_speed.py $args --out "$dest/speed-$i.json" \
+            > "$dest/speed-$i.txt" 2>&1
+        echo "speed $i ($args): exit $? after ${SECONDS}s" | tee -a "$dest/card.txt"
+    done < <(tr ';' '\n' <<< "${SPEED:?set SPEED}" | sed '/^ *$/d')
+    ;;
 jobs)  # the jobs given in $JOBS, "CASE DATA VARIANT" separated by ';' (e.g. those a deadline stopped)
     tr ';' '\n' <<< "${JOBS:?set JOBS}" | sed '/^ *$/d' | pool "${POOL:-6}"
     ;;
-*) echo "unknown mode $mode: runner, fidelity or fidelity-gpt2" >&2; exit 2 ;;
+*) echo "unknown mode $mode: runner, fidelity, fidelity-gpt2, jobs or speed" >&2; exit 2 ;;
 esac

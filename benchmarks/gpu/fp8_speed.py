@@ -8,7 +8,9 @@ arms timed interleaved. Never a test (tests/python/test_fp8_speed_script.py runs
 Shapes (the benchmark's GPT-2 case, ampkit.bench's builders, sizes overridden, no copy of
 model code): ``gpt2`` is shared_specs/benchmarks/gpt2_small.yaml's full profile (12 x 768,
 seq 512, batch 16); ``decoder16x2048`` the same model with 16 layers of width 2048 (16
-heads, MLP 8192), seq 2048, batch 4. ``--smoke``: tiny sizes on the CPU, two rounds of two
+heads, MLP 8192), seq 2048, batch 4; ``transformer``, ``text_classifier`` and ``seed_mlp`` are
+those cases at their own full profile (the runner's fp8 cases: issue 27's "never slower than
+bf16 + compile" there, with --breakdown's kernels a step to say where a slower arm loses). ``--smoke``: tiny sizes on the CPU, two rounds of two
 steps, the ``aot_eager`` backend (inductor's CPU compile would take minutes), to prove the
 script runs; its timings mean nothing.
 
@@ -18,9 +20,10 @@ fp8 for the fp8 arms:
 
   bf16_compile           torch.autocast(bf16) + torch.compile(model)
   ampkit_bf16_compile    ampkit.autocast(bf16) (torch_default) + torch.compile(model)
-  ampkit_fp8_tensorwise  ampkit.autocast(bf16, the fp8 policy, tensorwise recipe), the head kept
-                         in bf16 by a module scope (policy.with_module("head", lower_precision_fp=
-                         ["linear"])) + torch.compile(model)
+  ampkit_fp8_tensorwise  ampkit.autocast(bf16, the fp8 policy, tensorwise recipe), the head (the
+                         last nn.Linear) and any linear whose dimensions are not multiples of 16 kept
+                         in bf16 by module scopes (the runner's ampkit_fp8 policy,
+                         ampkit.bench._fp8_tier.base_policy) + torch.compile(model)
   ampkit_fp8_rowwise     the same, rowwise recipe
   ampkit_fp8_delayed     the same, delayed recipe (amax_history 16; its casts need no amax of
                          their operand first: docs/autocast.md, "fp8")
@@ -28,7 +31,8 @@ fp8 for the fp8 arms:
                          recipe's fast_accum (the forward GEMM's use_fast_accum, as torchao's
                          default; the gradients' GEMMs precise)
   ampkit_fp8_auto        the policy ampkit.calibrate_fp8 gives for this model (base: the
-                         tensorwise arm's policy; it keeps bf16 where fp8 does not pay)
+                         tensorwise arm's policy; it keeps bf16 where fp8 does not pay); its
+                         report (each module's measured times and error) is printed at its build
   torchao_tensorwise     torchao's convert_to_float8_training (tensorwise; the head left out,
                          ampkit.bench.convert_float8) + torch.autocast(bf16) + torch.compile(model)
   torchao_rowwise        the same, rowwise recipe
@@ -131,12 +135,18 @@ DEFAULT_ARMS = {
              "ampkit_fp8_auto", "torchao_tensorwise", "torchao_rowwise"),
     "decoder16x2048": ("bf16_compile", "ampkit_fp8_tensorwise", "ampkit_fp8_rowwise", "torchao_tensorwise"),
 }
-SHAPES = {  # (profile of gpt2_small, sizes over it, batches)
-    "gpt2": ("full", {}, 4),
-    "decoder16x2048": ("full", dict(n_layers=16, d_model=2048, n_heads=16, d_ff=8192, seq_len=2048,
-                                    batch_size=4), 4),
+SHAPES = {  # (case, profile, sizes over it, batches)
+    "gpt2": ("gpt2_small", "full", {}, 4),
+    "decoder16x2048": ("gpt2_small", "full", dict(n_layers=16, d_model=2048, n_heads=16, d_ff=8192, seq_len=2048,
+                                                  batch_size=4), 4),
+    # the benchmark's other cases with fp8 candidates, at their own full profile
+    "transformer": ("transformer", "full", {}, 4),
+    "text_classifier": ("text_classifier", "full", {}, 4),
+    "seed_mlp": ("seed_mlp", "full", {}, 4),
 }
-SMOKE = {"gpt2": ("tiny", {}, 2), "decoder16x2048": ("tiny", dict(n_layers=2), 2)}
+SMOKE = {"gpt2": ("gpt2_small", "tiny", {}, 2), "decoder16x2048": ("gpt2_small", "tiny", dict(n_layers=2), 2),
+         "transformer": ("transformer", "tiny", {}, 2), "text_classifier": ("text_classifier", "tiny", {}, 2),
+         "seed_mlp": ("seed_mlp", "tiny", {}, 2)}
 BF16 = torch.bfloat16
 # every arm's warm-up calls (the same for all: the same training step at each timed step);
 # a step arm's are make_train_step's eager steps (STEP_EAGER_WARMUP), then the call that
@@ -151,24 +161,26 @@ RECIPES = {"tensorwise": {"scaling": "tensorwise"}, "rowwise": {"scaling": "roww
 
 
 def build_shape(shape, smoke, device):
-    """The gpt2_small case with the shape's sizes, as a profile named after the shape."""
-    profile, sizes, num_batches = (SMOKE if smoke else SHAPES)[shape]
-    case = load_case(_case_path())
+    """The shape's case with the shape's sizes, as a profile named after the shape."""
+    name, profile, sizes, num_batches = (SMOKE if smoke else SHAPES)[shape]
+    case = load_case(_case_path(name))
     base = case.profiles[profile]
     prof = {**base, "sizes": {**base["sizes"], **sizes}, "num_batches": num_batches}
     case = dataclasses.replace(case, profiles={**case.profiles, shape: prof})
     return build_case(case, shape, device=device)
 
 
-def _case_path():
+def _case_path(name):
     from ampkit.bench import spec_dir
-    return spec_dir() / "gpt2_small.yaml"
+    return spec_dir() / ("%s.yaml" % name)
 
 
-def fp8_policy(recipe, device):
-    """The shipped fp8 policy with ``recipe``, the vocabulary head kept in bf16 by a scope."""
-    return ampkit.load_policy("fp8").with_fp8_recipe(device, **RECIPES[recipe]).with_module(
-        "head", lower_precision_fp=["linear"])
+def fp8_policy(recipe, device, model):
+    """The shipped fp8 policy with ``recipe``, the head (the model's last nn.Linear) and the
+    linears whose dimensions are not multiples of 16 kept in bf16 by scopes: the runner's
+    ampkit_fp8 policy (ampkit.bench's ``base_policy``), the layers torchao's arms leave out."""
+    from ampkit.bench._fp8_tier import base_policy
+    return base_policy(model, device).with_fp8_recipe(device, **RECIPES[recipe])
 
 
 class Arm:
@@ -194,15 +206,18 @@ def build_arm(name, case, device, backend):
         return step_arm(model, case, device, backend, STEP_ARMS[name])
     if name.startswith("ampkit_fp8_"):
         recipe = name[len("ampkit_fp8_"):]
-        policy = fp8_policy("tensorwise" if recipe == "auto" else recipe, device)
+        policy = fp8_policy("tensorwise" if recipe == "auto" else recipe, device, model)
         note = ""
         if recipe == "auto":
             ids = case.batches[0][0]
             cal = ampkit.calibrate_fp8(model, (ids,), policy=policy, device_type=device, dtype=BF16)
             policy = cal.policy
             fp8 = [r.module for r in cal.report if r.precision == "fp8"]
-            note = "auto: %d of %d linears in fp8 (%s)" % (len(fp8), len(cal.report), ", ".join(fp8[:6]) + (
-                " ..." if len(fp8) > 6 else ""))
+            note = "auto: %d of %d linears in fp8 (%s), %d module scopes" % (
+                len(fp8), len(cal.report), ", ".join(fp8[:6]) + (" ..." if len(fp8) > 6 else ""),
+                len(policy.modules))
+            # what decided it (each module's eager fp8 and bf16 times at its shapes, its error)
+            print("calibrate_fp8's report:\n" + cal.table(), flush=True)
         scopes = policy.apply(model)
         region_policy = policy.without_modules()
         opt = opt_for(model)
@@ -227,7 +242,7 @@ def step_arm(model, case, device, backend, recipe):
     that recipe with the head's scope, as the ampkit_fp8_* arms."""
     held, region = (), dict(device_type=device, dtype=BF16)
     if recipe is not None:
-        policy = fp8_policy(recipe, device)
+        policy = fp8_policy(recipe, device, model)
         held = (policy.apply(model),)
         region["policy"] = policy.without_modules()
     cuda = device == "cuda"

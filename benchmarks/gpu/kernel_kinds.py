@@ -86,15 +86,18 @@ class Breakdown:
     steps: int
     kinds: dict
     top: tuple
+    launches: float = 0.0  # kernels (on the CPU: ops) a step, all of them
 
     def to_dict(self) -> dict:
         return {"device": self.device, "steps": self.steps, "kinds_ms": dict(self.kinds),
-                "total_ms": sum(self.kinds.values()), "top": [dataclasses.asdict(k) for k in self.top]}
+                "total_ms": sum(self.kinds.values()), "launches": self.launches,
+                "top": [dataclasses.asdict(k) for k in self.top]}
 
     def lines(self, width=100):
         """Printable: one line of kinds, then one line per top kernel."""
         out = ["device ms a step: " + ", ".join("%s %.3f" % (k, self.kinds[k]) for k in KINDS)
-               + ", total %.3f" % sum(self.kinds.values())]
+               + ", total %.3f, %.0f %s a step" % (sum(self.kinds.values()), self.launches,
+                                                    "kernels" if self.device == "cuda" else "ops")]
         for k in self.top:
             name = k.name if len(k.name) <= width else k.name[:width - 3] + "..."
             out.append("  %8.3f ms %6.1fx  %-9s %s" % (k.ms, k.count, k.kind, name))
@@ -138,4 +141,4 @@ def breakdown_of(events, steps, device, top=15) -> Breakdown:
         kinds[kernel_kind(name, fp8)] += us / 1e3 / steps
     top_k = tuple(KernelTotal(name, kernel_kind(name, fp8), us / 1e3 / steps, counts[name] / steps)
                   for name, us in times.most_common(top))
-    return Breakdown(device, steps, kinds, top_k)
+    return Breakdown(device, steps, kinds, top_k, sum(counts.values()) / steps)
