@@ -304,6 +304,7 @@ def run_shape(shape, arms, args, device, backend):
         before = _mem(device)
         _reset_peak(device)
         t0 = time.perf_counter()
+        graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
         try:
             arm = build_arm(name, case, device, backend)
             for i in range(WARMUP_STEPS):
@@ -321,10 +322,15 @@ def run_shape(shape, arms, args, device, backend):
             continue
         info[name] = {"status": "ok", "compile_s": time.perf_counter() - t0, "note": arm.note, "samples": [],
                       "base_bytes": before, "peak_mib": (_peak(device) - before) / 2 ** 20,
-                      "warmup_loss": float(loss), "held_mib": (_held(device) - held_before) / 2 ** 20}
+                      "warmup_loss": float(loss.detach()), "held_mib": (_held(device) - held_before) / 2 ** 20,
+                      # dynamo's graphs and graph breaks in its build and warm-up (a break: one more
+                      # graph, and the host's time between them, every step)
+                      "graphs": counters["stats"]["unique_graphs"] - graphs,
+                      "graph_breaks": sum(counters["graph_break"].values()) - breaks}
         live[name] = arm
-        print("%-24s built and warmed up in %.1f s%s" % (name, info[name]["compile_s"],
-                                                         "  (%s)" % arm.note if arm.note else ""), flush=True)
+        print("%-24s built and warmed up in %.1f s, %d graph(s), %d graph break(s)%s" % (
+            name, info[name]["compile_s"], info[name]["graphs"], info[name]["graph_breaks"],
+            "  (%s)" % arm.note if arm.note else ""), flush=True)
     names = list(live)
     batches = case.batches
     for r in range(args.rounds):

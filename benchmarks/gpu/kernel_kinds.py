@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 
 import torch
 
@@ -87,11 +88,14 @@ class Breakdown:
     kinds: dict
     top: tuple
     launches: float = 0.0  # kernels (on the CPU: ops) a step, all of them
+    wall_ms: float = 0.0  # the profiled steps' wall time a step, the device synced at the end
+    host_top: tuple = ()  # on CUDA: the host's events (ops, runtime calls) by self CPU time, as KernelTotals
 
     def to_dict(self) -> dict:
         return {"device": self.device, "steps": self.steps, "kinds_ms": dict(self.kinds),
-                "total_ms": sum(self.kinds.values()), "launches": self.launches,
-                "top": [dataclasses.asdict(k) for k in self.top]}
+                "total_ms": sum(self.kinds.values()), "launches": self.launches, "wall_ms": self.wall_ms,
+                "top": [dataclasses.asdict(k) for k in self.top],
+                "host_top": [dataclasses.asdict(k) for k in self.host_top]}
 
     def lines(self, width=100):
         """Printable: one line of kinds, then one line per top kernel."""
@@ -101,6 +105,11 @@ class Breakdown:
         for k in self.top:
             name = k.name if len(k.name) <= width else k.name[:width - 3] + "..."
             out.append("  %8.3f ms %6.1fx  %-9s %s" % (k.ms, k.count, k.kind, name))
+        if self.host_top:  # where the host's time goes, when the wall is above the device's total
+            out.append("host: %.3f ms a step of wall (profiled), its events by self CPU time:" % self.wall_ms)
+            for k in self.host_top:
+                name = k.name if len(k.name) <= width else k.name[:width - 3] + "..."
+                out.append("  %8.3f ms %6.1fx  %s" % (k.ms, k.count, name))
         return out
 
 
@@ -113,11 +122,13 @@ def profile_breakdown(step, batches, steps=3, device="cuda", top=15) -> Breakdow
         torch.cuda.synchronize()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
         for i in range(steps):
             step(*batches[i % len(batches)])
         if cuda:
             torch.cuda.synchronize()
-    return breakdown_of(prof.events(), steps, device, top)
+        wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+    return dataclasses.replace(breakdown_of(prof.events(), steps, device, top), wall_ms=wall_ms)
 
 
 def breakdown_of(events, steps, device, top=15) -> Breakdown:
@@ -125,8 +136,12 @@ def breakdown_of(events, steps, device, top=15) -> Breakdown:
     cuda = device == "cuda"
     fp8 = frozenset(k.name for e in events if e.name == "aten::_scaled_mm" for k in e.kernels)
     times, counts = collections.Counter(), collections.Counter()
+    host_times, host_counts = collections.Counter(), collections.Counter()
     for e in events:
         if cuda:
+            if e.device_type == torch.autograd.DeviceType.CPU and not e.name.startswith("ProfilerStep"):
+                host_times[e.name] += e.self_cpu_time_total
+                host_counts[e.name] += 1
             if e.device_type != torch.autograd.DeviceType.CUDA or is_annotation(e):
                 continue
             us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
@@ -141,4 +156,6 @@ def breakdown_of(events, steps, device, top=15) -> Breakdown:
         kinds[kernel_kind(name, fp8)] += us / 1e3 / steps
     top_k = tuple(KernelTotal(name, kernel_kind(name, fp8), us / 1e3 / steps, counts[name] / steps)
                   for name, us in times.most_common(top))
-    return Breakdown(device, steps, kinds, top_k, sum(counts.values()) / steps)
+    host = tuple(KernelTotal(name, "host", us / 1e3 / steps, host_counts[name] / steps)
+                 for name, us in host_times.most_common(top))
+    return Breakdown(device, steps, kinds, top_k, sum(counts.values()) / steps, host_top=host)
