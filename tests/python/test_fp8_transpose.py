@@ -1,7 +1,7 @@
 """torch.ops.ampkit.transposed (ampkit._fp8_transpose): the transposed copy the fp8 backward feeds
 _scaled_mm, checked byte for byte against ``t.t().contiguous()`` (the oracle), eagerly, under
-torch.compile (where it must stay one call of its own, not a store fused into the producer's
-kernel) and, on CUDA, through its Triton kernel at shapes that are not multiples of its tile."""
+torch.compile (on CUDA a kernel of its own that inductor launches, not a store fused into the
+producer's kernel) and, on CUDA, through its Triton kernel at shapes that are not multiples of its tile."""
 from __future__ import annotations
 
 import pytest
@@ -29,21 +29,26 @@ def test_transposed_is_the_contiguous_transpose(dtype, shape):
     assert got.data_ptr() != t.data_ptr()  # a copy even where t.t() is already contiguous
 
 
-def test_a_compiled_graph_calls_it_as_one_op():
-    """Inside torch.compile the copy is an op of its own (inductor calls it; it does not fuse
-    the transposed store into the cast), with the same bytes as eagerly."""
+def _cast_and_transpose(x):
+    q = (x * 3).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q, transposed(q)
+
+
+TRITON_OP = hasattr(torch.library, "triton_op")
+
+
+def test_a_compiled_graph_gives_the_same_bytes():
+    """Under torch.compile the copy has the eager bytes. Where torch has no
+    ``torch.library.triton_op`` (< 2.6) it stays an opaque op that the compiled code calls;
+    with it, inductor traces into its body (on the CPU: the plain transpose)."""
     from torch._inductor.utils import run_and_get_code
     compiles_correctly_here("cpu")
-
-    def f(x):
-        q = (x * 3).clamp(-448, 448).to(torch.float8_e4m3fn)
-        return q, transposed(q)
-
     x = torch.randn(48, 32)
-    (q, qt), codes = run_and_get_code(torch.compile(f), x)
+    (q, qt), codes = run_and_get_code(torch.compile(_cast_and_transpose), x)
     assert same_bytes(qt, q.t().contiguous())
-    assert same_bytes(q, f(x)[0])
-    assert any("torch.ops.ampkit.transposed" in c for c in codes), "the op was not called by the compiled code"
+    assert same_bytes(q, _cast_and_transpose(x)[0])
+    called = any("torch.ops.ampkit.transposed" in c for c in codes)
+    assert called is not TRITON_OP, "an opaque op is called by the compiled code; a triton_op is traced into"
 
 
 def test_bad_input_is_a_clear_error():
@@ -58,3 +63,18 @@ def test_bad_input_is_a_clear_error():
 def test_the_triton_kernel_moves_the_same_bytes(dtype, shape):
     t = (torch.randn(shape, device="cuda") * 50).to(dtype)
     assert same_bytes(transposed(t), t.t().contiguous())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_inductor_launches_the_triton_kernel_as_a_kernel_of_its_own():
+    """On CUDA (torch >= 2.6) the compiled code launches transpose_tiles itself, as a kernel
+    of its own: no trip through the operator (its host cost), no store fused into the cast."""
+    from torch._inductor.utils import run_and_get_code
+    if not TRITON_OP:
+        pytest.skip("torch %s has no torch.library.triton_op: the op stays opaque" % torch.__version__)
+    x = torch.randn(256, 192, device="cuda")
+    (q, qt), codes = run_and_get_code(torch.compile(_cast_and_transpose), x)
+    assert same_bytes(qt, q.t().contiguous())
+    code = "\n".join(codes)
+    assert "transpose_tiles" in code and "torch.ops.ampkit.transposed" not in code
