@@ -3,7 +3,7 @@ arms timed interleaved. Never a test (tests/python/test_fp8_speed_script.py runs
 
     PYTHONPATH=$PWD/python python3 benchmarks/gpu/fp8_speed.py [--shapes gpt2,decoder16x2048]
         [--arms a,b,...] [--rounds 5] [--steps-per-round 10] [--out results.json] [--smoke]
-        [--breakdown]
+        [--breakdown] [--cprofile STEPS]
 
 Shapes (the benchmark's GPT-2 case, ampkit.bench's builders, sizes overridden, no copy of
 model code): ``gpt2`` is shared_specs/benchmarks/gpt2_small.yaml's full profile (12 x 768,
@@ -353,12 +353,35 @@ def run_shape(shape, arms, args, device, backend):
             rec["peak_mib"] = max(rec["peak_mib"], (_peak(device) - rec["base_bytes"]) / 2 ** 20)
             rec["loss"] = float(loss)
         print("round %d/%d done" % (r + 1, args.rounds), flush=True)
+    if args.cprofile:
+        for name in names:
+            print("%-16s %-24s host Python by own time (cProfile, %d steps):\n%s" % (
+                shape, name, args.cprofile, host_python_profile(live[name].step, batches, args.cprofile, device)),
+                  flush=True)
     if args.breakdown:
         for name in names:
             bd = profile_breakdown(live[name].step, batches, BREAKDOWN_STEPS, device)
             info[name]["breakdown"] = bd.to_dict()
             print("\n".join(["%-16s %-24s %s" % (shape, name, bd.lines()[0])] + bd.lines()[1:]), flush=True)
     return summarize(shape, info, device)
+
+
+def host_python_profile(step, batches, steps, device, top=25):
+    """The host's Python functions by their own time over ``steps`` steps (cProfile; the
+    device synced before and after), as printable lines: where a host-bound step's time goes."""
+    import cProfile
+    import io
+    import pstats
+    _sync(device)
+    prof = cProfile.Profile()
+    prof.enable()
+    for i in range(steps):
+        step(*batches[i % len(batches)])
+    _sync(device)
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    return "\n".join(line for line in out.getvalue().splitlines() if line.strip())
 
 
 def summarize(shape, info, device):
@@ -398,6 +421,8 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--breakdown", action="store_true", help="after the timed rounds, each arm's device time "
                     "a step by kernel kind and its top 15 kernels (torch.profiler, %d steps)" % BREAKDOWN_STEPS)
+    ap.add_argument("--cprofile", type=int, default=0, metavar="STEPS",
+                    help="after the timed rounds, each arm's host Python by own time over STEPS steps (cProfile)")
     args = ap.parse_args(argv)
     shapes = args.shapes.split(",")
     for s in shapes:
