@@ -15,6 +15,7 @@ from ampkit._policy import Policy
 from ampkit._policy import PolicyError
 from ampkit._policy import load_policy
 from ampkit._autocast import autocast
+from ampkit import _compiled_graphs
 from ampkit._replayed_regions import checkpoint
 from ampkit._replayed_regions import custom_bwd
 from ampkit._replayed_regions import custom_fwd
@@ -41,6 +42,8 @@ from ampkit._fp8_calibrate import Fp8Decision
 from ampkit._fp8_calibrate import calibrate_fp8
 
 __version__ = "0.1.0"
+
+_compiled_graphs.install()  # compiled graphs traced under a handler run without it (its docstring)
 
 __all__ = [
     "CATEGORIES",
