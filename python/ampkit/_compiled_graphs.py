@@ -8,7 +8,7 @@ stack (pytorch/pytorch#196056 proposes the change made here). Every Python-level
 of inductor's generated code (its extern kernels such as ``_scaled_mm`` and ``mm``, views,
 AOTAutograd's runtime checks) goes through the handler a second time: measured on an H200
 at the GPT-2-small shape with every linear in fp8 (benchmarks/gpu/fp8_speed.py --cprofile,
-benchmarks/results/gpu/fp8-host-h200-*), ~2,100 calls a step through the handler and a
+benchmarks/results/gpu/fp8-host-h200-c846849/), ~2,100 calls a step through the handler and a
 step of 50-60 ms for 20 ms of device time, where torchao's float8, with the same kernel
 count, ran 28 ms. A handler applied twice may also cast what the graph already decided.
 
