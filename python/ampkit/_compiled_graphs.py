@@ -10,7 +10,7 @@ AOTAutograd's runtime checks) goes through the handler a second time: measured o
 at the GPT-2-small shape with every linear in fp8 (benchmarks/gpu/fp8_speed.py --cprofile,
 benchmarks/results/gpu/fp8-host-h200-c846849/), ~2,100 calls a step through the handler and a
 step of 50-60 ms for 20 ms of device time, where torchao's float8, with the same kernel
-count, ran 28 ms. A handler applied twice may also cast what the graph already decided.
+count, ran 28 ms.
 
 :func:`install` wraps, once per process, dynamo's ``OutputGraph.call_user_compiler``: a
 graph compiled while an ampkit handler was on the mode stack that dynamo traced under is
