@@ -351,7 +351,7 @@ def run_shape(shape, arms, args, device, backend):
             rec["samples"].append(ms)
             rec["timed_compiles"] = rec.get("timed_compiles", 0) + compiled
             rec["peak_mib"] = max(rec["peak_mib"], (_peak(device) - rec["base_bytes"]) / 2 ** 20)
-            rec["loss"] = float(loss)
+            rec["loss"] = float(loss.detach())
         print("round %d/%d done" % (r + 1, args.rounds), flush=True)
     if args.cprofile:
         for name in names:
