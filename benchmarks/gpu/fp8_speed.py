@@ -23,7 +23,7 @@ fp8 for the fp8 arms:
   ampkit_fp8_tensorwise  ampkit.autocast(bf16, the fp8 policy, tensorwise recipe), the head (the
                          last nn.Linear) and any linear whose dimensions are not multiples of 16 kept
                          in bf16 by module scopes (the runner's ampkit_fp8 policy,
-                         ampkit.bench._fp8_tier.base_policy) + torch.compile(model)
+                         ampkit.bench.fp8_base_policy) + torch.compile(model)
   ampkit_fp8_rowwise     the same, rowwise recipe
   ampkit_fp8_delayed     the same, delayed recipe (amax_history 16; its casts need no amax of
                          their operand first: docs/autocast.md, "fp8")
@@ -178,9 +178,9 @@ def _case_path(name):
 def fp8_policy(recipe, device, model):
     """The shipped fp8 policy with ``recipe``, the head (the model's last nn.Linear) and the
     linears whose dimensions are not multiples of 16 kept in bf16 by scopes: the runner's
-    ampkit_fp8 policy (ampkit.bench's ``base_policy``), the layers torchao's arms leave out."""
-    from ampkit.bench._fp8_tier import base_policy
-    return base_policy(model, device).with_fp8_recipe(device, **RECIPES[recipe])
+    ampkit_fp8 policy (``ampkit.bench.fp8_base_policy``), the layers torchao's arms leave out."""
+    from ampkit.bench import fp8_base_policy
+    return fp8_base_policy(model, device).with_fp8_recipe(device, **RECIPES[recipe])
 
 
 class Arm:

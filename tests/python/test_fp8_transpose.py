@@ -38,17 +38,14 @@ TRITON_OP = hasattr(torch.library, "triton_op")
 
 
 def test_a_compiled_graph_gives_the_same_bytes():
-    """Under torch.compile the copy has the eager bytes. Where torch has no
-    ``torch.library.triton_op`` (< 2.6) it stays an opaque op that the compiled code calls;
-    with it, inductor traces into its body (on the CPU: the plain transpose)."""
-    from torch._inductor.utils import run_and_get_code
+    """Under torch.compile the copy has the eager bytes (where torch has
+    ``torch.library.triton_op``, inductor traces into its body: on the CPU the plain
+    transpose; on CUDA the test below checks that its kernel stays a kernel of its own)."""
     compiles_correctly_here("cpu")
     x = torch.randn(48, 32)
-    (q, qt), codes = run_and_get_code(torch.compile(_cast_and_transpose), x)
+    q, qt = torch.compile(_cast_and_transpose)(x)
     assert same_bytes(qt, q.t().contiguous())
     assert same_bytes(q, _cast_and_transpose(x)[0])
-    called = any("torch.ops.ampkit.transposed" in c for c in codes)
-    assert called is not TRITON_OP, "an opaque op is called by the compiled code; a triton_op is traced into"
 
 
 def test_bad_input_is_a_clear_error():

@@ -72,6 +72,7 @@ from ampkit.bench._float8 import float8_layers
 from ampkit.bench._float8 import float8_reason
 from ampkit.bench._fp8_tier import Fp8Setup
 from ampkit.bench._fp8_tier import emulation_note
+from ampkit.bench._fp8_tier import fp8_base_policy
 from ampkit.bench._fp8_tier import fp8_reason
 from ampkit.bench._fp8_tier import setup_fp8
 from ampkit.bench._runner import RECOMPILE_LIMIT
@@ -156,6 +157,7 @@ __all__ = [
     "float8_reason",
     "Fp8Setup",
     "emulation_note",
+    "fp8_base_policy",
     "fp8_reason",
     "setup_fp8",
     "fit_budget",

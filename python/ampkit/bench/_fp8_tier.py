@@ -105,7 +105,7 @@ class Fp8Setup:
     calibrate_s: float | None = None
 
 
-def base_policy(model: torch.nn.Module, device: str):
+def fp8_base_policy(model: torch.nn.Module, device: str):
     """The shipped fp8 policy with the layers ``float8_layers`` leaves out kept in the region
     dtype by module scopes; None when no layer is left in fp8 (nothing to measure)."""
     import ampkit
@@ -124,7 +124,7 @@ def setup_fp8(kind: str, model: torch.nn.Module, example_inputs, device: str, dt
     None when the model has no layer fp8 could take."""
     if kind not in KINDS:
         raise ValueError("fp8 %r; valid: %s" % (kind, ", ".join(KINDS)))
-    policy = base_policy(model, device)
+    policy = fp8_base_policy(model, device)
     if policy is None:
         return None
     kept = len(policy.modules)
