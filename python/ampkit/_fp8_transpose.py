@@ -9,9 +9,9 @@ transposed store is strided: measured on the 16 x 2048 decoder (H100, fp8-speed-
 such kernels ran at ~1 TB/s. :func:`transposed` is an operator of its own
 (``torch.ops.ampkit.transposed``) backed by a tiled Triton kernel on CUDA (loads and stores
 both coalesced): the producer writes ``t`` once, row-major, and the copy reads it back in
-tiles. On torch >= 2.6 it is a ``triton_op``, whose kernel inductor launches from its own
-code as a kernel of its own (never fused); on older torch an opaque ``custom_op``, which
-the compiled code calls. Elsewhere (the CPU, or without Triton) it is
+tiles. Where Triton is installed, on torch >= 2.6, it is a ``triton_op``, whose kernel
+inductor launches from its own code as a kernel of its own (never fused); elsewhere an
+opaque ``custom_op``, which the compiled code calls. Elsewhere (the CPU, or without Triton) it is
 ``t.t().contiguous()``. The values are the same bytes in every path.
 
 >>> import torch
@@ -23,6 +23,7 @@ True
 from __future__ import annotations
 
 import functools
+import importlib.util
 
 import torch
 
@@ -56,8 +57,11 @@ def _kernel():
 # the dispatcher and the Python operator machinery each call: on an H200, at the GPT-2
 # shape, its 144 calls a step were ~16 ms of the step's host time under the profiler (the
 # loop ran 59 ms a step for 20 ms of device time: fp8-cases-h200 README). Older torch keeps
-# the opaque operator.
-_define = getattr(torch.library, "triton_op", None) or torch.library.custom_op
+# the opaque operator, as does a torch without Triton (the CPU builds: there the op is
+# ``t.t().contiguous()`` either way, and torch would warn at every import that it finds no
+# Triton kernel in the body).
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+_define = (getattr(torch.library, "triton_op", None) if _HAS_TRITON else None) or torch.library.custom_op
 _launch = getattr(torch.library, "wrap_triton", lambda kernel: kernel)
 
 
