@@ -10,9 +10,9 @@ such kernels ran at ~1 TB/s. :func:`transposed` is an operator of its own
 (``torch.ops.ampkit.transposed``) backed by a tiled Triton kernel on CUDA (loads and stores
 both coalesced): the producer writes ``t`` once, row-major, and the copy reads it back in
 tiles. Where Triton is installed, on torch >= 2.6, it is a ``triton_op``, whose kernel
-inductor launches from its own code as a kernel of its own (never fused); elsewhere an
-opaque ``custom_op``, which the compiled code calls. Elsewhere (the CPU, or without Triton) it is
-``t.t().contiguous()``. The values are the same bytes in every path.
+inductor launches from its own code as a kernel of its own (never fused); otherwise an
+opaque ``custom_op``, which the compiled code calls. Off CUDA (or without Triton) its body
+is ``t.t().contiguous()``. The values are the same bytes in every path.
 
 >>> import torch
 >>> t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
@@ -55,8 +55,10 @@ def _kernel():
 # traces into: it launches the Triton kernel from its own generated code, as it launches its
 # own kernels, and never fuses it with them. An opaque ``custom_op`` costs a trip through
 # the dispatcher and the Python operator machinery each call: on an H200, at the GPT-2
-# shape, its 144 calls a step were ~16 ms of the step's host time under the profiler (the
-# loop ran 59 ms a step for 20 ms of device time: fp8-cases-h200 README). Older torch keeps
+# shape, its 144 calls a step took ~16 ms of the step's host time under the profiler,
+# measured while ampkit's handler still saw every Python-level call of compiled graphs
+# (ampkit._compiled_graphs), which inflated that figure by an amount not measured apart
+# (benchmarks/results/gpu/fp8-host-h200-c846849/). Older torch keeps
 # the opaque operator, as does a torch without Triton (the CPU builds: there the op is
 # ``t.t().contiguous()`` either way, and torch would warn at every import that it finds no
 # Triton kernel in the body).
