@@ -9,9 +9,9 @@ transposed store is strided: measured on the 16 x 2048 decoder (H100, fp8-speed-
 such kernels ran at ~1 TB/s. :func:`transposed` is an operator of its own
 (``torch.ops.ampkit.transposed``) backed by a tiled Triton kernel on CUDA (loads and stores
 both coalesced): the producer writes ``t`` once, row-major, and the copy reads it back in
-tiles. Where Triton is installed, on torch >= 2.6, it is a ``triton_op``, whose kernel
-inductor launches from its own code as a kernel of its own (never fused); otherwise an
-opaque ``custom_op``, which the compiled code calls. Off CUDA (or without Triton) its body
+tiles. On torch >= 2.6 it is a ``triton_op``, whose kernel inductor launches from its own
+code as a kernel of its own (never fused); on older torch an opaque ``custom_op``, which
+the compiled code calls. Off CUDA (or without Triton) its body
 is ``t.t().contiguous()``. The values are the same bytes in every path.
 
 >>> import torch
@@ -23,7 +23,6 @@ True
 from __future__ import annotations
 
 import functools
-import importlib.util
 
 import torch
 
@@ -59,11 +58,9 @@ def _kernel():
 # measured while ampkit's handler still saw every Python-level call of compiled graphs
 # (ampkit._compiled_graphs), which inflated that figure by an amount not measured apart
 # (benchmarks/results/gpu/fp8-host-h200-c846849/). Older torch keeps
-# the opaque operator, as does a torch without Triton (the CPU builds: there the op is
-# ``t.t().contiguous()`` either way, and torch would warn at every import that it finds no
-# Triton kernel in the body).
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
-_define = (getattr(torch.library, "triton_op", None) if _HAS_TRITON else None) or torch.library.custom_op
+# the opaque operator. (On a torch without Triton, the CPU builds, torch logs at import that
+# it finds no Triton kernel in the body; the op is ``t.t().contiguous()`` there.)
+_define = getattr(torch.library, "triton_op", None) or torch.library.custom_op
 _launch = getattr(torch.library, "wrap_triton", lambda kernel: kernel)
 
 
