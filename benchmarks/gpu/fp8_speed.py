@@ -3,7 +3,7 @@ arms timed interleaved. Never a test (tests/python/test_fp8_speed_script.py runs
 
     PYTHONPATH=$PWD/python python3 benchmarks/gpu/fp8_speed.py [--shapes gpt2,decoder16x2048]
         [--arms a,b,...] [--rounds 5] [--steps-per-round 10] [--out results.json] [--smoke]
-        [--breakdown] [--cprofile STEPS]
+        [--breakdown] [--cprofile STEPS] [--sync-check]
 
 Shapes (the benchmark's GPT-2 case, ampkit.bench's builders, sizes overridden, no copy of
 model code): ``gpt2`` is shared_specs/benchmarks/gpt2_small.yaml's full profile (12 x 768,
@@ -358,6 +358,12 @@ def run_shape(shape, arms, args, device, backend):
             print("%-16s %-24s host Python by own time (cProfile, %d steps):\n%s" % (
                 shape, name, args.cprofile, host_python_profile(live[name].step, batches, args.cprofile, device)),
                   flush=True)
+    if args.sync_check:
+        for name in names:
+            syncs = host_syncs(live[name].step, batches, device)
+            info[name]["host_syncs"] = len(syncs)
+            print("%-16s %-24s host syncs in one step: %d%s" % (shape, name, len(syncs), "".join(
+                "\n    " + where for where in syncs[:5])), flush=True)
     if args.breakdown:
         for name in names:
             bd = profile_breakdown(live[name].step, batches, BREAKDOWN_STEPS, device)
@@ -382,6 +388,34 @@ def host_python_profile(step, batches, steps, device, top=25):
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
     return "\n".join(line for line in out.getvalue().splitlines() if line.strip())
+
+
+def host_syncs(step, batches, device):
+    """Where one step makes the host wait for the device (torch.cuda.set_sync_debug_mode's
+    warnings; a sync serializes a host-bound step's host and device time): the last frames of
+    each warning's stack outside torch, as printable lines; nothing off CUDA."""
+    if device != "cuda":
+        return []
+    import traceback
+    import warnings
+    _sync(device)
+    found = []
+
+    def note(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename]
+        found.append("%s at %s" % (str(message).splitlines()[0][:80], " <- ".join(
+            "%s:%d" % (f.filename.rsplit("/", 1)[-1], f.lineno) for f in frames[-3:][::-1])))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = note
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step(*batches[0])
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    _sync(device)
+    return found
 
 
 def summarize(shape, info, device):
@@ -421,6 +455,8 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--breakdown", action="store_true", help="after the timed rounds, each arm's device time "
                     "a step by kernel kind and its top 15 kernels (torch.profiler, %d steps)" % BREAKDOWN_STEPS)
+    ap.add_argument("--sync-check", action="store_true", help="after the timed rounds, the host syncs one "
+                    "step of each arm makes (torch.cuda.set_sync_debug_mode), and where")
     ap.add_argument("--cprofile", type=int, default=0, metavar="STEPS",
                     help="after the timed rounds, each arm's host Python by own time over STEPS steps (cProfile)")
     args = ap.parse_args(argv)
