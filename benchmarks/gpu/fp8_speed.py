@@ -3,7 +3,7 @@ arms timed interleaved. Never a test (tests/python/test_fp8_speed_script.py runs
 
     PYTHONPATH=$PWD/python python3 benchmarks/gpu/fp8_speed.py [--shapes gpt2,decoder16x2048]
         [--arms a,b,...] [--rounds 5] [--steps-per-round 10] [--out results.json] [--smoke]
-        [--breakdown] [--cprofile STEPS] [--sync-check]
+        [--breakdown] [--cprofile STEPS] [--sync-check] [--gc-freeze]
 
 Shapes (the benchmark's GPT-2 case, ampkit.bench's builders, sizes overridden, no copy of
 model code): ``gpt2`` is shared_specs/benchmarks/gpt2_small.yaml's full profile (12 x 768,
@@ -109,6 +109,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import gc
 import json
 import statistics
 import sys
@@ -333,15 +334,20 @@ def run_shape(shape, arms, args, device, backend):
             "  (%s)" % arm.note if arm.note else ""), flush=True)
     names = list(live)
     batches = case.batches
+    if args.gc_freeze:  # the objects the builds left (dynamo's, inductor's) out of every later collection
+        gc.collect()
+        gc.freeze()
     for r in range(args.rounds):
         for name in names[r % max(1, len(names)):] + names[:r % max(1, len(names))]:
             _sync(device)
             _reset_peak(device)
             t0 = time.perf_counter()
             graphs = counters["stats"]["unique_graphs"]
-            for i in range(args.steps_per_round):
-                loss = live[name].step(*batches[i % len(batches)])
-            _sync(device)
+            waits = HostWaits(device)
+            with waits:
+                for i in range(args.steps_per_round):
+                    loss = live[name].step(*batches[i % len(batches)])
+                _sync(device)
             compiled = counters["stats"]["unique_graphs"] - graphs
             if compiled:
                 print("%-24s WARNING: compiled %d graph(s) in timed round %d (its time includes tracing)"
@@ -349,10 +355,14 @@ def run_shape(shape, arms, args, device, backend):
             ms = (time.perf_counter() - t0) * 1e3 / args.steps_per_round
             rec = info[name]
             rec["samples"].append(ms)
+            waits.add_to(rec.setdefault("host_waits", {}), args.steps_per_round)
             rec["timed_compiles"] = rec.get("timed_compiles", 0) + compiled
             rec["peak_mib"] = max(rec["peak_mib"], (_peak(device) - rec["base_bytes"]) / 2 ** 20)
             rec["loss"] = float(loss.detach())
         print("round %d/%d done" % (r + 1, args.rounds), flush=True)
+    for name in names:
+        print("%-16s %-24s in the timed rounds, a step: %s" % (shape, name, HostWaits.line(info[name]["host_waits"])),
+              flush=True)
     if args.cprofile:
         for name in names:
             print("%-16s %-24s host Python by own time (cProfile, %d steps):\n%s" % (
@@ -390,6 +400,53 @@ def host_python_profile(step, batches, steps, device, top=25):
     return "\n".join(line for line in out.getvalue().splitlines() if line.strip())
 
 
+class HostWaits:
+    """What can stall a host-bound step's host on the device or on itself, counted over a
+    block: the caching allocator's cudaMalloc and cudaFree calls (cudaFree waits for the
+    device) and its retries, and Python's garbage collections (by generation) and their time."""
+
+    KEYS = ("cuda_mallocs", "cuda_frees", "alloc_retries", "gc0", "gc1", "gc2", "gc_ms")
+
+    def __init__(self, device):
+        self.device, self.counts = device, dict.fromkeys(self.KEYS, 0)
+
+    def _allocator(self):
+        if self.device != "cuda":
+            return {}
+        st = torch.cuda.memory_stats()
+        return {"cuda_mallocs": st.get("num_device_alloc", 0), "cuda_frees": st.get("num_device_free", 0),
+                "alloc_retries": st.get("num_alloc_retries", 0)}
+
+    def _on_gc(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.counts["gc%d" % info["generation"]] += 1
+            self.counts["gc_ms"] += (time.perf_counter() - self._t0) * 1e3
+
+    def __enter__(self):
+        self._before = self._allocator()
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._on_gc)
+        for k, v in self._allocator().items():
+            self.counts[k] += v - self._before[k]
+        return False
+
+    def add_to(self, totals, steps):
+        """Adds this block's counts to ``totals`` (the steps under "steps")."""
+        for k, v in self.counts.items():
+            totals[k] = totals.get(k, 0) + v
+        totals["steps"] = totals.get("steps", 0) + steps
+
+    @staticmethod
+    def line(totals):
+        n = max(1, totals.get("steps", 0))
+        return ", ".join("%s %.2f" % (k, totals.get(k, 0) / n) for k in HostWaits.KEYS)
+
+
 def host_syncs(step, batches, device):
     """Where one step makes the host wait for the device (torch.cuda.set_sync_debug_mode's
     warnings; a sync serializes a host-bound step's host and device time): the last frames of
@@ -402,6 +459,8 @@ def host_syncs(step, batches, device):
     found = []
 
     def note(message, category, filename, lineno, file=None, line=None):
+        if "prototype feature" in str(message):  # (the mode's own notice, not a sync)
+            return
         frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename]
         found.append("%s at %s" % (str(message).splitlines()[0][:80], " <- ".join(
             "%s:%d" % (f.filename.rsplit("/", 1)[-1], f.lineno) for f in frames[-3:][::-1])))
@@ -457,6 +516,8 @@ def main(argv=None):
                     "a step by kernel kind and its top 15 kernels (torch.profiler, %d steps)" % BREAKDOWN_STEPS)
     ap.add_argument("--sync-check", action="store_true", help="after the timed rounds, the host syncs one "
                     "step of each arm makes (torch.cuda.set_sync_debug_mode), and where")
+    ap.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after the arms are built: the "
+                    "objects their compilations left are not scanned by the timed rounds' collections")
     ap.add_argument("--cprofile", type=int, default=0, metavar="STEPS",
                     help="after the timed rounds, each arm's host Python by own time over STEPS steps (cProfile)")
     args = ap.parse_args(argv)
