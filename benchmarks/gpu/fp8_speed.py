@@ -3,7 +3,7 @@ arms timed interleaved. Never a test (tests/python/test_fp8_speed_script.py runs
 
     PYTHONPATH=$PWD/python python3 benchmarks/gpu/fp8_speed.py [--shapes gpt2,decoder16x2048]
         [--arms a,b,...] [--rounds 5] [--steps-per-round 10] [--out results.json] [--smoke]
-        [--breakdown] [--cprofile STEPS] [--sync-check] [--gc-freeze]
+        [--breakdown] [--cprofile STEPS] [--sync-check] [--gc-freeze] [--threads]
 
 Shapes (the benchmark's GPT-2 case, ampkit.bench's builders, sizes overridden, no copy of
 model code): ``gpt2`` is shared_specs/benchmarks/gpt2_small.yaml's full profile (12 x 768,
@@ -113,6 +113,7 @@ import gc
 import json
 import statistics
 import sys
+import threading
 import time
 import traceback
 
@@ -344,7 +345,8 @@ def run_shape(shape, arms, args, device, backend):
             t0 = time.perf_counter()
             graphs = counters["stats"]["unique_graphs"]
             waits = HostWaits(device)
-            with waits:
+            sampler = ThreadSampler() if args.threads else contextlib.nullcontext()
+            with waits, sampler:
                 for i in range(args.steps_per_round):
                     loss = live[name].step(*batches[i % len(batches)])
                 _sync(device)
@@ -356,6 +358,8 @@ def run_shape(shape, arms, args, device, backend):
             rec = info[name]
             rec["samples"].append(ms)
             waits.add_to(rec.setdefault("host_waits", {}), args.steps_per_round)
+            if args.threads:
+                sampler.add_to(rec.setdefault("threads", {}))
             rec["timed_compiles"] = rec.get("timed_compiles", 0) + compiled
             rec["peak_mib"] = max(rec["peak_mib"], (_peak(device) - rec["base_bytes"]) / 2 ** 20)
             rec["loss"] = float(loss.detach())
@@ -363,6 +367,10 @@ def run_shape(shape, arms, args, device, backend):
     for name in names:
         print("%-16s %-24s in the timed rounds, a step: %s" % (shape, name, HostWaits.line(info[name]["host_waits"])),
               flush=True)
+        if args.threads:
+            seen = sorted(info[name]["threads"].items(), key=lambda kv: -kv[1])
+            print("%-16s %-24s other threads' frames in the timed rounds (samples every 2 ms): %s" % (
+                shape, name, "; ".join("%d x %s" % (n, where) for where, n in seen[:8]) or "none"), flush=True)
     if args.cprofile:
         for name in names:
             print("%-16s %-24s host Python by own time (cProfile, %d steps):\n%s" % (
@@ -447,6 +455,44 @@ class HostWaits:
         return ", ".join("%s %.2f" % (k, totals.get(k, 0) / n) for k in HostWaits.KEYS)
 
 
+class ThreadSampler:
+    """The process's other Python threads, sampled every 2 ms over a block (their name and
+    innermost frame): a thread that runs Python beside a host-bound step takes the GIL from
+    it, and every call the step makes that releases the GIL (kernel launches) waits to get it
+    back."""
+
+    def __enter__(self):
+        self.seen, self._stop = {}, threading.Event()
+        main, me = threading.main_thread().ident, None
+
+        def run():
+            names = {}
+            while not self._stop.wait(0.002):
+                for ident, frame in sys._current_frames().items():
+                    if ident in (main, me_ident[0]):
+                        continue
+                    if ident not in names:
+                        names = {t.ident: t.name for t in threading.enumerate()}
+                    where = "%s: %s:%d %s" % (names.get(ident, ident), frame.f_code.co_filename.rsplit("/", 1)[-1],
+                                              frame.f_lineno, frame.f_code.co_name)
+                    self.seen[where] = self.seen.get(where, 0) + 1
+
+        me_ident = [me]
+        self._thread = threading.Thread(target=run, name="fp8_speed-sampler", daemon=True)
+        self._thread.start()
+        me_ident[0] = self._thread.ident
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        return False
+
+    def add_to(self, totals):
+        for k, v in self.seen.items():
+            totals[k] = totals.get(k, 0) + v
+
+
 def host_syncs(step, batches, device):
     """Where one step makes the host wait for the device (torch.cuda.set_sync_debug_mode's
     warnings; a sync serializes a host-bound step's host and device time): the last frames of
@@ -516,6 +562,8 @@ def main(argv=None):
                     "a step by kernel kind and its top 15 kernels (torch.profiler, %d steps)" % BREAKDOWN_STEPS)
     ap.add_argument("--sync-check", action="store_true", help="after the timed rounds, the host syncs one "
                     "step of each arm makes (torch.cuda.set_sync_debug_mode), and where")
+    ap.add_argument("--threads", action="store_true", help="sample the other Python threads every 2 ms in "
+                    "the timed rounds and print where they were (GIL contention with a host-bound step)")
     ap.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after the arms are built: the "
                     "objects their compilations left are not scanned by the timed rounds' collections")
     ap.add_argument("--cprofile", type=int, default=0, metavar="STEPS",
