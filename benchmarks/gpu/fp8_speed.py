@@ -404,7 +404,9 @@ def host_python_profile(step, batches, steps, device, top=25):
     _sync(device)
     prof.disable()
     out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.print_callers(r"method 'to' of")  # (who casts outside the generated code: issue 27's open question)
     return "\n".join(line for line in out.getvalue().splitlines() if line.strip())
 
 
