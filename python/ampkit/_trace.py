@@ -20,6 +20,12 @@ traced through. Tracing costs nothing when no trace is active.
 Only the casts ampkit makes are recorded: a C++ composite that is in no table
 (``gru``, say) runs with torch's autocast on, and the casts torch makes inside it
 do not reach Python.
+
+Code under ``torch.compile`` runs eagerly while a trace is active (torch's compiler
+stance ``"force_eager"``, torch >= 2.6; process-wide, as the stance is: while any thread
+traces), so that a compiled model's casts, its fp8 casts and their scales included, are
+recorded as an eager model's are; its compiled graphs are kept and run again once the
+last trace has ended. (A graph runs no Python: its casts cannot be recorded as it runs.)
 """
 
 from __future__ import annotations
@@ -176,6 +182,45 @@ class CastTrace:
         return out
 
 
+class _EagerCompiledCode:
+    """torch's compiler stance held at ``"force_eager"`` while any trace is active, in any
+    thread (the stance is process-wide): the first trace to start sets it, the last to end
+    puts back the one before. Where torch has no stance (< 2.6), or while dynamo traces (a
+    stance cannot change there), nothing changes and compiled code records nothing."""
+
+    def __init__(self):
+        self.lock, self.count, self.stance = threading.Lock(), 0, None
+
+    def hold(self) -> bool:
+        set_stance = getattr(torch.compiler, "set_stance", None)
+        if set_stance is None or torch.compiler.is_compiling():
+            return False
+        with self.lock:
+            if self.count == 0:
+                try:
+                    self.stance = set_stance("force_eager")  # (set now; its __exit__ puts back)
+                except RuntimeError:  # (inside a compile region)
+                    return False
+            self.count += 1
+        return True
+
+    def release(self) -> None:
+        with self.lock:
+            self.count -= 1
+            if self.count == 0:
+                stance, self.stance = self.stance, None
+                stance.__exit__(None, None, None)
+
+
+_EAGER_COMPILED_CODE = _EagerCompiledCode()
+
+
+def compiled_code_runs_eagerly() -> bool:
+    """Whether ``torch.compile``'d code runs eagerly now, for a trace (make_train_step does
+    not capture a CUDA graph then: it would hold the uncompiled kernels)."""
+    return _EAGER_COMPILED_CODE.count > 0
+
+
 class trace:
     """Context manager recording the ampkit regions of this thread into a CastTrace.
 
@@ -184,6 +229,9 @@ class trace:
     of the region's policy is cast by ampkit's Python engine (so that each cast can
     be recorded) rather than by torch's C++ autocast: the same casts, a few
     microseconds more per call.
+
+    Code under ``torch.compile`` runs eagerly while any trace is active (torch >= 2.6), so
+    that its casts are recorded too (the module docstring says how).
 
     One trace object is one block: entering it again while it is active raises
     ``RuntimeError`` (nest a new ``ampkit.trace()`` instead; a finished one may be entered
@@ -207,6 +255,7 @@ class trace:
         self._pushed = False
         self._entered = False
         self._thread = None
+        self._eager = False  # whether this block holds the eager compiler stance
 
     def __enter__(self) -> CastTrace:
         if self._entered:
@@ -218,6 +267,7 @@ class trace:
         self._prev = prev
         self._entered = True
         self._thread = threading.get_ident()
+        self._eager = _EAGER_COMPILED_CODE.hold()
         return self.result
 
     def __exit__(self, exc_type, exc_val, exc_tb):
@@ -235,4 +285,7 @@ class trace:
         if self._pushed:
             eng.drop_trace_push()
         eng.set_trace(self._prev)
+        if self._eager:
+            self._eager = False
+            _EAGER_COMPILED_CODE.release()
         return False

@@ -62,6 +62,7 @@ from ampkit._policy import load_policy
 from ampkit._rollback import (HeldSignals, ModelBuffers, OptimizerCopy, park_grads, plain_value, unparked,
                               why_copy, zero_grads_the_graph_had)
 from ampkit._scaler import GradScaler
+from ampkit._trace import compiled_code_runs_eagerly
 from ampkit._unchanged import SameSignature, signature
 
 __all__ = ["TrainStep", "make_train_step"]
@@ -290,7 +291,7 @@ class TrainStep:
             raise
         if self._held is not None:  # a Ctrl-C held while the optimizer wrote: raised now
             self._deliver_held_signals()
-        if self._compile_pending:
+        if self._compile_pending and not compiled_code_runs_eagerly():  # (compiled, not traced)
             self._compile_pending = False
         return loss
 
@@ -345,6 +346,8 @@ class TrainStep:
         if self._warm_left > 0:
             self._warm_left -= 1
             return self._warmup(flat_in, flat_tg)
+        if compiled_code_runs_eagerly():  # (an ampkit.trace(): a capture now would hold the
+            return self._warmup(flat_in, flat_tg)  # uncompiled model; it comes after the trace)
         return self._capture_and_replay(flat_in, flat_tg)
 
     def _beside_graph(self, batch) -> bool:
