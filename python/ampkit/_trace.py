@@ -263,11 +263,17 @@ class trace:
                 "this ampkit.trace() is already active; nest a new ampkit.trace() instead")
         eng = thread_engine()
         prev = eng.trace
-        self._pushed = eng.set_trace(self.result)
+        eager = _EAGER_COMPILED_CODE.hold()  # (first: a stance that cannot be set changes nothing)
+        try:
+            self._pushed = eng.set_trace(self.result)
+        except BaseException:
+            if eager:
+                _EAGER_COMPILED_CODE.release()
+            raise
         self._prev = prev
         self._entered = True
         self._thread = threading.get_ident()
-        self._eager = _EAGER_COMPILED_CODE.hold()
+        self._eager = eager
         return self.result
 
     def __exit__(self, exc_type, exc_val, exc_tb):
