@@ -465,13 +465,13 @@ class ThreadSampler:
 
     def __enter__(self):
         self.seen, self._stop = {}, threading.Event()
-        main, me = threading.main_thread().ident, None
+        main = threading.main_thread().ident
 
         def run():
-            names = {}
+            skip, names = (main, threading.get_ident()), {}
             while not self._stop.wait(0.002):
                 for ident, frame in sys._current_frames().items():
-                    if ident in (main, me_ident[0]):
+                    if ident in skip:
                         continue
                     if ident not in names:
                         names = {t.ident: t.name for t in threading.enumerate()}
@@ -479,10 +479,8 @@ class ThreadSampler:
                                               frame.f_lineno, frame.f_code.co_name)
                     self.seen[where] = self.seen.get(where, 0) + 1
 
-        me_ident = [me]
         self._thread = threading.Thread(target=run, name="fp8_speed-sampler", daemon=True)
         self._thread.start()
-        me_ident[0] = self._thread.ident
         return self
 
     def __exit__(self, *exc):
