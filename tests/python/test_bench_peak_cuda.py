@@ -48,3 +48,28 @@ def test_after_reset_peak_memory_a_variant_makes_no_workspace():
     torch.cuda.empty_cache()
     reset_peak_memory("cuda")
     assert _matmuls() == 0
+
+
+def test_a_turn_that_frees_the_workspaces_is_charged_for_what_it_allocates_alone():
+    # reduce-overhead's CUDA-graph trees free every cuBLAS workspace around a recording;
+    # a turn doing so keeps its own figures (what it allocated), the next turn is not
+    # charged for making the workspaces again, and the freed bytes are real (the oracle)
+    from ampkit.bench._runner import TurnMemory
+
+    reset_peak_memory("cuda")
+    floor = torch.cuda.memory_allocated()
+    freeing, after = TurnMemory(floor), TurnMemory(floor)
+    freeing.begin()
+    before = torch.cuda.memory_allocated()
+    torch._C._cuda_clearCublasWorkspaces()
+    freed = before - torch.cuda.memory_allocated()
+    kept = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")  # 1 MiB this variant holds
+    freeing.end()
+    after.begin()
+    _matmuls()
+    after.end()
+    assert freed > 0
+    assert freeing.held == kept.numel()
+    assert freeing.peak == floor + kept.numel()
+    assert after.held == 0 and after.peak >= floor
+    assert after.peak - floor < freed  # its own matmuls' transient bytes, no workspace

@@ -79,12 +79,43 @@ def prime_library_workspaces() -> None:
     floor every variant's peak starts from, in both runners. A no-op once they exist.
     """
     x = torch.ones(16, 16, device="cuda", requires_grad=True)
-    lin = torch.nn.Linear(16, 16, device="cuda")
+    w = torch.ones(16, 16, device="cuda", requires_grad=True)  # no initialiser: no random numbers drawn
     for dtype in (None, torch.float16, torch.bfloat16):
         with torch.autocast("cuda", dtype=dtype or torch.float16, enabled=dtype is not None):
-            out = lin(x)
+            out = torch.nn.functional.linear(x, w)
         out.float().sum().backward()
     synchronize("cuda")
+
+
+class TurnMemory:
+    """One variant's peak memory on CUDA, counted over its turns among the group's others.
+
+    ``begin()`` / ``end()`` bracket each turn: the turn's peak is the allocator's peak during
+    it, less what was allocated when it began, plus ``floor`` (what was allocated before any
+    of the group was built) and ``held`` (what this variant's earlier turns left allocated).
+
+    cuBLAS's workspaces are made again at both edges of every turn
+    (``prime_library_workspaces``): reduce-overhead's CUDA-graph trees free every workspace
+    of the process around their warm-ups and recordings. Left freed, the workspaces that are
+    part of ``floor`` went out of that variant's ``held`` (lowering each of its later peaks
+    by their size, ~32 MiB a handle and stream on an H100), and the next variant's first
+    matmul made them again inside its own turn (raising its peak by as much).
+    """
+
+    def __init__(self, floor: int):
+        self.floor, self.held, self.peak = floor, 0, None
+        self._base = None
+
+    def begin(self) -> None:
+        prime_library_workspaces()
+        self._base = _allocated("cuda")
+        torch.cuda.reset_peak_memory_stats()
+
+    def end(self) -> None:
+        top = int(torch.cuda.max_memory_allocated()) - self._base + self.floor + self.held
+        self.peak = top if self.peak is None else max(self.peak, top)
+        prime_library_workspaces()  # those this turn freed, outside its figures
+        self.held += _allocated("cuda") - self._base
 
 
 def peak_memory(device: str):
@@ -335,8 +366,8 @@ class VariantRun:
     its own random state (saved at the end of its turn, restored at the start of the next:
     a dropout mask does not depend on what ran in between), and its time is added to
     ``wall_s``. Peak memory on CUDA is its own: the allocator's peak during each of its
-    turns, less what the others held then (``floor``: what was allocated before any of the
-    group was built, the case's batches; ``held``: what this variant's turns left allocated).
+    turns, less what the others held then (``TurnMemory``; ``floor``: what was allocated
+    before any of the group was built, the case's batches and cuBLAS's workspaces).
     ``attempt(piece)`` runs a piece and keeps the error instead of raising; across processes
     every rank then agrees (``Placement.first_error``) and a failed variant is closed on all.
     """
@@ -354,8 +385,7 @@ class VariantRun:
         self.model_note = None  # what a float8 or fp8 variant did to the model, for the record
         self.fp8 = None  # an fp8 variant's installed policy (ampkit.bench._fp8_tier.Fp8Setup)
         self.wall_s = 0.0
-        self.floor = floor
-        self.held, self.peak = 0, None
+        self.memory = TurnMemory(floor) if self.device == "cuda" and floor is not None else None
         self.rng = None
         self.step_ms, self.epoch_losses = [], []  # a paired round's step times and losses
         self.pair_this, self.pair_control = [], []  # the paired variant's timed pairs (ms)
@@ -364,20 +394,17 @@ class VariantRun:
     @contextlib.contextmanager
     def _turn(self):
         t0 = time.perf_counter()
+        if self.memory is not None:
+            self.memory.begin()
         if self.rng is not None:
             _set_rng_state(self.rng)
-        base = _allocated(self.device)
-        if base is not None:
-            torch.cuda.reset_peak_memory_stats()
         try:
             with precision_flags(self.variant, self.device):
                 yield
         finally:
             self.rng = _rng_state(self.device)
-            if base is not None:
-                top = int(torch.cuda.max_memory_allocated()) - base + self.floor + self.held
-                self.peak = top if self.peak is None else max(self.peak, top)
-                self.held += _allocated(self.device) - base
+            if self.memory is not None:
+                self.memory.end()
             self.wall_s += time.perf_counter() - t0
 
     def sync(self) -> None:
@@ -525,7 +552,7 @@ class VariantRun:
                 self.error = self.placement.first_error(self.error)
         if self.error is not None:
             return make_record(run, status="failed", error=self.error, wall_s=self.wall_s, **extra)
-        samples, peak = self.samples, self.peak
+        samples, peak = self.samples, self.memory and self.memory.peak
         if self.placement is not None:  # the slowest rank sets the pace, the largest the peak
             samples = self.placement.slowest(samples)
             peak = None if peak is None else int(self.placement.slowest([peak])[0])
