@@ -80,9 +80,10 @@ def prime_library_workspaces() -> None:
     """
     x = torch.ones(16, 16, device="cuda", requires_grad=True)
     w = torch.ones(16, 16, device="cuda", requires_grad=True)  # no initialiser: no random numbers drawn
+    b = torch.ones(16, device="cuda", requires_grad=True)  # with a bias: cuBLASLt's fused GEMM (its own workspace)
     for dtype in (None, torch.float16, torch.bfloat16):
         with torch.autocast("cuda", dtype=dtype or torch.float16, enabled=dtype is not None):
-            out = torch.nn.functional.linear(x, w)
+            out = torch.nn.functional.linear(x, w, b)
         out.float().sum().backward()
     synchronize("cuda")
 
