@@ -62,7 +62,7 @@ runner)
     python3 -m pip install -q --no-deps .whl/torchao-*.whl 2>&1 | tail -2
     python3 -c 'import torchao; print("torchao", torchao.__version__)' | tee -a "$dest/card.txt"
     # limits from fp8_speed.py's compile times at these sizes (20-60 s an arm on a cold cache)
-    for spec in transformer:170 gpt2_small:170 text_classifier:110 seed_mlp:90; do
+    for spec in transformer:170 gpt2_small:170 text_classifier:200 seed_mlp:90; do
         c=${spec%%:*}
         timeout "${spec##*:}" python3 benchmarks/run.py --device cuda --profile full --langs python --cases "$c" \
             --variants torch_compile_bf16,ampkit_fp8,ampkit_fp8_auto --out "$dest/py-$c" > "$dest/py-$c.txt" 2>&1
