@@ -75,6 +75,6 @@ def test_a_turn_that_frees_the_workspaces_is_charged_for_what_it_allocates_alone
     # the workspaces made again are not part of what it holds (on an H200 the second priming
     # made one 1 MiB cuBLASLt workspace more than the first: within half of what was freed)
     assert 0 <= freeing.held - kept.numel() < freed // 2
-    assert freeing.peak == floor + extra  # its highest point: the workspaces were gone then
+    assert 0 <= freeing.peak - (floor + extra) < freed // 2  # its top: the workspaces were gone then
     assert after.held == 0 and after.peak >= floor
     assert after.peak - floor < freed  # its own matmuls' transient bytes, no workspace
