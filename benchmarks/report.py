@@ -305,8 +305,9 @@ def _fp8_goals(doc: dict, say) -> None:
         auto, base = _find(doc, case, "ampkit_fp8_auto", "python"), _find(doc, case, FP8_BASELINE, "python")
         t = time_ratio(auto, base) if auto and base else None
         ok = None if not t else t["value"] <= 1.0 + _EPS
-        say(ok, "ampkit_fp8_auto never slower than %s on %s (python): time ratio %s%s" % (
-            FP8_BASELINE, case, fmt_ratio(t, "", _digits(t["value"], 1.0, ok)) if t else "-", _how(t, auto)))
+        say(ok, "ampkit_fp8_auto never slower than %s on %s (python): time ratio %s%s%s" % (
+            FP8_BASELINE, case, fmt_ratio(t, "", _digits(t["value"], 1.0, ok)) if t else "-", _how(t, auto),
+            _fp8_choice(auto)))
         rivals = [r for r in (_find(doc, case, v, "python") for v in TORCHAO_VARIANTS) if r]
         best = min(rivals, key=lambda r: r["median"]) if rivals else None
         for variant in FP8_VARIANTS:
@@ -316,6 +317,16 @@ def _fp8_goals(doc: dict, say) -> None:
             say(ok, "%s at least as fast as the fastest torchao float8 recipe (%s) on %s (python): %s%s" % (
                 variant, best["variant"] if best else "none ran", case,
                 fmt_ratio(t, "x", _digits(t["value"], 1.0, ok, at_least=True)) if t else "-", _how(t, r)))
+
+
+def _fp8_choice(auto) -> str:
+    """'; auto put K of N nn.Linear in fp8' from the record's fp8_modules ('' without it): with
+    none in fp8, auto runs every linear in bf16, as the baseline does."""
+    choice = auto and auto.get("fp8_modules")
+    if not choice:
+        return ""
+    return "; auto put %d of %d nn.Linear in fp8%s" % (
+        choice["fp8"], choice["linear"], " (every one in bf16, as %s)" % FP8_BASELINE if choice["fp8"] == 0 else "")
 
 
 def _where(r: dict) -> str:

@@ -273,7 +273,8 @@ run_variant <- function(built, v) {
       status = "ok", samples_ms = as.list(samples), final_loss = final_loss,
       graph_captured = captured, reason = note, compile_s = compile_s,
       peak_memory_bytes = bench$peak_memory(device), final_scale = final_scale,
-      skipped_steps = skipped, wall_s = now() - t_start)))
+      skipped_steps = skipped, wall_s = now() - t_start,
+      fp8_modules = if (is.null(fp8)) NULL else field(fp8, "modules"))))
   }, error = function(e) {
     # make_record keeps the head of the message, on one line, as for Python's errors
     do.call(bench$make_record, c(common, list(status = "failed", error = conditionMessage(e),
@@ -396,6 +397,7 @@ run_pair <- function(built, pair) {
         graph_captured = captured, reason = note, compile_s = w$compile_s,
         peak_memory_bytes = bench$peak_memory(device), final_scale = final_scale,
         skipped_steps = skipped, wall_s = wall[[k]],
+        fp8_modules = if (is.null(run$fp8)) NULL else field(run$fp8, "modules"),
         paired = if (k == this_k) summary else NULL)))
     })
   }, error = function(e) {

@@ -229,3 +229,45 @@ def test_the_fp8_goals_say_n_a_where_the_variants_did_not_run():
     lines = [g for g in report.goals(doc).splitlines() if "fp8" in g]
     assert len(lines) == 3 and all(g.startswith("- n/a ") for g in lines)
     assert "(none ran)" in _goal(doc, "ampkit_fp8 at least as fast")
+
+
+def test_an_fp8_variants_record_says_how_many_of_its_linears_went_to_fp8(tmp_path):
+    """Fp8Setup.modules, counted from the model (every nn.Linear, those fp8 GEMMs can take),
+    becomes the record's fp8_modules, which the results schema accepts; other variants have none."""
+    built = bench.build_case("transformer", "tiny", seed=0, device="cpu")
+    model = built.new_model()
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    chosen = bench.float8_layers(model)[0]
+    assert 0 < len(chosen) < linears  # (the head is kept: a count the policy could get wrong)
+    policy = bench.setup_fp8("policy", model, None, "cpu")
+    policy.scopes.remove()
+    auto = bench.setup_fp8("auto", built.new_model(), (built.batches[0][0],), "cpu")  # the CPU: all kept in bf16
+    auto.scopes.remove()
+    assert policy.modules == (len(chosen), linears) and auto.modules == (0, linears)
+    recs = [bench.make_record(bench.resolve_run(built, VARIANTS[name], "python"), samples_ms=[1.0],
+                              final_loss=1.0, fp8_modules=modules)
+            for name, modules in (("ampkit_fp8", policy.modules), ("ampkit_fp8_auto", auto.modules),
+                                  ("ampkit_bf16", None))]
+    doc = bench.write_document(tmp_path / "r.json", bench.context("tiny", "cpu"), recs)  # (checked: raises if invalid)
+    by = {r["variant"]: r for r in doc["records"]}
+    assert by["ampkit_fp8"]["fp8_modules"] == {"fp8": len(chosen), "linear": linears}
+    assert by["ampkit_fp8_auto"]["fp8_modules"] == {"fp8": 0, "linear": linears}
+    assert "fp8_modules" not in by["ampkit_bf16"]
+
+
+def test_the_never_slower_goal_says_what_auto_put_in_fp8():
+    times = {"torch_compile_bf16": 20.0, "ampkit_fp8": 16.0, "ampkit_fp8_auto": 20.2}
+    for chose, says in (({"fp8": 0, "linear": 49}, "; auto put 0 of 49 nn.Linear in fp8 (every one in bf16, "
+                                                      "as torch_compile_bf16)"),
+                        ({"fp8": 3, "linear": 49}, "; auto put 3 of 49 nn.Linear in fp8"),
+                        (None, None)):
+        doc = _doc(times)
+        for r in doc["records"]:
+            if r["variant"] == "ampkit_fp8_auto" and chose is not None:
+                r["fp8_modules"] = chose
+        line = _goal(doc, "ampkit_fp8_auto never slower")
+        assert line.startswith("- NOT met ")  # the verdict is the time ratio's, whatever auto chose
+        if says is None:
+            assert "auto put" not in line
+        else:
+            assert line.endswith(says)

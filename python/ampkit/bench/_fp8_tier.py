@@ -96,13 +96,15 @@ class Fp8Setup:
     """An fp8 variant's policy installed on a model: ``policy`` (its scopes, a value to read
     or keep as YAML), ``scopes`` (the installed hooks' handle), ``region_policy`` (the Policy
     the autocast region takes: ``policy.without_modules()``), ``note`` (for the record), ``calibrate_s`` (auto: seconds the
-    calibration took, inside the build; else None)."""
+    calibration took, inside the build; else None), ``modules`` ((nn.Linear layers in fp8, nn.Linear layers of the
+    model): what the record's ``fp8_modules`` says)."""
 
     policy: object
     scopes: object
     region_policy: object
     note: str
     calibrate_s: float | None = None
+    modules: tuple = (0, 0)
 
 
 def fp8_base_policy(model: torch.nn.Module, device: str):
@@ -128,6 +130,8 @@ def setup_fp8(kind: str, model: torch.nn.Module, example_inputs, device: str, dt
     if policy is None:
         return None
     kept = len(policy.modules)
+    linears = sum(1 for m in model.modules() if isinstance(m, torch.nn.Linear))
+    in_fp8 = linears - kept
     note = "ampkit fp8 (policy %r, tensorwise): every nn.Linear but %d kept in %s by module scopes (%s)" % (
         BASE_POLICY, kept, str(dtype).replace("torch.", ""), ", ".join(m.pattern for m in policy.modules))
     seconds = None
@@ -143,6 +147,7 @@ def setup_fp8(kind: str, model: torch.nn.Module, example_inputs, device: str, dt
         seconds = time.perf_counter() - t0
         policy = cal.policy
         fp8 = [r.module for r in cal.report if r.precision == "fp8"]
+        in_fp8 = len(fp8)
         measured = [r for r in cal.report if r.speedup is not None]
         note = "ampkit fp8 auto: calibrated in %.2f s (in the build), %d of %d nn.Linear in fp8 (%s)" % (
             seconds, len(fp8), len(cal.report), ", ".join(fp8[:6]) + (" ..." if len(fp8) > 6 else "") or "none")
@@ -150,4 +155,4 @@ def setup_fp8(kind: str, model: torch.nn.Module, example_inputs, device: str, dt
             note += "; measured %s / fp8 time: %s" % (str(dtype).replace("torch.", ""), ", ".join(
                 "%s %.2fx" % (r.module, r.speedup) for r in measured[:8]) + (" ..." if len(measured) > 8 else ""))
     return Fp8Setup(policy=policy, scopes=policy.apply(model), region_policy=policy.without_modules(), note=note,
-                    calibrate_s=seconds)
+                    calibrate_s=seconds, modules=(in_fp8, linears))

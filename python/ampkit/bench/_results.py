@@ -183,7 +183,8 @@ def _num(x):
 
 def make_record(run, *, status: str = "ok", samples_ms=None, final_loss=None, peak_memory_bytes=None,
                 final_scale=None, skipped_steps=None, reason=None, error=None, torch_threads=None,
-                wall_s=None, graph_captured=None, compile_s=None, interleaved=None, paired=None) -> dict:
+                wall_s=None, graph_captured=None, compile_s=None, interleaved=None, paired=None,
+                fp8_modules=None) -> dict:
     """One record, the same fields from either language: ``run`` (a ResolvedRun, see
     ``resolve_run``) says what ran; the keywords what it measured. samples_ms holds one
     ms/step value per timed repeat; compile_s the first warm-up step of a compiled variant
@@ -191,7 +192,9 @@ def make_record(run, *, status: str = "ok", samples_ms=None, final_loss=None, pe
     "positions": [this variant's place in each round]}, see ``run_interleaved``) says the
     samples were taken in rounds in turn with the group's other variants (absent: alone);
     ``paired`` (``pair_summary``'s dict, see ``ampkit.bench._pairing``) that this variant was
-    timed against its control in turns, and the per-pair ratios (kept when ok)."""
+    timed against its control in turns, and the per-pair ratios (kept when ok);
+    ``fp8_modules`` (an fp8 variant's ``Fp8Setup.modules``: nn.Linear layers in fp8, nn.Linear
+    layers of the model) what its policy put in fp8."""
     import torch
     if status not in ("ok", "skipped", "failed"):
         raise ValueError("status must be 'ok', 'skipped' or 'failed', got %r" % (status,))
@@ -249,6 +252,8 @@ def make_record(run, *, status: str = "ok", samples_ms=None, final_loss=None, pe
         rec["float8"] = run.variant.float8
     if run.variant.fp8 != "none":  # ampkit's fp8 tier: "policy" or "auto" (optional: absent for other variants)
         rec["fp8"] = run.variant.fp8
+        if fp8_modules is not None:
+            rec["fp8_modules"] = {"fp8": int(fp8_modules[0]), "linear": int(fp8_modules[1])}
     if interleaved is not None:
         rec["interleaved"] = {"group": [str(v) for v in interleaved["group"]], "rounds": int(interleaved["rounds"]),
                               "positions": [int(p) for p in interleaved.get("positions", [])]}

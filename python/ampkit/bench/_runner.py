@@ -562,7 +562,7 @@ class VariantRun:
                            peak_memory_bytes=peak, final_scale=final_scale,
                            skipped_steps=skipped_from_scale(final_scale, run.warmup_steps + len(samples) *
                                                             self.built.num_batches),
-                           wall_s=self.wall_s, **extra)
+                           wall_s=self.wall_s, fp8_modules=self.fp8 and self.fp8.modules, **extra)
 
 
 def run_interleaved(built: BuiltCase, variants, language: str = "python", placement=None,
