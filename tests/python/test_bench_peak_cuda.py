@@ -11,7 +11,7 @@ per-turn accounting and the R runner's process-wide peak then count them the sam
 import pytest
 import torch
 
-from ampkit.bench import reset_peak_memory
+from ampkit.bench import TurnMemory, reset_peak_memory
 
 pytestmark = [
     pytest.mark.cuda,
@@ -54,8 +54,6 @@ def test_a_turn_that_frees_the_workspaces_is_charged_for_what_it_allocates_alone
     # reduce-overhead's CUDA-graph trees free every cuBLAS workspace around a recording;
     # a turn doing so keeps what it allocated as its own (held), the next turn is not
     # charged for making the workspaces again, and the freed bytes are real (the oracle)
-    from ampkit.bench._runner import TurnMemory
-
     torch._C._cuda_clearCublasWorkspaces()  # only the primed ones below (other tests' streams made some)
     torch.cuda.empty_cache()
     reset_peak_memory("cuda")

@@ -85,6 +85,7 @@ from ampkit.bench._runner import peak_memory
 from ampkit.bench._runner import precision_flags
 from ampkit.bench._runner import progress
 from ampkit.bench._runner import reset_peak_memory
+from ampkit.bench._runner import TurnMemory
 from ampkit.bench._runner import VariantRun
 from ampkit.bench._runner import rotation
 from ampkit.bench._runner import run_interleaved
@@ -136,6 +137,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "StepCost",
     "Variant",
+    "TurnMemory",
     "VariantRun",
     "build_case",
     "calibrate",

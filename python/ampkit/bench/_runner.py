@@ -105,18 +105,18 @@ class TurnMemory:
 
     def __init__(self, floor: int):
         self.floor, self.held, self.peak = floor, 0, None
-        self._base = None
+        self.start = None  # what was allocated when the turn began
 
     def begin(self) -> None:
         prime_library_workspaces()
-        self._base = _allocated("cuda")
+        self.start = _allocated("cuda")
         torch.cuda.reset_peak_memory_stats()
 
     def end(self) -> None:
-        top = int(torch.cuda.max_memory_allocated()) - self._base + self.floor + self.held
+        top = int(torch.cuda.max_memory_allocated()) - self.start + self.floor + self.held
         self.peak = top if self.peak is None else max(self.peak, top)
         prime_library_workspaces()  # those this turn freed, outside its figures
-        self.held += _allocated("cuda") - self._base
+        self.held += _allocated("cuda") - self.start
 
 
 def peak_memory(device: str):
